@@ -167,7 +167,7 @@ def _check_kv_lengths(kv_lengths, batch_shape, Lk):
 
 
 def visible_keys(batch_shape, Lq, Lk, *, causal=False, window=None, kv_lengths=None):
-    """Boolean array, broadcastable to ``(*batch_shape, 1, Lq, Lk)``: may query i see key j?
+    """Boolean array ``(*batch_shape, 1, Lq, Lk)``: may query i see key j?
 
     Built directly from the contract's formulas (see the module docstring); the head axis
     is 1 because none of these rules depends on the head. ``mask`` is applied separately.
@@ -195,7 +195,7 @@ def visible_keys(batch_shape, Lq, Lk, *, causal=False, window=None, kv_lengths=N
             visible = visible & (j >= i + offset - left)
         if right != -1:
             visible = visible & (j <= i + offset + right)
-    return visible
+    return np.broadcast_to(visible, (*batch_shape, 1, Lq, Lk))
 
 
 def _scores_and_visibility(q, k, scale, causal, window, mask, kv_lengths, batch_shape,

@@ -1,0 +1,120 @@
+"""Shared fixtures and helpers for the fastattn test suite.
+
+Tolerances (``assert_close``) are set per dtype from the arithmetic the kernels do, not
+tuned to make tests pass; see ``TOLERANCES``.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+# (rtol, atol) for comparing a kernel result with the float64 reference, per result dtype.
+#
+# float64: both sides compute in float64. They differ only in summation order (blocked
+#   online softmax vs one matmul) and in exp(s - m) being rescaled by exp(m_old - m_new)
+#   along the way: a few ulps per operation over O(log Lk) levels of partial sums, so
+#   relative errors stay ~1e-14; 1e-12 leaves two orders of margin and still catches any
+#   real bug (a wrong key, a missed rescale) by many orders of magnitude.
+# float32: eps = 1.2e-7. A score of D products carries ~sqrt(D)*eps*|s| error, exp turns an
+#   absolute score error into a relative weight error, and the weighted sum of up to a few
+#   thousand values of size O(1) adds ~sqrt(Lk)*eps. For the test shapes (|s| <~ 10,
+#   D <= 128, Lk <= 2k) that stays below 1e-5 relative; near-zero outputs (cancelling
+#   values) need the absolute floor 2e-6 (~16 eps of an O(1) value).
+# float16: computed in float32 and rounded once to float16, whose ulp is 2**-10 ~ 9.8e-4
+#   relative; the reference rounds its float64 result once too. The two roundings can
+#   land on neighbouring float16 values when the float32 error straddles a rounding
+#   boundary: one ulp, i.e. rtol 1e-3. The atol 1e-3 covers the same one-ulp flip for
+#   outputs of size ~1 that sit next to zero after cancellation.
+TOLERANCES = {
+    np.dtype(np.float64): (1e-12, 1e-12),
+    np.dtype(np.float32): (1e-5, 2e-6),
+    np.dtype(np.float16): (1e-3, 1e-3),
+}
+
+
+def tolerance(dtype):
+    """(rtol, atol) for results of this dtype (integer inputs give float64 results)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "biu":
+        dtype = np.dtype(np.float64)
+    return TOLERANCES[dtype]
+
+
+def assert_close(actual, expected, dtype=None, *, scale=1.0, err_msg=""):
+    """Assert ``actual`` matches the reference ``expected`` within the tolerance of ``dtype``.
+
+    ``dtype`` defaults to ``actual.dtype``; when given, ``actual.dtype`` must equal it (the
+    contract fixes result dtypes). ``scale`` multiplies the absolute tolerance for values
+    that are larger than O(1) (e.g. unscaled integer inputs). Infinite entries (lse = -inf)
+    must match exactly; NaN never passes.
+    """
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    if dtype is None:
+        dtype = actual.dtype
+    else:
+        assert actual.dtype == np.dtype(dtype), f"dtype {actual.dtype} != {np.dtype(dtype)}"
+    assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+    assert not np.isnan(actual).any(), "result contains NaN"
+    rtol, atol = tolerance(dtype)
+    np.testing.assert_allclose(
+        actual.astype(np.float64), expected.astype(np.float64),
+        rtol=rtol, atol=atol * scale, err_msg=err_msg,
+    )
+
+
+def max_error(actual, expected):
+    """Largest absolute difference over finite entries, for failure messages/reports."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    finite = np.isfinite(a) & np.isfinite(e)
+    return float(np.abs(a - e)[finite].max(initial=0.0))
+
+
+def make_qkv(rng, q_shape, k_shape, v_shape, dtype=np.float32):
+    """Random q, k, v of the given shapes: standard normal for floats, small ints otherwise."""
+    out = []
+    for shape in (q_shape, k_shape, v_shape):
+        dt = np.dtype(dtype)
+        if dt == bool:
+            a = rng.random(shape) < 0.5
+        elif dt.kind in "iu":
+            a = rng.integers(-3, 4, size=shape).astype(dt)
+        else:
+            a = rng.standard_normal(shape).astype(dt)
+        out.append(a)
+    return tuple(out)
+
+
+def merge_partials(out1, lse1, out2, lse2):
+    """Combine attention over two disjoint key sets into attention over their union.
+
+    With lse = logaddexp(lse1, lse2), each part's softmax denominator is exp(lse_i), so
+    out = exp(lse1 - lse) * out1 + exp(lse2 - lse) * out2. A row empty in both parts stays
+    zero with lse = -inf (the weights are defined as 0 there instead of NaN).
+    """
+    out1 = np.asarray(out1, dtype=np.float64)
+    out2 = np.asarray(out2, dtype=np.float64)
+    lse1 = np.asarray(lse1, dtype=np.float64)
+    lse2 = np.asarray(lse2, dtype=np.float64)
+    lse = np.logaddexp(lse1, lse2)
+    finite = np.isfinite(lse)
+    safe = np.where(finite, lse, 0.0)
+    w1 = np.where(finite, np.exp(lse1 - safe), 0.0)
+    w2 = np.where(finite, np.exp(lse2 - safe), 0.0)
+    return w1[..., None] * out1 + w2[..., None] * out2, lse
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator with a fixed seed: every test sees the same numbers on every run."""
+    return np.random.default_rng(20240611)
+
+
+@pytest.fixture
+def strict_warnings():
+    """Turn every warning (RuntimeWarning from NaN/overflow in particular) into an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
