@@ -1,0 +1,414 @@
+"""The public kernels: argument validation and dispatch to the compiled code.
+
+Everything a caller can get wrong is checked here, before any work starts and before
+``out`` is touched; the compiled kernel (src/_kernel_impl.pxi) never re-validates.  The
+front end also decides the compute dtype, makes the last axis of q/k/v contiguous when it
+is not (the only copies it makes besides dtype casts), and turns NumPy broadcasting of the
+batch dimensions into one element offset per flattened batch element, so broadcast inputs
+are read in place.
+"""
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from . import _threads
+from ._dispatch import kernel as _kernel
+
+__all__ = ["attention", "attention_weights", "softmax"]
+
+_CAUSAL_MODES = {
+    False: _kernel.CAUSAL_NONE,
+    True: _kernel.CAUSAL_BOTTOM_RIGHT,
+    "bottom-right": _kernel.CAUSAL_BOTTOM_RIGHT,
+    "top-left": _kernel.CAUSAL_TOP_LEFT,
+}
+
+
+# --------------------------------------------------------------------------- validation
+
+def _as_array(x, name):
+    if isinstance(x, np.ndarray):
+        a = x
+    else:
+        try:
+            a = np.asarray(x)
+        except (ValueError, TypeError) as e:  # ragged nested lists, odd objects
+            raise ValueError(f"{name} could not be converted to an array: {e}") from None
+    if a.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must hold real numbers (bool, integer or floating), got dtype {a.dtype}")
+    return a
+
+
+def _dtypes(*arrays):
+    """(compute dtype, result dtype) for the inputs, following SPEC §1."""
+    res = np.result_type(*arrays)
+    if res.kind in "biu":
+        res = np.dtype(np.float64)
+    if res == np.float16:
+        return np.dtype(np.float32), res
+    if res not in (np.float32, np.float64):
+        raise TypeError(f"unsupported floating dtype {res} (use float16, float32 or float64)")
+    return res, res
+
+
+def _scale(scale, D):
+    if scale is None:
+        if D == 0:
+            raise ValueError("scale=None needs a head dimension D >= 1 (q.shape[-1] is 0)")
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _causal(causal):
+    if isinstance(causal, np.bool_):
+        causal = bool(causal)
+    if isinstance(causal, (bool, str)) and causal in _CAUSAL_MODES:
+        return _CAUSAL_MODES[causal]
+    if isinstance(causal, str):
+        raise ValueError(f"causal must be True, False, 'bottom-right' or 'top-left', got {causal!r}")
+    raise TypeError(
+        f"causal must be a bool or 'top-left'/'bottom-right', got {type(causal).__name__}")
+
+
+def _window(window):
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be None or a pair (left, right), got {window!r}") from None
+    sides = []
+    for side, w in (("left", left), ("right", right)):
+        if isinstance(w, (bool, np.bool_)):
+            raise TypeError(f"window {side} must be an int, got bool")
+        try:
+            w = operator.index(w)
+        except TypeError:
+            raise TypeError(f"window {side} must be an int, got {type(w).__name__}") from None
+        if w < -1:
+            raise ValueError(f"window {side} must be >= 0 or -1 (unbounded), got {w}")
+        sides.append(w)
+    return sides[0], sides[1]
+
+
+def _batch_offsets(a, n_core, batch_shape):
+    """Element offset of every (flattened, broadcast) batch element of ``a``.
+
+    ``a``'s last ``n_core`` axes are the per-batch core; its leading axes broadcast against
+    ``batch_shape`` (missing or length-1 axes contribute stride 0).
+    """
+    nb = len(batch_shape)
+    own = a.shape[: a.ndim - n_core]
+    strides = a.strides[: a.ndim - n_core]
+    off = np.zeros(batch_shape, dtype=np.intp)
+    for ax, (n, st) in enumerate(zip(own, strides)):
+        if n == 1:
+            continue
+        shape = [1] * nb
+        shape[nb - len(own) + ax] = n
+        off = off + (np.arange(n, dtype=np.intp) * (st // a.itemsize)).reshape(shape)
+    return np.ascontiguousarray(off.reshape(-1))
+
+
+def _kernel_ready(a, dtype):
+    """``a`` cast to the compute dtype, with a contiguous last axis and whole-element strides.
+
+    Arrays that already qualify (any other strides, negative or zero included) are used in
+    place; only the rest are copied.
+    """
+    a = a.astype(dtype, copy=False)
+    itemsize = a.itemsize
+    if (a.shape[-1] > 1 and a.strides[-1] != itemsize) or any(s % itemsize for s in a.strides):
+        a = np.ascontiguousarray(a)
+    return a
+
+
+class _Call:
+    """Validated arguments of one attention / attention_weights call."""
+
+    def __init__(self, q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse):
+        q = _as_array(q, "q")
+        k = _as_array(k, "k")
+        arrays = [q, k]
+        if v is not None:
+            v = _as_array(v, "v")
+            arrays.append(v)
+        if q.ndim < 2:
+            raise ValueError(f"q must have shape (..., Hq, Lq, D), (Hq, Lq, D) or (Lq, D); got {q.shape}")
+        for name, a in (("k", k), ("v", v)):
+            if a is not None and a.ndim != q.ndim:
+                raise ValueError(
+                    f"{name} must have as many dimensions as q: q.shape={q.shape}, {name}.shape={a.shape}")
+        self.squeeze_heads = q.ndim == 2
+        if self.squeeze_heads:  # (L, D): one head
+            q, k = q[None], k[None]
+            v = None if v is None else v[None]
+        Hq, Lq, D = q.shape[-3:]
+        Hkv, Lk, Dk = k.shape[-3:]
+        if Dk != D:
+            raise ValueError(f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
+        if v is not None:
+            if v.shape[-3] != Hkv or v.shape[-2] != Lk:
+                raise ValueError(
+                    f"k and v must have the same heads and length (..., Hkv, Lk, :): "
+                    f"k.shape={k.shape}, v.shape={v.shape}")
+        if Hkv == 0 or Hq % Hkv:
+            raise ValueError(
+                f"the number of query heads must be a multiple of the key/value heads: "
+                f"q.shape={q.shape} (Hq={Hq}), k.shape={k.shape} (Hkv={Hkv})")
+        shapes = [a.shape[:-3] for a in (q, k, v) if a is not None]
+        try:
+            batch = np.broadcast_shapes(*shapes)
+        except ValueError:
+            raise ValueError(
+                "the batch dimensions of q, k, v do not broadcast: "
+                + ", ".join(f"{n}.shape={a.shape}" for n, a in zip("qkv", (q, k, v)) if a is not None)
+            ) from None
+
+        self.compute_dtype, self.result_dtype = _dtypes(*arrays)
+        self.scale = _scale(scale, D)
+        self.causal = _causal(causal)
+        self.wl, self.wr = _window(window)
+        self.batch, self.Hq, self.Hkv, self.Lq, self.Lk, self.D = batch, Hq, Hkv, Lq, Lk, D
+        self.Dv = None if v is None else v.shape[-1]
+        self.nbatch = math.prod(batch)
+        self.mask, self.mask_kind = self._mask(mask)
+        self.kv_len = self._kv_lengths(kv_lengths)
+        self.return_lse = bool(return_lse)
+        self.out = self._out(out)
+        self.q, self.k, self.v = q, k, v
+
+    def _mask(self, mask):
+        if mask is None:
+            return None, _kernel.MASK_NONE
+        mask = _as_array(mask, "mask")
+        if mask.dtype.kind == "b":
+            kind = _kernel.MASK_BOOL
+        elif mask.dtype.kind == "f":
+            kind = _kernel.MASK_ADD
+        else:
+            raise TypeError(f"mask must be bool (True = may attend) or floating (added to the "
+                            f"scores), got dtype {mask.dtype}")
+        target = self.batch + (self.Hq, self.Lq, self.Lk)
+        try:
+            ok = mask.ndim <= len(target) and np.broadcast_shapes(mask.shape, target) == target
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"mask of shape {mask.shape} does not broadcast to (..., Hq, Lq, Lk) = {target}")
+        return mask, kind
+
+    def _kv_lengths(self, kv_lengths):
+        if kv_lengths is None:
+            return None
+        kvl = _as_array(kv_lengths, "kv_lengths")
+        if kvl.dtype.kind not in "iu":
+            raise TypeError(f"kv_lengths must be an integer array, got dtype {kvl.dtype}")
+        try:
+            kvl = np.broadcast_to(kvl, self.batch)
+        except ValueError:
+            raise ValueError(
+                f"kv_lengths of shape {kvl.shape} does not broadcast to the batch shape {self.batch}") from None
+        if kvl.size and (kvl.min() < 0 or kvl.max() > self.Lk):
+            raise ValueError(
+                f"kv_lengths must lie in [0, Lk] = [0, {self.Lk}], got values in "
+                f"[{kvl.min()}, {kvl.max()}]")
+        return kvl
+
+    def _out(self, out):
+        if out is None:
+            return None
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+        shape = self.result_shape(self.Dv)
+        if out.shape != shape:
+            raise ValueError(f"out must have shape {shape}, got {out.shape}")
+        if out.dtype != self.result_dtype:
+            raise TypeError(f"out must have dtype {self.result_dtype}, got {out.dtype}")
+        if not out.flags.writeable:
+            raise ValueError("out must be writeable")
+        return out
+
+    def result_shape(self, last):
+        shape = self.batch + (self.Hq, self.Lq, last)
+        return shape[1:] if self.squeeze_heads else shape
+
+    def kv_len_flat(self):
+        if self.kv_len is None:
+            return np.full(self.nbatch, self.Lk, dtype=np.intp)
+        return np.ascontiguousarray(self.kv_len.reshape(-1), dtype=np.intp)
+
+
+# --------------------------------------------------------------------------- public API
+
+def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
+              kv_lengths=None, return_lse=False, out=None):
+    """Scaled-dot-product attention, ``softmax(scale * q @ k^T + mask) @ v``, in one fused pass.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., Hq, Lq, D), (Hq, Lq, D) or (Lq, D)
+    k : array_like, shape (..., Hkv, Lk, D), as many dimensions as q
+    v : array_like, shape (..., Hkv, Lk, Dv)
+        Batch dimensions ``...`` broadcast.  ``Hq`` must be a multiple of ``Hkv``; query
+        head ``h`` reads key/value head ``h // (Hq // Hkv)`` (GQA / MQA), never copied.
+    scale : float, optional
+        Scores are ``scale * q . k``; default ``1 / sqrt(D)``.
+    causal : bool or {"bottom-right", "top-left"}, optional
+        ``True`` (= "bottom-right"): key ``j`` is visible to query ``i`` iff
+        ``j <= i + Lk - Lq`` (FlashAttention >= 2.1; equals PyTorch's ``is_causal`` when
+        ``Lq == Lk``).  "top-left": ``j <= i`` (PyTorch's alignment for ``Lq != Lk``).
+    window : (int, int), optional
+        Sliding window ``(left, right)``, -1 = unbounded: key ``j`` is visible iff
+        ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``.  Combines with causal.
+    mask : array_like, optional
+        Broadcastable to ``(..., Hq, Lq, Lk)``.  bool: True = may attend.  floating: added
+        to the scaled scores (``-inf`` hides a key).
+    kv_lengths : array_like of int, optional
+        Broadcastable to the batch shape; batch element ``b`` only has keys
+        ``j < kv_lengths[b]``, and causal/window alignment uses it in place of ``Lk``.
+    return_lse : bool, optional
+        Also return ``lse = log(sum_j exp(score_ij))`` over visible keys, shape (..., Hq, Lq).
+    out : ndarray, optional
+        Preallocated result (right shape and dtype), written and returned.
+
+    Returns
+    -------
+    out : ndarray, shape (..., Hq, Lq, Dv)
+        dtype ``result_type(q, k, v)`` promoted to floating (float16 is computed in float32;
+        integers and bools in float64).  Rows that see no key are zeros.
+    lse : ndarray, shape (..., Hq, Lq)
+        Only with ``return_lse=True``; compute dtype; ``-inf`` for rows that see no key.
+
+    Notes
+    -----
+    The result of a query row is bitwise identical whatever the thread count, batch size,
+    ``Lq`` or the other rows in the call: a decode step reproduces the prefill row exactly.
+
+    Examples
+    --------
+    >>> x = np.array([[1., 0.], [0., 1.], [1., 1.]])
+    >>> fastattn.attention(x, x, x, scale=1.0, causal=True).round(3)
+    array([[1.   , 0.   ],
+           [0.269, 0.731],
+           [0.576, 0.576]])
+    """
+    call = _Call(q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse)
+    cdt = call.compute_dtype
+    q, k, v = (_kernel_ready(a, cdt) for a in (call.q, call.k, call.v))
+    batch = call.batch
+    full_shape = batch + (call.Hq, call.Lq, call.Dv)
+
+    # Write straight into the caller's `out` when the kernel can: right dtype, contiguous
+    # rows, and no overlap with an input (tiles read q/k/v while others are written).
+    target = call.out
+    if target is not None and target.ndim == len(full_shape) - 1:
+        target = target[None]
+    direct = (
+        target is not None
+        and target.dtype == cdt
+        and (call.Dv <= 1 or target.strides[-1] == target.itemsize)
+        and not any(st % target.itemsize for st in target.strides)
+        and not any(np.may_share_memory(target, a) for a in (q, k, v, call.mask) if a is not None)
+    )
+    res = target if direct else np.empty(full_shape, dtype=cdt)
+    lse = np.empty(batch + (call.Hq, call.Lq), dtype=cdt) if call.return_lse else None
+
+    mask = call.mask
+    if mask is not None:
+        if call.mask_kind == _kernel.MASK_BOOL:
+            mask = mask.view(np.uint8)
+        else:
+            mask = mask.astype(cdt, copy=False)
+            if any(st % mask.itemsize for st in mask.strides):
+                mask = np.ascontiguousarray(mask)
+        mask = np.broadcast_to(mask, batch + (call.Hq, call.Lq, call.Lk))
+
+    _kernel.forward(
+        q, k, v, res, lse, mask, call.mask_kind,
+        _batch_offsets(q, 3, batch), _batch_offsets(k, 3, batch), _batch_offsets(v, 3, batch),
+        _batch_offsets(res, 3, batch),
+        _batch_offsets(lse, 2, batch) if lse is not None else np.zeros(1, np.intp),
+        _batch_offsets(mask, 3, batch) if mask is not None else np.zeros(1, np.intp),
+        call.kv_len_flat(), call.nbatch,
+        call.causal, call.wl, call.wr, call.scale, _threads.get_num_threads(),
+    )
+
+    if call.squeeze_heads:
+        res = res[0]
+        if lse is not None:
+            lse = lse[0]
+    if call.out is not None:
+        if not direct:
+            np.copyto(call.out, res, casting="unsafe")
+        res = call.out
+    elif res.dtype != call.result_dtype:
+        res = res.astype(call.result_dtype)
+    return (res, lse) if call.return_lse else res
+
+
+def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, kv_lengths=None):
+    """The attention probabilities ``softmax(scale * q @ k^T + mask)``, for inspection.
+
+    Same arguments and masking rules as :func:`attention` (without ``v``).  Materialises
+    the ``(..., Hq, Lq, Lk)`` matrix, so it is meant for plots and small inputs; hidden keys
+    get weight 0 and rows that see no key are all zeros.
+
+    Returns
+    -------
+    ndarray, shape (..., Hq, Lq, Lk), in the result dtype of ``q`` and ``k``.
+    """
+    call = _Call(q, k, None, scale, causal, window, mask, kv_lengths, None, False)
+    cdt = call.compute_dtype
+    q = call.q.astype(cdt, copy=False)
+    k = call.k.astype(cdt, copy=False)
+    G = call.Hq // call.Hkv
+    # Group query heads by the kv head they read: (..., Hkv, G, Lq, D) @ (..., Hkv, 1, D, Lk).
+    qg = q.reshape(q.shape[:-3] + (call.Hkv, G, call.Lq, call.D))
+    kt = np.swapaxes(k, -1, -2)[..., :, None, :, :]
+    scores = np.matmul(qg, kt).reshape(call.batch + (call.Hq, call.Lq, call.Lk)) * cdt.type(call.scale)
+
+    # Visibility from the kernel's own rule (one definition for every code path).
+    lo, hi = _kernel.key_intervals(call.Lq, call.kv_len_flat(), call.causal, call.wl, call.wr)
+    lo = lo.reshape(call.batch + (1, call.Lq, 1))
+    hi = hi.reshape(call.batch + (1, call.Lq, 1))
+    j = np.arange(call.Lk)
+    visible = (j >= lo) & (j < hi)
+    if call.mask is not None:
+        if call.mask_kind == _kernel.MASK_BOOL:
+            visible = visible & call.mask
+        else:
+            with np.errstate(invalid="ignore"):
+                scores = scores + call.mask.astype(cdt, copy=False)
+    scores = np.where(visible, scores, cdt.type(-np.inf))
+    w = softmax(scores, axis=-1)
+    if call.squeeze_heads:
+        w = w[0]
+    return w.astype(call.result_dtype, copy=False)
+
+
+def softmax(x, axis=-1):
+    """Numerically stable softmax along ``axis``; a row that is all ``-inf`` gives zeros.
+
+    Integer and bool input is computed in float64, float16 in float32 (returned as float16).
+    """
+    x = _as_array(x, "x")
+    cdt, rdt = _dtypes(x)
+    x = x.astype(cdt, copy=False)
+    m = np.max(x, axis=axis, keepdims=True) if x.size else np.zeros_like(x)
+    # Subtract the row max (stability); a row with no finite max subtracts 0 instead.
+    m = np.where(np.isneginf(m), cdt.type(0), m)
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # s == 0 only when every entry was -inf; NaN inputs still propagate.
+        y = np.where(s == 0, cdt.type(0), e / np.where(s == 0, 1, s))
+    return y.astype(rdt, copy=False)

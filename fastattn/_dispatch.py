@@ -1,0 +1,54 @@
+"""Import-time choice of the compiled kernel variant.
+
+setup.py builds the same kernel source once per instruction set (``_kernel_base``: the
+portable baseline, plain x86-64 / SSE2 or the platform default; ``_kernel_avx2``: AVX2+FMA;
+``_kernel_avx512``: AVX-512F).  We probe the running CPU with the baseline module (which
+every CPU can execute) and import the best variant it supports.  A variant that is missing
+from the build, or fails to import, is skipped, so the baseline is always the fallback.
+
+``FASTATTN_ISA=base|avx2|avx512`` forces a variant (e.g. to test the fallback on a new CPU);
+forcing one the CPU cannot run raises ImportError rather than crashing later with SIGILL.
+"""
+import importlib
+import os
+
+from . import _kernel_base
+
+#: Variants in order of preference.  AVX2 comes before AVX-512: with 6x2-vector register
+#: tiles both are limited by the same load/FMA balance on the CPUs we measured, and AVX-512
+#: lowers clocks on many of them (see README "Performance").
+PREFERENCE = ("avx2", "avx512", "base")
+
+
+def _load(isa):
+    return importlib.import_module(f"fastattn._kernel_{isa}")
+
+
+def available_variants():
+    """Variants that are built *and* runnable on this CPU, best first."""
+    found = []
+    for isa in PREFERENCE:
+        if isa != "base" and not _kernel_base.cpu_supports(isa):
+            continue
+        try:
+            _load(isa)
+        except ImportError:
+            continue
+        found.append(isa)
+    return found
+
+
+def _choose():
+    forced = os.environ.get("FASTATTN_ISA", "").strip().lower()
+    if forced:
+        if forced not in PREFERENCE:
+            raise ImportError(f"FASTATTN_ISA={forced!r}: expected one of {', '.join(PREFERENCE)}")
+        if forced != "base" and not _kernel_base.cpu_supports(forced):
+            raise ImportError(f"FASTATTN_ISA={forced!r}: this CPU does not support it")
+        return forced, _load(forced)
+    isa = available_variants()[0]
+    return isa, _load(isa)
+
+
+#: Name of the variant in use ("avx2", "avx512" or "base") and its module.
+ISA, kernel = _choose()

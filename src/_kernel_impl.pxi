@@ -1,0 +1,467 @@
+# The fused attention kernel.  Included by one tiny .pyx per instruction set
+# (_kernel_sse2.pyx, _kernel_avx2.pyx, ...), each compiled with its own flags; the
+# Python front end (fastattn/_api.py) validates everything and picks the module.
+#
+# Work decomposition
+#   One work item = (batch element b, key/value head g, block of FA_BQ query rows).
+#   The query rows of a work item are the rows of all Hq/Hkv query heads that share the
+#   kv head g (row R -> head g*group + R // Lq, position R % Lq), so a GQA/MQA group reads
+#   its K/V once and decode steps of a group fill one tile.  Items are spread over OpenMP
+#   threads with a dynamic schedule (causal tiles have unequal work).
+#
+# Per work item (flash-attention forward, online softmax):
+#   pack Q^T                                       qt   (D x FA_BQ)
+#   for each key block of FA_BK keys, in key order, from the first to the last block any
+#   row of the tile can see:
+#       S^T = scale * K_blk Q^T      score micro-tiles, hidden ones skipped   s (BK x BQ)
+#       hide keys outside each row's interval, apply the user mask
+#       online softmax step: m, l, alpha; S^T -> P^T (in place)
+#       acc = acc * alpha + P V_blk  output micro-tiles, only over keys the rows can see
+#   out = acc / l, lse = m + log(l); rows that saw nothing -> 0 and -inf.
+# Extra memory: one workspace per thread, O(FA_BQ * (D + Dv + FA_BK)); never O(Lq * Lk).
+
+from cython.parallel cimport prange, parallel, threadid
+from libc.string cimport memset
+from libc.math cimport log, INFINITY
+
+cimport numpy as cnp
+import numpy as np
+
+cnp.import_array()
+
+ctypedef fused floating:
+    float
+    double
+
+cdef extern from "fa_kernels.h" nogil:
+    enum:
+        FA_BK
+        FA_BQ
+        FA_MR_K
+        FA_MR_PV
+        FA_CAUSAL_NONE
+        FA_CAUSAL_BOTTOM_RIGHT
+        FA_CAUSAL_TOP_LEFT
+    const Py_ssize_t FA_VL_F
+    const Py_ssize_t FA_VL_D
+    const char* FA_COMPILER
+    const char* FA_ISA
+    void fa_key_interval(Py_ssize_t i, Py_ssize_t Lq, Py_ssize_t kv_len, int causal,
+                         Py_ssize_t wl, Py_ssize_t wr, Py_ssize_t* lo, Py_ssize_t* hi)
+    void fa_score_tile_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                         float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                         double scale, double* s, Py_ssize_t lds)
+    void fa_score_hidden_f(float* s, Py_ssize_t lds)
+    void fa_score_hidden_d(double* s, Py_ssize_t lds)
+    void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, float* m, float* l, float* alpha)
+    void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, double* m, double* l, double* alpha)
+    void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
+                      float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
+                      double* acc, Py_ssize_t ldacc, const double* alpha)
+    void fa_exp_array_f(const float* x, float* y, Py_ssize_t n)
+    void fa_exp_array_d(const double* x, double* y, Py_ssize_t n)
+    int fa_have_openmp()
+    int fa_omp_max_threads()
+    int fa_cpu_supports(const char* isa)
+
+
+MASK_NONE = 0
+MASK_BOOL = 1
+MASK_ADD = 2
+CAUSAL_NONE = FA_CAUSAL_NONE
+CAUSAL_BOTTOM_RIGHT = FA_CAUSAL_BOTTOM_RIGHT
+CAUSAL_TOP_LEFT = FA_CAUSAL_TOP_LEFT
+BLOCK_Q = FA_BQ
+BLOCK_K = FA_BK
+
+
+cdef struct Problem:
+    # Base pointers of element [0, ..., 0] of each array (compute dtype; mask: its own).
+    char* q
+    char* k
+    char* v
+    char* out
+    char* lse
+    char* mask
+    # Per flattened batch element: element offsets into each array, and kv length.
+    const Py_ssize_t* q_boff
+    const Py_ssize_t* k_boff
+    const Py_ssize_t* v_boff
+    const Py_ssize_t* o_boff
+    const Py_ssize_t* lse_boff
+    const Py_ssize_t* m_boff
+    const Py_ssize_t* kv_len
+    Py_ssize_t nbatch, Hq, Hkv, group, Lq, Lk, D, Dv
+    # Element strides (the last axis of q, k, v, out is contiguous).
+    Py_ssize_t q_sh, q_si, k_sh, k_sj, v_sh, v_sj, o_sh, o_si, lse_sh, lse_si
+    Py_ssize_t m_sh, m_si, m_sj
+    int mask_kind
+    int causal
+    Py_ssize_t wl, wr
+    double scale
+
+
+cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
+    return ((x + m - 1) // m) * m
+
+
+cdef inline Py_ssize_t _lanes(floating* dummy) noexcept nogil:
+    # Two vectors of query rows per score micro-tile.
+    if floating is float:
+        return 2 * FA_VL_F
+    else:
+        return 2 * FA_VL_D
+
+
+cdef inline Py_ssize_t _dv_pad(Py_ssize_t Dv, Py_ssize_t n_lanes) noexcept nogil:
+    return _round_up(Dv, n_lanes)
+
+
+cdef Py_ssize_t _workspace_elems(Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_lanes) noexcept nogil:
+    return (D * FA_BQ                         # qt
+            + (FA_BK + FA_MR_K) * FA_BQ       # s (a score micro-tile may run past nj)
+            + FA_BQ * _dv_pad(Dv, n_lanes)    # acc
+            + 3 * FA_BQ                       # m, l, alpha
+            + FA_BK * n_lanes                 # vtail
+            + D + 1)                          # zero key row for micro-tiles past the end
+
+
+cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
+                       floating* buf, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
+    cdef Py_ssize_t NL = _lanes(buf)
+    cdef Py_ssize_t VL = NL // 2
+    cdef Py_ssize_t D = P.D, Dv = P.Dv, Lq = P.Lq
+    cdef Py_ssize_t nrows = min(FA_BQ, P.group * Lq - r0)
+    cdef Py_ssize_t npv = _round_up(nrows, FA_MR_PV)       # rows the output kernel touches
+    cdef Py_ssize_t nlanes = _round_up(npv, NL)            # rows the score kernel touches
+    cdef Py_ssize_t dv_pad = _dv_pad(Dv, NL)
+    cdef Py_ssize_t dv_main = (Dv // NL) * NL
+    cdef Py_ssize_t dv_tail = Dv - dv_main
+    cdef floating scale = <floating> P.scale
+    cdef floating ninf = -INFINITY
+
+    # Carve the workspace (see _workspace_elems).
+    cdef floating* qt = buf
+    cdef floating* s = qt + D * FA_BQ
+    cdef floating* acc = s + (FA_BK + FA_MR_K) * FA_BQ
+    cdef floating* m = acc + FA_BQ * dv_pad
+    cdef floating* l = m + FA_BQ
+    cdef floating* alpha = l + FA_BQ
+    cdef floating* vtail = alpha + FA_BQ
+    cdef floating* zrow = vtail + FA_BK * NL
+    cdef const floating* krows[FA_MR_K]
+
+    cdef Py_ssize_t kv_len = P.kv_len[b]
+    cdef floating* qb = (<floating*> P.q) + P.q_boff[b]
+    cdef const floating* kb = (<floating*> P.k) + P.k_boff[b] + g * P.k_sh
+    cdef const floating* vb = (<floating*> P.v) + P.v_boff[b] + g * P.v_sh
+    cdef const floating* qrow
+    cdef const floating* vrow
+    cdef floating* orow
+    cdef char* mrow
+    cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij, ig
+    cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
+    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi
+    cdef floating inv_l
+
+    # --- rows: visibility interval, packed Q^T, softmax state ---
+    for r in range(nlanes):
+        if r < nrows:
+            R = r0 + r
+            h = g * P.group + R // Lq
+            i = R % Lq
+            fa_key_interval(i, Lq, kv_len, P.causal, P.wl, P.wr, &lo[r], &hi[r])
+            if lo[r] < hi[r]:
+                tile_lo = min(tile_lo, lo[r])
+                tile_hi = max(tile_hi, hi[r])
+            qrow = qb + h * P.q_sh + i * P.q_si
+            for d in range(D):
+                qt[d * FA_BQ + r] = qrow[d]
+        else:
+            # Padding rows: zero queries that see nothing; never written out.
+            lo[r] = 0
+            hi[r] = 0
+            for d in range(D):
+                qt[d * FA_BQ + r] = 0
+        m[r] = ninf
+        l[r] = 0
+    memset(acc, 0, npv * dv_pad * sizeof(floating))
+    memset(zrow, 0, D * sizeof(floating))
+
+    # --- key blocks, in key order; blocks are aligned to multiples of FA_BK from key 0 ---
+    if tile_lo < tile_hi:
+        for ib in range(tile_lo // FA_BK, (tile_hi + FA_BK - 1) // FA_BK):
+            blk = ib * FA_BK
+            j0 = max(blk, tile_lo)
+            j1 = min(blk + FA_BK, tile_hi)
+            nj = j1 - j0
+
+            # Scores, one lane group (2 vectors of rows) at a time.
+            for ic in range(nlanes // NL):
+                c = ic * NL
+                g_minlo = kv_len
+                g_maxhi = 0
+                g_maxlo = 0
+                g_minhi = kv_len
+                for r in range(c, min(c + NL, nrows)):
+                    g_maxlo = max(g_maxlo, lo[r])
+                    g_minhi = min(g_minhi, hi[r])
+                    if lo[r] < hi[r]:
+                        g_minlo = min(g_minlo, lo[r])
+                        g_maxhi = max(g_maxhi, hi[r])
+                for ij in range((nj + FA_MR_K - 1) // FA_MR_K):
+                    jj = ij * FA_MR_K
+                    ja = j0 + jj
+                    if ja + FA_MR_K <= g_minlo or ja >= g_maxhi:
+                        if floating is float:
+                            fa_score_hidden_f(s + jj * FA_BQ + c, FA_BQ)
+                        else:
+                            fa_score_hidden_d(s + jj * FA_BQ + c, FA_BQ)
+                        continue
+                    for t in range(FA_MR_K):
+                        krows[t] = kb + (ja + t) * P.k_sj if ja + t < j1 else zrow
+                    if floating is float:
+                        fa_score_tile_f(krows, qt + c, FA_BQ, D, scale, s + jj * FA_BQ + c, FA_BQ)
+                    else:
+                        fa_score_tile_d(krows, qt + c, FA_BQ, D, scale, s + jj * FA_BQ + c, FA_BQ)
+                    if ja < g_maxlo or ja + FA_MR_K > g_minhi:
+                        # The micro-tile straddles some row's interval edge: hide per key.
+                        for t in range(min(FA_MR_K, j1 - ja)):
+                            for r in range(c, min(c + NL, nrows)):
+                                if ja + t < lo[r] or ja + t >= hi[r]:
+                                    s[(jj + t) * FA_BQ + r] = ninf
+                # end: for jj
+            # end: for c
+
+            if P.mask_kind != 0:
+                for r in range(nrows):
+                    R = r0 + r
+                    h = g * P.group + R // Lq
+                    i = R % Lq
+                    mrow = P.mask + (P.m_boff[b] + h * P.m_sh + i * P.m_si) * (
+                        1 if P.mask_kind == 1 else <Py_ssize_t> sizeof(floating))
+                    for j in range(max(j0, lo[r]), min(j1, hi[r])):
+                        if P.mask_kind == 1:
+                            if not (<const unsigned char*> mrow)[j * P.m_sj]:
+                                s[(j - j0) * FA_BQ + r] = ninf
+                        else:
+                            s[(j - j0) * FA_BQ + r] += (<const floating*> mrow)[j * P.m_sj]
+
+            for ic in range(nlanes // VL):
+                c = ic * VL
+                if floating is float:
+                    fa_softmax_step_f(s + c, FA_BQ, nj, m + c, l + c, alpha + c)
+                else:
+                    fa_softmax_step_d(s + c, FA_BQ, nj, m + c, l + c, alpha + c)
+
+            if dv_tail:
+                # The last partial chunk of value columns, zero-padded to NL lanes, so the
+                # output kernel has a single variant (and never reads past a row of V).
+                for j in range(nj):
+                    vrow = vb + (j0 + j) * P.v_sj + dv_main
+                    for t in range(NL):
+                        vtail[j * NL + t] = vrow[t] if t < dv_tail else 0
+
+            for ig in range(npv // FA_MR_PV):
+                rg = ig * FA_MR_PV
+                # Keys any of these rows can see; the rest have p == 0 exactly.
+                g_minlo = j1
+                g_maxhi = j0
+                for r in range(rg, min(rg + FA_MR_PV, nrows)):
+                    if lo[r] < hi[r]:
+                        g_minlo = min(g_minlo, lo[r])
+                        g_maxhi = max(g_maxhi, hi[r])
+                ja = max(j0, g_minlo)
+                na = max(0, min(j1, g_maxhi) - ja)
+                for ic in range(dv_main // NL):
+                    c = ic * NL
+                    if floating is float:
+                        fa_pv_tile_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
+                                     P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg)
+                    else:
+                        fa_pv_tile_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
+                                     P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg)
+                if dv_tail:
+                    if floating is float:
+                        fa_pv_tile_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vtail + (ja - j0) * NL,
+                                     NL, acc + rg * dv_pad + dv_main, dv_pad, alpha + rg)
+                    else:
+                        fa_pv_tile_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vtail + (ja - j0) * NL,
+                                     NL, acc + rg * dv_pad + dv_main, dv_pad, alpha + rg)
+            # end: for rg
+        # end: for blk
+
+    # --- normalise and write out ---
+    for r in range(nrows):
+        R = r0 + r
+        h = g * P.group + R // Lq
+        i = R % Lq
+        orow = (<floating*> P.out) + P.o_boff[b] + h * P.o_sh + i * P.o_si
+        if l[r] > 0:
+            inv_l = 1 / l[r]
+            for c in range(Dv):
+                orow[c] = acc[r * dv_pad + c] * inv_l
+        else:
+            for c in range(Dv):
+                orow[c] = 0
+        if P.lse != NULL:
+            (<floating*> P.lse)[P.lse_boff[b] + h * P.lse_sh + i * P.lse_si] = (
+                m[r] + log(l[r]) if l[r] > 0 else ninf)
+
+
+cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
+                   Py_ssize_t* row_idx, int n_threads) noexcept nogil:
+    cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
+    cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
+    cdef Py_ssize_t item, rb, bg, tid
+    with parallel(num_threads=n_threads):
+        for item in prange(n_items, schedule='dynamic'):
+            tid = threadid()
+            rb = item % n_rblk
+            bg = item // n_rblk
+            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ,
+                         workspace + tid * ws_elems,
+                         row_idx + tid * 2 * FA_BQ, row_idx + tid * 2 * FA_BQ + FA_BQ)
+        # end: for item
+    # end: with parallel
+
+
+cdef inline Py_ssize_t _estride(cnp.ndarray a, int axis):
+    # Element stride of an axis counted from the end (-1 = last).
+    return cnp.PyArray_STRIDES(a)[cnp.PyArray_NDIM(a) + axis] // cnp.PyArray_ITEMSIZE(a)
+
+
+def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
+            object mask, int mask_kind,
+            cnp.ndarray q_boff, cnp.ndarray k_boff, cnp.ndarray v_boff,
+            cnp.ndarray o_boff, cnp.ndarray lse_boff, cnp.ndarray m_boff,
+            cnp.ndarray kv_len, Py_ssize_t nbatch,
+            int causal, Py_ssize_t wl, Py_ssize_t wr, double scale, int n_threads):
+    """Run the fused kernel on validated arrays (called only by fastattn._api).
+
+    q, k, v, out: compute dtype (float32/float64), at least 3-D (heads, rows, cols) with a
+    contiguous last axis; batch dims are addressed through the *_boff element offsets
+    (int64, one per flattened batch element).  lse: None or an array of the compute dtype;
+    mask: None, a uint8 view of a bool mask or an array of the compute dtype, broadcast
+    with zero strides.  No validation happens here.
+    """
+    cdef Problem P
+    cdef cnp.ndarray lse_a, mask_a
+    P.q = <char*> cnp.PyArray_DATA(q)
+    P.k = <char*> cnp.PyArray_DATA(k)
+    P.v = <char*> cnp.PyArray_DATA(v)
+    P.out = <char*> cnp.PyArray_DATA(out)
+    P.q_boff = <const Py_ssize_t*> cnp.PyArray_DATA(q_boff)
+    P.k_boff = <const Py_ssize_t*> cnp.PyArray_DATA(k_boff)
+    P.v_boff = <const Py_ssize_t*> cnp.PyArray_DATA(v_boff)
+    P.o_boff = <const Py_ssize_t*> cnp.PyArray_DATA(o_boff)
+    P.lse_boff = <const Py_ssize_t*> cnp.PyArray_DATA(lse_boff)
+    P.m_boff = <const Py_ssize_t*> cnp.PyArray_DATA(m_boff)
+    P.kv_len = <const Py_ssize_t*> cnp.PyArray_DATA(kv_len)
+    P.nbatch = nbatch
+    P.Hq = q.shape[q.ndim - 3]
+    P.Hkv = k.shape[k.ndim - 3]
+    P.group = P.Hq // P.Hkv
+    P.Lq = q.shape[q.ndim - 2]
+    P.Lk = k.shape[k.ndim - 2]
+    P.D = q.shape[q.ndim - 1]
+    P.Dv = v.shape[v.ndim - 1]
+    P.q_sh = _estride(q, -3)
+    P.q_si = _estride(q, -2)
+    P.k_sh = _estride(k, -3)
+    P.k_sj = _estride(k, -2)
+    P.v_sh = _estride(v, -3)
+    P.v_sj = _estride(v, -2)
+    P.o_sh = _estride(out, -3)
+    P.o_si = _estride(out, -2)
+    P.lse = NULL
+    P.lse_sh = P.lse_si = 0
+    if lse is not None:
+        lse_a = lse
+        P.lse = <char*> cnp.PyArray_DATA(lse_a)
+        P.lse_sh = _estride(lse_a, -2)
+        P.lse_si = _estride(lse_a, -1)
+    P.mask = NULL
+    P.mask_kind = mask_kind
+    P.m_sh = P.m_si = P.m_sj = 0
+    if mask is not None:
+        mask_a = mask
+        P.mask = <char*> cnp.PyArray_DATA(mask_a)
+        P.m_sh = _estride(mask_a, -3)
+        P.m_si = _estride(mask_a, -2)
+        P.m_sj = _estride(mask_a, -1)
+    P.causal = causal
+    P.wl = wl
+    P.wr = wr
+    P.scale = scale
+
+    cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
+    cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
+    if n_items == 0:
+        return
+    # "Not using less, not using more": no idle threads on small problems.
+    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_items))
+    cdef Py_ssize_t n_lanes = 2 * (FA_VL_F if q.dtype == np.float32 else FA_VL_D)
+    cdef Py_ssize_t ws_elems = _round_up(_workspace_elems(P.D, P.Dv, n_lanes), 16)
+    # Workspaces come from NumPy so that an allocation failure is a MemoryError here,
+    # before the parallel region, rather than a NULL inside it.
+    cdef cnp.ndarray workspace = np.empty(n_threads * ws_elems, dtype=q.dtype)
+    cdef cnp.ndarray row_idx = np.empty(n_threads * 2 * FA_BQ, dtype=np.intp)
+    cdef Py_ssize_t* ridx = <Py_ssize_t*> cnp.PyArray_DATA(row_idx)
+    if q.dtype == np.float32:
+        with nogil:
+            _forward[float](&P, <float*> cnp.PyArray_DATA(workspace), ws_elems, ridx, n_threads)
+    else:
+        with nogil:
+            _forward[double](&P, <double*> cnp.PyArray_DATA(workspace), ws_elems, ridx, n_threads)
+
+
+def key_intervals(Py_ssize_t Lq, cnp.ndarray kv_len, int causal, Py_ssize_t wl, Py_ssize_t wr):
+    """Visible key interval [lo, hi) of every query row, shape (len(kv_len), Lq) each.
+
+    The kernel's own rule (fa_key_interval), exported for attention_weights.
+    """
+    cdef Py_ssize_t nb = kv_len.shape[0], b, i
+    cdef cnp.ndarray lo = np.empty((nb, Lq), dtype=np.intp)
+    cdef cnp.ndarray hi = np.empty((nb, Lq), dtype=np.intp)
+    cdef Py_ssize_t* plo = <Py_ssize_t*> cnp.PyArray_DATA(lo)
+    cdef Py_ssize_t* phi = <Py_ssize_t*> cnp.PyArray_DATA(hi)
+    cdef const Py_ssize_t* pkv = <const Py_ssize_t*> cnp.PyArray_DATA(kv_len)
+    for b in range(nb):
+        for i in range(Lq):
+            fa_key_interval(i, Lq, pkv[b], causal, wl, wr, &plo[b * Lq + i], &phi[b * Lq + i])
+    return lo, hi
+
+
+def vector_exp(cnp.ndarray x):
+    """The kernel's vector exp on a contiguous float32/float64 array (for accuracy tests)."""
+    cdef cnp.ndarray y = np.empty_like(x)
+    if x.dtype == np.float32:
+        fa_exp_array_f(<const float*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
+    else:
+        fa_exp_array_d(<const double*> cnp.PyArray_DATA(x), <double*> cnp.PyArray_DATA(y), x.size)
+    return y
+
+
+def build_info():
+    """Facts fixed when this variant was compiled."""
+    return {
+        "isa": FA_ISA.decode(),
+        "compiler": FA_COMPILER.decode(),
+        "openmp": bool(fa_have_openmp()),
+        "vector_bytes": int(FA_VL_F * 4),
+        "block_q": FA_BQ,
+        "block_k": FA_BK,
+    }
+
+
+def omp_max_threads():
+    """OpenMP's default team size (honours OMP_NUM_THREADS); 1 without OpenMP."""
+    return fa_omp_max_threads()
+
+
+def cpu_supports(str isa):
+    """Whether the running CPU can execute the named variant ("sse2", "avx2", "avx512")."""
+    return bool(fa_cpu_supports(isa.encode()))

@@ -1,0 +1,119 @@
+/*
+ * fa_tile_impl.h -- the three micro-kernels of the fused attention loop, for one element
+ * type.  Included twice by fa_kernels.h (float, double) with these macros defined:
+ *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP
+ *
+ * Layout (lanes = query rows; see fa_kernels.h for why):
+ *   qt[d*ldqt + r]    the query tile, transposed and packed once per tile
+ *   s[j*lds + r]      scores, then probabilities, of key j for query row r (S^T / P^T)
+ *   acc[r*ldacc + c]  the unnormalised output tile
+ *
+ * Each kernel has exactly one variant, used by every call path (prefill, decode, edge
+ * tiles, padded rows): the arithmetic a row sees is always the same instruction sequence,
+ * which keeps results bitwise reproducible (SPEC §1).
+ */
+
+/*
+ * Score micro-tile: FA_MR_K keys x 2 vectors of query rows.
+ *   s[jj*lds + c] = scale * sum_d k_jj[d] * qt[d*ldqt + c]
+ * Broadcast-FMA: one key element broadcast, times a contiguous vector of packed queries;
+ * 12 accumulators + 2 query vectors + 1 broadcast fit the 16 registers of AVX2.  The sum
+ * over d is a plain sequential chain per lane (the canonical order of a score).
+ */
+FA_INLINE void FA_FN(fa_score_tile)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
+                                   ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
+{
+    const T *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
+    V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
+    V a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
+    for (ptrdiff_t d = 0; d < D; d++) {
+        const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
+        V b;
+        b = BCAST(k0[d]); a00 += b * q0; a01 += b * q1;
+        b = BCAST(k1[d]); a10 += b * q0; a11 += b * q1;
+        b = BCAST(k2[d]); a20 += b * q0; a21 += b * q1;
+        b = BCAST(k3[d]); a30 += b * q0; a31 += b * q1;
+        b = BCAST(k4[d]); a40 += b * q0; a41 += b * q1;
+        b = BCAST(k5[d]); a50 += b * q0; a51 += b * q1;
+    }
+    const V sc = BCAST(scale);
+    STORE(s + 0 * lds, a00 * sc); STORE(s + 0 * lds + VL, a01 * sc);
+    STORE(s + 1 * lds, a10 * sc); STORE(s + 1 * lds + VL, a11 * sc);
+    STORE(s + 2 * lds, a20 * sc); STORE(s + 2 * lds + VL, a21 * sc);
+    STORE(s + 3 * lds, a30 * sc); STORE(s + 3 * lds + VL, a31 * sc);
+    STORE(s + 4 * lds, a40 * sc); STORE(s + 4 * lds + VL, a41 * sc);
+    STORE(s + 5 * lds, a50 * sc); STORE(s + 5 * lds + VL, a51 * sc);
+}
+
+/* A score micro-tile that no query of the lane group can see: -inf, nothing computed. */
+FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds)
+{
+    const V ninf = BCAST(-INFINITY);
+    for (int jj = 0; jj < FA_MR_K; jj++) {
+        STORE(s + jj * lds, ninf); STORE(s + jj * lds + VL, ninf);
+    }
+}
+
+/*
+ * Online-softmax step for one vector of query rows over nj keys of a key block:
+ *   m_new = max(m, max_j s_j);  alpha = exp(m - m_new);  p_j = exp(s_j - m_new)
+ *   l = l * alpha + sum_j p_j  (sequential in j);  s_j <- p_j
+ * alpha is exactly 1 when the max did not move and exactly 0 when nothing was visible
+ * before; a row that sees nothing keeps m = -inf, l = 0 and gets p = 0: a block hidden
+ * from a row leaves its state bit-for-bit unchanged, so skipping it is equivalent.
+ */
+FA_INLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, T* m, T* l, T* alpha)
+{
+    const V ninf = BCAST(-INFINITY), zero = BCAST(0), one = BCAST(1);
+    V mb = ninf;
+    for (ptrdiff_t j = 0; j < nj; j++) mb = MAX(mb, LOAD(s + j * lds));
+    const V m_old = LOAD(m);
+    const V m_new = MAX(m_old, mb);
+    const V a = SELECT(m_new == m_old, one, EXP(m_old - m_new));
+    const V m_sub = SELECT(m_new == ninf, zero, m_new);
+    V sum = zero;
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        const V p = EXP(LOAD(s + j * lds) - m_sub);
+        STORE(s + j * lds, p);
+        sum += p;
+    }
+    const V l_scaled = LOAD(l) * a;
+    STORE(l, l_scaled + sum);
+    STORE(m, m_new);
+    STORE(alpha, a);
+}
+
+/*
+ * Output micro-tile: FA_MR_PV query rows x 2 vectors of value columns.
+ *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j, r] * v[j, c]   (sequential in j)
+ * Values are read in place (rows of V are contiguous in Dv), p is broadcast.  Keys with
+ * p == 0 contribute exactly nothing, so callers may shorten [0, nj) to the keys visible
+ * to any of these rows.
+ */
+FA_INLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                const T* v, ptrdiff_t ldv,
+                                T* acc, ptrdiff_t ldacc, const T* alpha)
+{
+#define FA_PV_LOAD_ROW(r) \
+    V c##r##0 = LOAD(acc + r * ldacc) * BCAST(alpha[r]); \
+    V c##r##1 = LOAD(acc + r * ldacc + VL) * BCAST(alpha[r]);
+    FA_PV_LOAD_ROW(0) FA_PV_LOAD_ROW(1) FA_PV_LOAD_ROW(2)
+    FA_PV_LOAD_ROW(3) FA_PV_LOAD_ROW(4) FA_PV_LOAD_ROW(5)
+#undef FA_PV_LOAD_ROW
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        const V v0 = LOAD(v + j * ldv), v1 = LOAD(v + j * ldv + VL);
+        const T* pj = p + j * ldp;
+        V b;
+        b = BCAST(pj[0]); c00 += b * v0; c01 += b * v1;
+        b = BCAST(pj[1]); c10 += b * v0; c11 += b * v1;
+        b = BCAST(pj[2]); c20 += b * v0; c21 += b * v1;
+        b = BCAST(pj[3]); c30 += b * v0; c31 += b * v1;
+        b = BCAST(pj[4]); c40 += b * v0; c41 += b * v1;
+        b = BCAST(pj[5]); c50 += b * v0; c51 += b * v1;
+    }
+#define FA_PV_STORE_ROW(r) \
+    STORE(acc + r * ldacc, c##r##0); STORE(acc + r * ldacc + VL, c##r##1);
+    FA_PV_STORE_ROW(0) FA_PV_STORE_ROW(1) FA_PV_STORE_ROW(2)
+    FA_PV_STORE_ROW(3) FA_PV_STORE_ROW(4) FA_PV_STORE_ROW(5)
+#undef FA_PV_STORE_ROW
+}
