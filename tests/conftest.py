@@ -69,7 +69,7 @@ def max_error(actual, expected):
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     finite = np.isfinite(a) & np.isfinite(e)
-    return float(np.abs(a - e)[finite].max(initial=0.0))
+    return float(np.abs(a[finite] - e[finite]).max(initial=0.0))
 
 
 def make_qkv(rng, q_shape, k_shape, v_shape, dtype=np.float32):
