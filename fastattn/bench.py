@@ -1,0 +1,722 @@
+"""``python -m fastattn bench``: time fastattn against the NumPy reference and PyTorch.
+
+What is measured
+----------------
+For every shape of SPEC section 5 (batch 1, float32 except the last, which is float64) the
+same three calls are timed on the same inputs and the same number of threads:
+
+* ``fastattn.attention`` -- writing into a preallocated ``out=`` array;
+* ``fastattn.reference.attention`` -- the pure-NumPy oracle, which materialises the score
+  matrix in float64; it is slow on large shapes, so it gets fewer repeats, and ``--quick``
+  skips it on the two largest shapes (the table says so; nothing is estimated);
+* ``torch.nn.functional.scaled_dot_product_attention`` when torch can be imported
+  (``torch.set_num_threads`` to the same count, ``enable_gqa=True`` for grouped heads,
+  ``is_causal`` for causal shapes, under ``torch.inference_mode``).
+
+How it is measured
+------------------
+Inputs are drawn once from a fixed seed, outside the timed region. Each library first runs
+once untimed (warm-up; its output is kept for the correctness check). A *sample* is the
+wall time of a batch of ``n`` back-to-back calls divided by ``n``, with ``n`` chosen so a
+batch lasts a few tens of milliseconds (one call for the big shapes), so that the microsecond
+shapes are not dominated by timer resolution. The libraries alternate batch by batch, and
+the order rotates each round, with a pause (50 ms) before every batch: OpenMP and OpenBLAS
+worker threads keep spinning for a while after a parallel region ends, and without the pause
+the idle workers of one library would compete for the two cores with the next one's. The
+reported time is the median of the samples.
+
+Throughput is reported against what this machine can do, measured at start-up with the same
+thread count: the median GFLOP/s of a 2048 x 2048 NumPy matrix product (sgemm, and dgemm for
+the float64 shape), and for the bandwidth-bound decode shapes the read bandwidth of a
+matrix-vector product streaming a buffer larger than the last-level cache.
+
+FLOPs are ``2 * (D + Dv)`` per visible (query, key) pair -- ``4 * D`` when ``Dv == D`` --
+counting only the pairs a causal mask leaves visible. Decode bytes are everything the call
+must read or write once: K, V, Q and the output.
+
+A fast but wrong kernel must not hide behind its speed: every shape also reports the largest
+absolute difference between fastattn's output and torch's (whole output) and the reference's
+(whole output where the reference was timed; otherwise two heads x the last 64 query rows,
+which keeps the bottom-right causal alignment), and the run fails (exit status 1) when a
+difference exceeds the tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Shape", "SHAPES", "QUICK_SKIP_REFERENCE", "make_inputs", "flops", "bytes_moved",
+           "add_arguments", "run", "main"]
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1     # a correctness check failed or a library raised
+EXIT_USAGE = 2            # bad command line (argparse uses 2 as well)
+EXIT_ENVIRONMENT = 3      # an output that was asked for could not be produced (e.g. no matplotlib)
+
+SEED = 20240607
+# Pause before every timed batch so spinning OpenMP/OpenBLAS workers of the previous
+# library have gone to sleep (libgomp spins for well under 50 ms by default).
+PAUSE_S = 0.05
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case of SPEC section 5 (batch 1)."""
+
+    name: str
+    hq: int
+    hkv: int
+    lq: int
+    lk: int
+    d: int
+    causal: bool = False
+    dtype: str = "float32"
+
+    @property
+    def dv(self):
+        return self.d
+
+    @property
+    def decode(self):
+        # One query row against a long cache: bandwidth-bound, reported in GB/s.
+        return self.lq == 1
+
+    def describe(self):
+        return (f"({self.hq},{self.hkv},{self.lq},{self.lk},{self.d})"
+                f"{' causal' if self.causal else ''}{' f64' if self.dtype == 'float64' else ''}")
+
+
+SHAPES = (
+    Shape("tiny", 1, 1, 6, 6, 3),
+    Shape("small", 8, 8, 128, 128, 64),
+    Shape("prefill-1k", 12, 12, 1024, 1024, 64),
+    Shape("prefill-1k-causal", 12, 12, 1024, 1024, 64, causal=True),
+    Shape("prefill-4k-causal", 4, 4, 4096, 4096, 64, causal=True),
+    Shape("long-8k", 1, 1, 8192, 8192, 64),
+    Shape("decode-4k", 32, 32, 1, 4096, 128),
+    Shape("decode-gqa-8k", 32, 8, 1, 8192, 128),
+    Shape("prefill-1k-f64", 12, 12, 1024, 1024, 64, causal=True, dtype="float64"),
+)
+SHAPES_BY_NAME = {s.name: s for s in SHAPES}
+
+# The reference materialises (Hq, Lq, Lk) float64 scores: seconds per call on these.
+QUICK_SKIP_REFERENCE = frozenset({"long-8k", "prefill-4k-causal"})
+
+
+def visible_pairs(shape):
+    """Number of (query, key) pairs the mask leaves visible, per head."""
+    if not shape.causal:
+        return shape.lq * shape.lk
+    # Bottom-right alignment: query i sees keys j <= i + (Lk - Lq).
+    offset = shape.lk - shape.lq
+    return sum(min(shape.lk, max(0, i + offset + 1)) for i in range(shape.lq))
+
+
+def flops(shape, batch=1):
+    """Floating-point operations of one call: a multiply-add per element of both products."""
+    return 2 * (shape.d + shape.dv) * batch * shape.hq * visible_pairs(shape)
+
+
+def bytes_moved(shape, batch=1):
+    """Bytes one call must read or write at least once: K, V, Q and the output."""
+    itemsize = np.dtype(shape.dtype).itemsize
+    kv = batch * shape.hkv * shape.lk * (shape.d + shape.dv)
+    qo = batch * shape.hq * shape.lq * (shape.d + shape.dv)
+    return (kv + qo) * itemsize
+
+
+def make_inputs(shape, seed=SEED):
+    """q, k, v of ``shape`` (batch 1), standard normal, C-contiguous, fixed seed."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(shape.dtype)
+    q = rng.standard_normal((1, shape.hq, shape.lq, shape.d)).astype(dt)
+    k = rng.standard_normal((1, shape.hkv, shape.lk, shape.d)).astype(dt)
+    v = rng.standard_normal((1, shape.hkv, shape.lk, shape.dv)).astype(dt)
+    return q, k, v
+
+
+# --------------------------------------------------------------------------- threads
+
+def _loaded_openblas():
+    """Paths of the OpenBLAS libraries loaded in this process (Linux only)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return []
+    return sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", maps)))
+
+
+@contextlib.contextmanager
+def blas_threads(n):
+    """Limit NumPy's BLAS to ``n`` threads, so the reference and the matmul peak use the
+    same thread count as fastattn. Yields a short description of what was done."""
+    try:
+        import threadpoolctl
+    except ImportError:
+        threadpoolctl = None
+    if threadpoolctl is not None:
+        with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
+            yield f"{n} (threadpoolctl)"
+        return
+    # Without threadpoolctl, call OpenBLAS's own setter, as threadpoolctl would.
+    import ctypes
+    for path in _loaded_openblas():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_", "64_"), ("", "64_"), ("", ""), ("scipy_", "")):
+            setter = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
+            getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
+            if setter is not None and getter is not None:
+                old = getter()
+                setter(n)
+                try:
+                    yield f"{n} (OpenBLAS)"
+                finally:
+                    setter(old)
+                return
+    yield "default (could not set: no threadpoolctl, no OpenBLAS found)"
+
+
+def _import_torch():
+    try:
+        import torch
+        import torch.nn.functional  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising OSError/RuntimeError
+        return None
+    return torch
+
+
+# --------------------------------------------------------------------------- timing
+
+def _timed_batch(fn, n):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def _iterations(first_call_s, target_s):
+    """Calls per batch so that a batch lasts about ``target_s``."""
+    if first_call_s >= target_s:
+        return 1
+    return int(min(100_000, max(1, math.ceil(target_s / max(first_call_s, 1e-7)))))
+
+
+def _median(xs):
+    return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+def _warm_up(call, seconds=0.3):
+    """Run ``call`` for a while untimed: starts BLAS threads, faults pages in, and lets the
+    CPU clock ramp up (the first measurement of a fresh process is otherwise often low)."""
+    end = time.perf_counter() + seconds
+    call()
+    while time.perf_counter() < end:
+        call()
+
+
+def measure_matmul_peak(dtype, repeat=5, n=2048):
+    """Median GFLOP/s of an n x n NumPy matrix product (OpenBLAS sgemm/dgemm)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    c = np.empty((n, n), dtype)
+    call = functools.partial(np.matmul, a, b, out=c)
+    _warm_up(call)
+    samples = [_timed_batch(call, 1) for _ in range(repeat)]
+    return 2.0 * n ** 3 / _median(samples) / 1e9
+
+
+def measure_read_bandwidth(repeat=5, mib=512):
+    """Median GB/s of a float32 matrix-vector product streaming ``mib`` MiB.
+
+    sgemv reads the matrix once with all BLAS threads and does two flops per element, so it
+    is limited by memory reads; the buffer is larger than the last-level cache of common
+    CPUs so the data comes from DRAM.
+    """
+    cols = 4096
+    rows = mib * 1024 * 1024 // 4 // cols
+    a = np.ones((rows, cols), np.float32)
+    x = np.ones(cols, np.float32)
+    y = np.empty(rows, np.float32)
+    call = functools.partial(np.matmul, a, x, out=y)
+    _warm_up(call)
+    samples = [_timed_batch(call, 1) for _ in range(repeat)]
+    return a.nbytes / _median(samples) / 1e9
+
+
+# --------------------------------------------------------------------------- one shape
+
+def _tolerance(dtype):
+    # float32 kernels reorder sums (online softmax, blocking): ~1e-6 relative error is
+    # normal, 1e-4 catches any real mistake. float64 is checked accordingly tighter.
+    return 1e-4 if np.dtype(dtype) == np.float32 else 1e-9
+
+
+def _reference_slice(shape, q, k, v):
+    """Two heads (first and last, keeping the GQA head mapping) x the last <= 64 query rows.
+
+    Taking the *last* rows keeps the bottom-right causal alignment: with Lq' = m rows, row i'
+    sees j <= i' + Lk - m, the same keys as row i' + Lq - m of the full problem.
+    """
+    heads_q = [0] if shape.hq == 1 else [0, shape.hq - 1]
+    heads_kv = [0] if shape.hkv == 1 else [0, shape.hkv - 1]
+    rows = min(shape.lq, 64)
+    qs = q[:, heads_q, shape.lq - rows:, :]
+    ks = k[:, heads_kv]
+    vs = v[:, heads_kv]
+    return (qs, ks, vs), (heads_q, rows)
+
+
+def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
+    """Time and check one shape; return a JSON-ready dict."""
+    q, k, v = make_inputs(shape)
+    result = {
+        "name": shape.name, "dtype": shape.dtype, "hq": shape.hq, "hkv": shape.hkv,
+        "lq": shape.lq, "lk": shape.lk, "d": shape.d, "dv": shape.dv, "causal": shape.causal,
+        "batch": 1, "kind": "decode" if shape.decode else "prefill",
+        "flops": flops(shape), "bytes": bytes_moved(shape), "libraries": {},
+    }
+    libs = {}   # name -> callable, only libraries that will be timed
+    outputs = {}
+    target_s = 0.01 if quick else 0.04
+
+    # fastattn
+    out = np.empty((1, shape.hq, shape.lq, shape.dv), shape.dtype)
+    fa_call = functools.partial(fa.attention, q, k, v, causal=shape.causal, out=out)
+    libs["fastattn"] = fa_call
+
+    # reference
+    if quick and shape.name in QUICK_SKIP_REFERENCE:
+        result["libraries"]["reference"] = {
+            "skipped": "skipped with --quick (seconds per call); run without --quick"}
+    else:
+        libs["reference"] = functools.partial(ref_mod.attention, q, k, v, causal=shape.causal)
+
+    # torch
+    if torch is None:
+        result["libraries"]["torch"] = {"skipped": "torch is not installed"}
+    else:
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        kwargs = {"is_causal": shape.causal}
+        if shape.hq != shape.hkv:
+            kwargs["enable_gqa"] = True
+        libs["torch"] = functools.partial(sdpa, tq, tk, tv, **kwargs)
+
+    def context(name):
+        if name == "torch":
+            return torch.inference_mode()
+        return contextlib.nullcontext()
+
+    # Warm-up: first call of each library, untimed; its output feeds the checks and its
+    # duration sizes the batches.
+    first = {}
+    for name in list(libs):
+        time.sleep(PAUSE_S)
+        try:
+            with context(name):
+                t0 = time.perf_counter()
+                res = libs[name]()
+                first[name] = time.perf_counter() - t0
+        except Exception as exc:  # report, do not abort the whole run
+            result["libraries"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            del libs[name]
+            continue
+        if name == "torch":
+            res = res.numpy()
+        outputs[name] = np.array(res, copy=True)
+
+    plan = {}
+    for name in libs:
+        if name == "reference":
+            # The oracle is slow: a few samples are enough for a speed-up ratio.
+            n_samples = 1 if first[name] > 2.0 else min(repeat, 3)
+        else:
+            n_samples = repeat
+        plan[name] = (n_samples, _iterations(first[name], target_s))
+    samples = {name: [] for name in libs}
+    order = list(libs)
+    for round_ in range(max((p[0] for p in plan.values()), default=0)):
+        rotated = order[round_ % len(order):] + order[:round_ % len(order)]
+        for name in rotated:
+            if len(samples[name]) >= plan[name][0]:
+                continue
+            time.sleep(PAUSE_S)
+            with context(name):
+                samples[name].append(_timed_batch(libs[name], plan[name][1]))
+
+    for name in libs:
+        med = _median(samples[name])
+        result["libraries"][name] = {
+            "median_s": med, "samples_s": samples[name], "calls_per_sample": plan[name][1],
+            "gflops": result["flops"] / med / 1e9, "gbs": result["bytes"] / med / 1e9,
+        }
+
+    # Correctness: fastattn against torch and the reference (whole output or a slice).
+    tol = _tolerance(shape.dtype)
+    check = {"tolerance": tol, "ok": "fastattn" in outputs}
+    if "fastattn" in outputs:
+        got = outputs["fastattn"].astype(np.float64)
+        if not np.all(np.isfinite(got)):
+            check["ok"] = False
+            check["non_finite"] = True
+        if "torch" in outputs:
+            want = outputs["torch"].astype(np.float64)
+            diff = float(np.max(np.abs(got - want)))
+            check["vs_torch_max_abs"] = diff
+            check["ok"] = check["ok"] and diff <= tol * max(1.0, float(np.max(np.abs(want))))
+        if "reference" in outputs:
+            # The reference ran on the whole problem anyway: compare everything.
+            want = outputs["reference"].astype(np.float64)
+            diff = float(np.max(np.abs(got - want)))
+            check["reference_slice"] = "whole output"
+        else:
+            (qs, ks, vs), (heads_q, rows) = _reference_slice(shape, q, k, v)
+            try:
+                want = np.asarray(ref_mod.attention(qs, ks, vs, causal=shape.causal),
+                                  np.float64)
+                diff = float(np.max(np.abs(got[:, heads_q, shape.lq - rows:, :] - want)))
+                check["reference_slice"] = f"heads {heads_q}, last {rows} query rows"
+            except Exception as exc:
+                check["reference_error"] = f"{type(exc).__name__}: {exc}"
+                want, diff = None, None
+        if diff is None:
+            check["ok"] = False
+        else:
+            check["vs_reference_max_abs"] = diff
+            check["ok"] = check["ok"] and diff <= tol * max(1.0, float(np.max(np.abs(want))))
+    result["check"] = check
+
+    fa_res = result["libraries"].get("fastattn", {})
+    for other in ("reference", "torch"):
+        o = result["libraries"].get(other, {})
+        if "median_s" in fa_res and "median_s" in o:
+            result[f"speedup_vs_{other}"] = o["median_s"] / fa_res["median_s"]
+    return result
+
+
+# --------------------------------------------------------------------------- output
+
+def _symbols():
+    """Use µ, × and Δ when the terminal can print them, ASCII otherwise."""
+    enc = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        "µ×Δ—".encode(enc)
+    except (UnicodeEncodeError, LookupError):
+        return {"mu": "u", "x": "x", "delta": "d", "dash": "-"}
+    return {"mu": "µ", "x": "×", "delta": "Δ", "dash": "—"}
+
+
+def format_time(seconds, sym=None):
+    sym = sym or _symbols()
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} {sym['mu']}s"
+    if seconds < 10:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.1f} s"
+
+
+def format_table(report):
+    sym = _symbols()
+    peaks = report["machine"]["peaks"]
+    header = ["shape", "(Hq,Hkv,Lq,Lk,D)", "fastattn", "throughput", "% peak",
+              "reference", f"{sym['x']} ref", "torch", f"{sym['x']} torch",
+              f"max|{sym['delta']}|", "check"]
+    rows = []
+    for r in report["results"]:
+        libs = r["libraries"]
+        shape = SHAPES_BY_NAME.get(r["name"])
+        fa = libs.get("fastattn", {})
+        row = [r["name"], shape.describe() if shape else "?"]
+        if "median_s" in fa:
+            row.append(format_time(fa["median_s"], sym))
+            if r["kind"] == "decode":
+                row.append(f"{fa['gbs']:.1f} GB/s")
+                peak = peaks.get("read_gbs")
+                row.append(f"{100 * fa['gbs'] / peak:.0f}%" if peak else "?")
+            else:
+                row.append(f"{fa['gflops']:.1f} GFLOP/s")
+                peak = peaks.get("dgemm_gflops" if r["dtype"] == "float64" else "sgemm_gflops")
+                row.append(f"{100 * fa['gflops'] / peak:.0f}%" if peak else "?")
+        else:
+            row += ["ERROR", "", ""]
+        for other in ("reference", "torch"):
+            o = libs.get(other, {})
+            if "median_s" in o:
+                row.append(format_time(o["median_s"], sym))
+                s = r.get(f"speedup_vs_{other}")
+                row.append(f"{s:.2f}{sym['x']}" if s is not None else sym["dash"])
+            elif "error" in o:
+                row += ["error", sym["dash"]]
+            elif "skipped" in o and other == "reference":
+                row += ["skipped", sym["dash"]]
+            else:
+                row += ["n/a", sym["dash"]]
+        c = r.get("check", {})
+        diffs = [c[key] for key in ("vs_torch_max_abs", "vs_reference_max_abs") if key in c]
+        row.append(f"{max(diffs):.1e}" if diffs else sym["dash"])
+        row.append("ok" if c.get("ok") else "FAIL")
+        rows.append(row)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    left = {0, 1}
+
+    def fmt(row):
+        return "  ".join(str(x).ljust(w) if i in left else str(x).rjust(w)
+                         for i, (x, w) in enumerate(zip(row, widths)))
+    lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def format_header(report):
+    m = report["machine"]
+    sym = _symbols()
+    peaks = m["peaks"]
+    lines = [
+        f"fastattn {m.get('fastattn', '?')} bench {sym['dash']} {m['cpu']}, {m['cpus']} CPUs, "
+        f"{m['platform']}",
+        f"Python {m['python']}, NumPy {m['numpy']}, torch {m.get('torch') or 'not installed'}; "
+        f"SIMD variant: {m.get('isa', 'unknown')}",
+    ]
+    th = m["threads"]
+    lines.append(f"threads: fastattn {th['fastattn']}, torch {th.get('torch', sym['dash'])}, "
+                 f"BLAS {th['blas']}")
+    parts = []
+    if "sgemm_gflops" in peaks:
+        parts.append(f"sgemm {peaks['sgemm_gflops']:.1f} GFLOP/s")
+    if "dgemm_gflops" in peaks:
+        parts.append(f"dgemm {peaks['dgemm_gflops']:.1f} GFLOP/s")
+    if "read_gbs" in peaks:
+        parts.append(f"read bandwidth {peaks['read_gbs']:.1f} GB/s (sgemv)")
+    lines.append("measured peaks: " + (", ".join(parts) or "none"))
+    if m["env"]:
+        lines.append("environment: " + " ".join(f"{k}={v}" for k, v in m["env"].items()))
+    s = report["settings"]
+    lines.append(
+        f"median of {s['repeat']} batches per library (reference: {s['reference_repeat_max']} at"
+        f" most, 1 if a call takes > 2 s); libraries alternate with {int(PAUSE_S * 1000)} ms"
+        f" pauses; fastattn writes into out=; % peak = of sgemm (dgemm for f64), of read"
+        f" bandwidth for decode" + ("; --quick" if s["quick"] else ""))
+    return "\n".join(lines)
+
+
+def machine_info(fa, torch):
+    try:
+        from . import info as info_mod
+        build = info_mod.collect(fa)
+    except Exception as exc:  # info is best effort; the benchmark must still run
+        build = {"error": f"{type(exc).__name__}: {exc}"}
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    env_names = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
+                 "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS")
+    return {
+        "fastattn": getattr(fa, "__version__", "unknown"),
+        "isa": build.get("isa", "unknown"),
+        "build": build,
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": getattr(torch, "__version__", None) if torch is not None else None,
+        "env": {k: os.environ[k] for k in env_names if k in os.environ},
+    }
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        return _json_safe(x.item())
+    return x
+
+
+def write_plot(report, path):
+    """Bar chart of times (log scale) and of fastattn's speed-ups. Returns an error or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot written (pip install matplotlib)"
+    results = report["results"]
+    names = [r["name"] for r in results]
+    libs = ("fastattn", "torch", "reference")
+    colors = {"fastattn": "#1f77b4", "torch": "#ff7f0e", "reference": "#7f7f7f"}
+    x = np.arange(len(names))
+    fig, (ax_t, ax_s) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(names)), 8), sharex=True)
+    width = 0.27
+    for i, lib in enumerate(libs):
+        times = [r["libraries"].get(lib, {}).get("median_s", np.nan) * 1e3 for r in results]
+        if all(np.isnan(times)):
+            continue
+        ax_t.bar(x + (i - 1) * width, times, width, label=lib, color=colors[lib])
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("time per call (ms, log)")
+    ax_t.legend()
+    machine = report["machine"]
+    ax_t.set_title(f"fastattn vs torch vs NumPy reference {_symbols()['dash']} "
+                   f"{machine['cpu']}, {machine['threads']['fastattn']} threads")
+    for i, other in enumerate(("torch", "reference")):
+        sp = [r.get(f"speedup_vs_{other}", np.nan) for r in results]
+        if all(np.isnan(sp)):
+            continue
+        ax_s.bar(x + (i - 0.5) * width, sp, width, label=f"over {other}", color=colors[other])
+    ax_s.axhline(1.0, color="black", linewidth=0.8)
+    ax_s.set_yscale("log")
+    ax_s.set_ylabel("fastattn speed-up (log)")
+    ax_s.legend()
+    ax_s.set_xticks(x)
+    ax_s.set_xticklabels(names, rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# --------------------------------------------------------------------------- CLI
+
+def add_arguments(parser):
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repeats, shorter batches; skip the reference on "
+                             + ", ".join(sorted(QUICK_SKIP_REFERENCE)))
+    parser.add_argument("--json", metavar="FILE", help="write all numbers and machine info")
+    parser.add_argument("--plot", metavar="FILE.png", help="bar chart (needs matplotlib)")
+    parser.add_argument("--shapes", metavar="NAME,...",
+                        help="comma-separated subset of: " + ", ".join(SHAPES_BY_NAME))
+    parser.add_argument("--repeat", type=int, metavar="N",
+                        help="timed batches per library (default 7, 3 with --quick)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads for fastattn, torch and BLAS (default: fastattn's "
+                             "default, which honours OMP_NUM_THREADS)")
+    return parser
+
+
+def _parse_shapes(text):
+    if not text:
+        return list(SHAPES)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES_BY_NAME]
+    if unknown or not names:
+        raise ValueError(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(SHAPES_BY_NAME)}")
+    return [SHAPES_BY_NAME[n] for n in names]
+
+
+def run(args, stdout=None, stderr=None):
+    """Run the benchmark for parsed ``args``; return the exit status."""
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    try:
+        shapes = _parse_shapes(args.shapes)
+    except ValueError as exc:
+        print(f"fastattn bench: error: {exc}", file=stderr)
+        return EXIT_USAGE
+    if args.repeat is not None and args.repeat < 1:
+        print("fastattn bench: error: --repeat must be >= 1", file=stderr)
+        return EXIT_USAGE
+    if args.threads is not None and args.threads < 1:
+        print("fastattn bench: error: --threads must be >= 1", file=stderr)
+        return EXIT_USAGE
+    repeat = args.repeat or (3 if args.quick else 7)
+
+    try:
+        import fastattn as fa
+        from fastattn import reference as ref_mod
+    except Exception as exc:
+        print(f"fastattn bench: cannot import fastattn ({type(exc).__name__}: {exc}); "
+              "is the extension built?", file=stderr)
+        return EXIT_ENVIRONMENT
+    torch = _import_torch()
+    threads = args.threads or fa.get_num_threads()
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fa.num_threads(threads))
+        blas_desc = stack.enter_context(blas_threads(threads))
+        if torch is not None:
+            old_torch_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            stack.callback(torch.set_num_threads, old_torch_threads)
+
+        machine = machine_info(fa, torch)
+        machine["threads"] = {"fastattn": fa.get_num_threads(), "blas": blas_desc}
+        if torch is not None:
+            machine["threads"]["torch"] = torch.get_num_threads()
+        peak_repeat = 3 if args.quick else 5
+        peaks = {"sgemm_gflops": measure_matmul_peak(np.float32, peak_repeat)}
+        if any(s.dtype == "float64" for s in shapes):
+            peaks["dgemm_gflops"] = measure_matmul_peak(np.float64, peak_repeat)
+        if any(s.decode for s in shapes):
+            peaks["read_gbs"] = measure_read_bandwidth(peak_repeat, 256 if args.quick else 512)
+        machine["peaks"] = peaks
+        report = {
+            "machine": machine,
+            "settings": {"repeat": repeat, "reference_repeat_max": min(repeat, 3),
+                         "quick": bool(args.quick), "pause_s": PAUSE_S, "seed": SEED,
+                         "fastattn_out_preallocated": True},
+            "results": [],
+        }
+        print(format_header(report), file=stdout, flush=True)
+        for shape in shapes:
+            print(f"  ... {shape.name}", file=stderr, flush=True)
+            report["results"].append(bench_shape(
+                shape, fa=fa, ref_mod=ref_mod, torch=torch, repeat=repeat,
+                quick=args.quick))
+    print(file=stdout)
+    print(format_table(report), file=stdout, flush=True)
+
+    status = EXIT_OK
+    failed = [r["name"] for r in report["results"] if not r["check"].get("ok")]
+    errors = [f"{r['name']}/{lib}: {o['error']}" for r in report["results"]
+              for lib, o in r["libraries"].items() if "error" in o]
+    for e in errors:
+        print(f"fastattn bench: error: {e}", file=stderr)
+    if failed:
+        print(f"fastattn bench: correctness check FAILED on: {', '.join(failed)}", file=stderr)
+        status = EXIT_CHECK_FAILED
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_json_safe(report), f, indent=2, allow_nan=False)
+            f.write("\n")
+        print(f"wrote {args.json}", file=stdout)
+    if args.plot:
+        problem = write_plot(report, args.plot)
+        if problem:
+            print(f"fastattn bench: {problem}", file=stderr)
+            status = status or EXIT_ENVIRONMENT
+        else:
+            print(f"wrote {args.plot}", file=stdout)
+    return status
+
+
+def main(argv=None):
+    import argparse
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="python -m fastattn bench", description=__doc__.split("\n\n")[0]))
+    return run(parser.parse_args(argv))
