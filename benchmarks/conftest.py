@@ -1,0 +1,58 @@
+"""pytest-benchmark suite settings.
+
+Run everything:        python -m pytest benchmarks/
+Small shapes only:     python -m pytest benchmarks/ --bench-quick
+                       (or FASTATTN_BENCH_QUICK=1, or -m "not big")
+Compare saved runs:    python -m pytest benchmarks/ --benchmark-autosave, then
+                       pytest-benchmark compare
+
+The CI command is ``pytest tests/``, which never collects this folder.
+"""
+import os
+import time
+
+import pytest
+
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bench-quick", action="store_true", default=False,
+                     help="fastattn benchmarks: skip the shapes marked 'big'")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "big: a benchmark shape that takes seconds (skipped by --bench-quick)")
+
+
+def _quick(config):
+    env = os.environ.get("FASTATTN_BENCH_QUICK", "")
+    return config.getoption("--bench-quick") or env not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _quick(config):
+        return
+    skip = pytest.mark.skip(reason="big shape skipped by --bench-quick / FASTATTN_BENCH_QUICK")
+    for item in items:
+        if "big" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def threads():
+    """One thread count for every library: fastattn's default (honours OMP_NUM_THREADS)."""
+    import fastattn
+    from fastattn.bench import blas_threads
+
+    n = fastattn.get_num_threads()
+    with blas_threads(n):
+        yield n
+
+
+@pytest.fixture(autouse=True)
+def _pause():
+    # Setup, outside the timed region: let the previous test's idle OpenMP/OpenBLAS workers
+    # stop spinning before this one starts (see fastattn.bench).
+    time.sleep(0.05)
+    yield

@@ -1,0 +1,85 @@
+"""fastattn, the NumPy reference and PyTorch side by side, one benchmark group per SPEC
+section 5 shape (see fastattn/bench.py for the shapes and `python -m fastattn bench` for the
+table with GFLOP/s and speed-ups).
+
+Inputs are made once per shape (cached), outside the timed region; every library runs on
+the same thread count.
+"""
+import functools
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference
+from fastattn.bench import SHAPES, _reference_slice, _tolerance, make_inputs
+
+# Shapes that finish in well under a second for every library, the reference included;
+# the others are marked "big" and skipped by --bench-quick.
+QUICK_SHAPES = frozenset({"tiny", "small", "decode-4k"})
+
+
+def shape_params():
+    """One pytest.param per SPEC section 5 shape, each its own benchmark group."""
+    return [pytest.param(s, id=s.name,
+                         marks=[pytest.mark.benchmark(group=s.name)]
+                         + ([] if s.name in QUICK_SHAPES else [pytest.mark.big]))
+            for s in SHAPES]
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs(shape):
+    # Made once per shape (all of them together are < 50 MB), outside any timed region.
+    return make_inputs(shape)
+
+
+# Reference: float64 score matrix of (Hq, Lq, Lk). long-8k is skipped (several seconds and
+# ~2 GB per call); prefill-4k-causal runs a single round.
+REFERENCE_SKIP = {"long-8k": "reference materialises an 8192x8192 float64 score matrix "
+                             "(seconds and GBs per call); see `python -m fastattn bench`"}
+REFERENCE_ROUNDS = {"prefill-4k-causal": 1, "prefill-1k": 2, "prefill-1k-causal": 2,
+                    "prefill-1k-f64": 2}
+
+
+@pytest.mark.parametrize("shape", shape_params())
+def test_fastattn(benchmark, shape, threads):
+    q, k, v = _inputs(shape)
+    out = np.empty((1, shape.hq, shape.lq, shape.dv), shape.dtype)
+    benchmark.extra_info.update(threads=threads, shape=shape.describe())
+    with fastattn.num_threads(threads):
+        result = benchmark(fastattn.attention, q, k, v, causal=shape.causal, out=out)
+    # A fast but wrong kernel must not pass: check a slice against the reference.
+    (qs, ks, vs), (heads_q, rows) = _reference_slice(shape, q, k, v)
+    want = reference.attention(qs, ks, vs, causal=shape.causal)
+    np.testing.assert_allclose(result[:, heads_q, shape.lq - rows:], want,
+                               atol=_tolerance(shape.dtype), rtol=0)
+
+
+@pytest.mark.parametrize("shape", shape_params())
+def test_reference(benchmark, shape, threads):
+    if shape.name in REFERENCE_SKIP:
+        pytest.skip(REFERENCE_SKIP[shape.name])
+    q, k, v = _inputs(shape)
+    benchmark.extra_info.update(threads=threads, shape=shape.describe())
+    rounds = REFERENCE_ROUNDS.get(shape.name, 3)
+    benchmark.pedantic(reference.attention, args=(q, k, v), kwargs={"causal": shape.causal},
+                       rounds=rounds, iterations=1, warmup_rounds=1 if rounds > 1 else 0)
+
+
+@pytest.mark.parametrize("shape", shape_params())
+def test_torch(benchmark, shape, threads):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(a) for a in _inputs(shape))
+    kwargs = {"is_causal": shape.causal}
+    if shape.hq != shape.hkv:
+        kwargs["enable_gqa"] = True
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    benchmark.extra_info.update(threads=threads, shape=shape.describe(),
+                                torch=torch.__version__)
+    try:
+        with torch.inference_mode():
+            benchmark(sdpa, q, k, v, **kwargs)
+    finally:
+        torch.set_num_threads(old)
