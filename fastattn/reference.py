@@ -282,6 +282,12 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
                                              batch_shape, Hq, Lq, Lk, D)
     weights, lse = _softmax_rows(scores, visible)
     v64 = _expand_kv_heads(v.astype(np.float64), Hq)
+    if kv_lengths is not None:
+        # Keys at j >= kv_lengths[b] do not exist (e.g. the unused tail of a preallocated
+        # KV cache, which may hold garbage): zero their values so that a weight of 0 times
+        # a NaN there cannot leak into the weighted sum.
+        length = _check_kv_lengths(kv_lengths, batch_shape, Lk)[..., None, None, None]
+        v64 = np.where(np.arange(Lk)[:, None] < length, v64, 0.0)
     context = weights @ v64  # (..., Hq, Lq, Dv): the weighted sum of the values
     context = np.broadcast_to(context, result_shape)
 

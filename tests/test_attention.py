@@ -189,6 +189,17 @@ def test_kv_lengths_equals_sliced_keys(rng):
         assert_close(out[b], sliced)
 
 
+def test_kv_lengths_ignores_garbage_padding(rng, strict_warnings):
+    # A preallocated cache: whatever lies beyond kv_lengths (here NaN/inf) never matters.
+    q, k, v = make_qkv(rng, (3, 2, 6, 8), (3, 2, 300, 8), (3, 2, 300, 8))
+    lengths = np.array([0, 100, 257])
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.inf
+    check(q, k, v, causal=True, kv_lengths=lengths)
+    check(q, k, v, kv_lengths=lengths, window=(4, 4))
+
+
 # --------------------------------------------------------------------------- masks
 
 @pytest.mark.parametrize("kind", ["bool", "float", "float32"])

@@ -1,0 +1,209 @@
+"""Bitwise reproducibility: a query row's result does not depend on how the work is cut.
+
+The contract: for one build and machine, the result for one query row is bitwise identical
+whatever the number of threads, the batch size, the other query rows in the call (Lq), and
+whether it comes from one prefill call or from a decode step against the same keys. That is
+what makes KV-cache decoding agree exactly with a causal prefill, so it is tested with
+byte equality, never with a tolerance.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import fastattn
+
+from conftest import make_qkv
+
+
+def assert_bitwise(a, b, what=""):
+    """Same dtype, same shape, same bytes (so -0.0 != 0.0 and NaN payloads count too)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    if a.tobytes() != b.tobytes():
+        diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+        raise AssertionError(f"{what}: not bitwise equal; {np.count_nonzero(diff)} entries "
+                             f"differ, max |diff| {np.nanmax(diff, initial=0):.3g}")
+
+
+# (batch, Hq, Hkv, Lq, Lk, D, Dv): past a block, odd, GQA, MQA, and Lk > 1000.
+SHAPES = [
+    ((2,), 2, 2, 33, 33, 16, 16),
+    ((1,), 4, 2, 77, 300, 64, 32),
+    ((2,), 8, 1, 5, 1100, 64, 64),
+    ((1,), 2, 2, 300, 1030, 128, 128),
+    ((3,), 3, 1, 129, 129, 5, 7),
+]
+DTYPES = [np.float32, np.float64]
+
+
+def _inputs(rng, shape, dtype):
+    batch, Hq, Hkv, Lq, Lk, D, Dv = shape
+    return make_qkv(rng, (*batch, Hq, Lq, D), (*batch, Hkv, Lk, D), (*batch, Hkv, Lk, Dv), dtype)
+
+
+# --------------------------------------------------------------------------- threads
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_thread_count(rng, shape, dtype, causal):
+    q, k, v = _inputs(rng, shape, dtype)
+    results = []
+    for n in (1, 2, 3):
+        with fastattn.num_threads(n):
+            results.append(fastattn.attention(q, k, v, causal=causal, return_lse=True))
+    for n, (out, lse) in zip((2, 3), results[1:]):
+        assert_bitwise(out, results[0][0], f"out, {n} threads vs 1")
+        assert_bitwise(lse, results[0][1], f"lse, {n} threads vs 1")
+
+
+def test_num_threads_context_restores():
+    before = fastattn.get_num_threads()
+    with fastattn.num_threads(1):
+        assert fastattn.get_num_threads() == 1
+    assert fastattn.get_num_threads() == before
+
+
+# --------------------------------------------------------------------------- batch, rows
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_of_one_vs_three(rng, dtype, causal):
+    q, k, v = _inputs(rng, ((3,), 4, 2, 65, 300, 32, 32), dtype)
+    full = fastattn.attention(q, k, v, causal=causal)
+    for b in range(3):
+        alone = fastattn.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal)
+        assert_bitwise(alone, full[b:b + 1], f"batch element {b}")
+        # ... and without the batch dim at all.
+        assert_bitwise(fastattn.attention(q[b], k[b], v[b], causal=causal), full[b])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [None, (40, 0)])
+def test_single_row_vs_full_call(rng, shape, dtype, window):
+    # With bottom-right causal alignment, row i of an (Lq, Lk) call sees keys
+    # [0, Lk - Lq + i]: the same as a one-row call against those keys only.
+    q, k, v = _inputs(rng, shape, dtype)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    full, lse = fastattn.attention(q, k, v, causal=True, window=window, return_lse=True)
+    for i in sorted({0, 1, Lq // 2, Lq - 2, Lq - 1} & set(range(Lq))):
+        n = Lk - Lq + i + 1
+        if n <= 0:
+            continue
+        row, row_lse = fastattn.attention(q[..., i:i + 1, :], k[..., :n, :], v[..., :n, :],
+                                          causal=True, window=window, return_lse=True)
+        assert_bitwise(row, full[..., i:i + 1, :], f"row {i}")
+        assert_bitwise(row_lse, lse[..., i:i + 1], f"lse row {i}")
+    # Without causal, a row against all keys equals that row of a non-causal call.
+    nc = fastattn.attention(q, k, v, window=window)
+    assert_bitwise(fastattn.attention(q[..., -1:, :], k, v, window=window), nc[..., -1:, :],
+                   "non-causal row")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_prefill(rng, dtype, causal):
+    # The first rows computed as their own (shorter) call: other rows in the call (Lq)
+    # do not change them.
+    q, k, v = _inputs(rng, ((2,), 4, 2, 300, 300, 64, 64), dtype)
+    full = fastattn.attention(q, k, v, causal=causal)
+    for start, stop in [(0, 5), (0, 129), (5, 6), (100, 300), (257, 300)]:
+        n = stop if causal else k.shape[-2]  # keys the chunk may see (bottom-right alignment)
+        part = fastattn.attention(q[..., start:stop, :], k[..., :n, :], v[..., :n, :],
+                                  causal=causal)
+        assert_bitwise(part, full[..., start:stop, :], f"rows {start}:{stop}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gqa_heads_alone(rng, dtype):
+    # GQA may put the rows of several query heads in one tile; a head on its own agrees.
+    q, k, v = _inputs(rng, ((2,), 8, 2, 1, 1100, 64, 64), dtype)
+    full = fastattn.attention(q, k, v, causal=True)
+    for h in range(8):
+        g = h // 4
+        alone = fastattn.attention(q[:, h:h + 1], k[:, g:g + 1], v[:, g:g + 1], causal=True)
+        assert_bitwise(alone, full[:, h:h + 1], f"head {h}")
+
+
+# --------------------------------------------------------------------------- decode
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq, Hkv, L, D", [(2, 2, 70, 16), (8, 2, 300, 64), (4, 1, 1100, 32)])
+def test_decode_steps_match_prefill(rng, dtype, Hq, Hkv, L, D):
+    q, k, v = make_qkv(rng, (1, Hq, L, D), (1, Hkv, L, D), (1, Hkv, L, D), dtype)
+    prefill, prefill_lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    steps = list(range(min(L, 40))) + list(range(max(L - 40, 40), L))
+    for t in steps:
+        # Decode step t: one new query against the cache of keys 0..t (Lq = 1).
+        out, lse = fastattn.attention(q[..., t:t + 1, :], k[..., :t + 1, :], v[..., :t + 1, :],
+                                      causal=True, return_lse=True)
+        assert_bitwise(out, prefill[..., t:t + 1, :], f"decode step {t}")
+        assert_bitwise(lse, prefill_lse[..., t:t + 1], f"decode lse {t}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_padded_cache(rng, dtype):
+    # A preallocated cache of capacity 1100 with kv_lengths = t + 1 agrees with the sliced
+    # cache and with the prefill: padding beyond kv_lengths is never read into the result.
+    q, k, v = make_qkv(rng, (2, 4, 600, 32), (2, 2, 1100, 32), (2, 2, 1100, 32), dtype)
+    k[..., 600:, :] = np.nan  # garbage in the unused part of the cache
+    v[..., 600:, :] = np.nan
+    prefill = fastattn.attention(q, k[..., :600, :], v[..., :600, :], causal=True)
+    for t in (0, 1, 63, 64, 65, 299, 599):
+        out = fastattn.attention(q[..., t:t + 1, :], k, v, causal=True,
+                                 kv_lengths=np.array([t + 1, t + 1]))
+        assert_bitwise(out, prefill[..., t:t + 1, :], f"padded decode step {t}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_rows_alone(rng, dtype):
+    q, k, v = _inputs(rng, ((2,), 2, 2, 40, 300, 16, 16), dtype)
+    mask = rng.random((40, 300)) < 0.7
+    full = fastattn.attention(q, k, v, mask=mask)
+    for i in (0, 17, 39):
+        row = fastattn.attention(q[..., i:i + 1, :], k, v, mask=mask[i:i + 1])
+        assert_bitwise(row, full[..., i:i + 1, :], f"masked row {i}")
+
+
+# --------------------------------------------------------------------------- Python threads
+
+def test_concurrent_python_threads(rng):
+    calls = []
+    for shape, dtype, causal in [(SHAPES[1], np.float32, True), (SHAPES[2], np.float64, True),
+                                 (SHAPES[3], np.float32, False), (SHAPES[4], np.float64, True),
+                                 (SHAPES[0], np.float16, False), (SHAPES[2], np.float32, False)]:
+        calls.append((*_inputs(rng, shape, dtype), causal))
+
+    def run(call):
+        q, k, v, causal = call
+        return fastattn.attention(q, k, v, causal=causal, return_lse=True)
+
+    serial = [run(c) for c in calls]
+    work = calls * 4  # every call several times, interleaved across the threads
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        concurrent = list(pool.map(run, work))
+    for i, (out, lse) in enumerate(concurrent):
+        assert_bitwise(out, serial[i % len(calls)][0], f"concurrent call {i}")
+        assert_bitwise(lse, serial[i % len(calls)][1], f"concurrent lse {i}")
+
+
+def test_concurrent_threads_with_own_thread_counts(rng):
+    # num_threads() is a thread-local override: threads using different counts at the
+    # same time neither disturb each other's setting nor the results.
+    q, k, v = _inputs(rng, SHAPES[1], np.float32)
+    expected = fastattn.attention(q, k, v, causal=True)
+
+    def run(n):
+        with fastattn.num_threads(n):
+            results = [fastattn.attention(q, k, v, causal=True) for _ in range(3)]
+            return fastattn.get_num_threads(), results
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outcomes = list(pool.map(run, [1, 2, 1, 2, 3, 1]))
+    for n, (seen, results) in zip([1, 2, 1, 2, 3, 1], outcomes):
+        assert seen == n
+        for r in results:
+            assert_bitwise(r, expected, f"thread with num_threads({n})")
