@@ -508,8 +508,9 @@ def test_other_errors():
 
 def test_kv_lengths_padding_is_never_read(rng, strict_warnings):
     # Keys beyond kv_lengths do not exist: NaN/inf there (an unused cache tail) is ignored.
-    q, k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 8, 4)), rng.standard_normal((2, 8, 2))
+    q = rng.standard_normal((2, 1, 3, 4))
+    k, v = rng.standard_normal((2, 1, 8, 4)), rng.standard_normal((2, 1, 8, 2))
     lengths = np.array([5, 0])
     clean = ref.attention(q, k, v, kv_lengths=lengths)
-    k[0, 5:], v[0, 5:], k[1], v[1] = np.nan, np.inf, np.nan, np.nan
+    k[0, :, 5:], v[0, :, 5:], k[1], v[1] = np.nan, np.inf, np.nan, np.nan
     np.testing.assert_array_equal(ref.attention(q, k, v, kv_lengths=lengths), clean)
