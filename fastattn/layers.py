@@ -306,7 +306,7 @@ class KVCache:
             hi = np.arange(h)[None, :, None]
             kb[bi, hi, rows] = k.reshape(kb.shape[:2] + (L, k.shape[-1]))
             vb[bi, hi, rows] = v.reshape(vb.shape[:2] + (L, v.shape[-1]))
-        self._lengths = old + new
+        self._lengths = np.asarray(old + new, dtype=np.int64)   # stays an array when batch == ()
         return old
 
     def _grow(self, needed):
@@ -360,6 +360,9 @@ class MultiHeadAttention:
         dtype of the initial weights (default float32).
     seed : int or numpy Generator, optional
         Seed of the weight initialisation.
+    scale : float, optional
+        Score scale; default ``1/sqrt(d_head)`` (``1.0`` reproduces the seed
+        notebooks' unscaled scores).
     rope : bool
         Apply rotary embeddings (``fastattn.rope``, half-split convention) to
         queries and keys, at their absolute positions (cache-aware).
@@ -375,8 +378,7 @@ class MultiHeadAttention:
     b_q, b_k, b_v, b_o : matching 1-d biases, or None
 
     Head ``h`` uses columns ``h*d_head:(h+1)*d_head`` of ``w_q`` (and likewise
-    for the others), the layout of ``torch.nn.MultiheadAttention``.  Scores are
-    scaled by ``1/sqrt(d_head)``.  The initial weights are drawn like
+    for the others), the layout of ``torch.nn.MultiheadAttention``.  The initial weights are drawn like
     ``torch.nn.Linear``'s default: uniform in ``±1/sqrt(fan_in)``, with
     ``fan_in = d_model`` for ``w_q, w_k, w_v`` and ``n_heads * d_value`` for
     ``w_o``; biases start at zero (as in ``torch.nn.MultiheadAttention``).
@@ -393,7 +395,8 @@ class MultiHeadAttention:
     """
 
     def __init__(self, d_model, n_heads, *, n_kv_heads=None, d_head=None, d_value=None,
-                 bias=False, dtype=np.float32, seed=None, rope=False, rope_base=10000.0):
+                 bias=False, dtype=np.float32, seed=None, scale=None, rope=False,
+                 rope_base=10000.0):
         d_model = _positive_int(d_model, "d_model")
         n_heads = _positive_int(n_heads, "n_heads")
         n_kv_heads = n_heads if n_kv_heads is None else _positive_int(n_kv_heads, "n_kv_heads")
@@ -414,6 +417,7 @@ class MultiHeadAttention:
             raise ValueError(f"rope needs an even d_head, got d_head={d_head}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head, self.d_value, self.dtype = d_head, d_value, dtype
+        self.scale = None if scale is None else float(scale)
         self.rope, self.rope_base = bool(rope), float(rope_base)
 
         rng = np.random.default_rng(seed)
@@ -518,7 +522,8 @@ class MultiHeadAttention:
         W = self._weights()
         if cache is None:
             q, k, v = self._qkv(x, W)
-            o = _kernel().attention(q, k, v, causal=causal, mask=mask, kv_lengths=kv_lengths)
+            o = _kernel().attention(q, k, v, scale=self.scale, causal=causal, mask=mask,
+                                    kv_lengths=kv_lengths)
             return self._out(o, W)
 
         if not isinstance(cache, KVCache):
@@ -550,14 +555,16 @@ class MultiHeadAttention:
         lk = int(seen.max(initial=0))
         keys, values = cache._k[..., :lk, :], cache._v[..., :lk, :]
         lengths = None if seen.size == 0 or np.all(seen == lk) else seen
-        o = _kernel().attention(q, keys, values, causal=bool(causal), mask=mask, kv_lengths=lengths)
+        o = _kernel().attention(q, keys, values, scale=self.scale, causal=bool(causal), mask=mask,
+                                kv_lengths=lengths)
         return self._out(o, W), cache
 
     def attention_weights(self, x, *, causal=False, mask=None, kv_lengths=None):
         """Per-head attention probabilities ``(..., n_heads, L, L)`` for ``x`` (for inspection/plots)."""
         W = self._weights()
         q, k, _ = self._qkv(x, W)
-        return _kernel().attention_weights(q, k, causal=causal, mask=mask, kv_lengths=kv_lengths)
+        return _kernel().attention_weights(q, k, scale=self.scale, causal=causal, mask=mask,
+                                           kv_lengths=kv_lengths)
 
     # -- interop --------------------------------------------------------------
     @classmethod
