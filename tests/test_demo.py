@@ -1,0 +1,83 @@
+"""Tests of ``python -m fastattn demo`` (fastattn.demo.main) and its table formatting."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastattn import demo
+
+
+def test_demo_prints_the_seed_sentences_and_weights(capsys):
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    for text in ['"A cat sat on the mat"', '"I love you today"',
+                 "each session has a chair", "each person has a chair"]:
+        assert text in out
+    # Seed 001's weight row for "cat" (printed 0.1385 0.2379 0.2333 0.1240 0.1082 0.1581).
+    assert "cat   0.139   0.238   0.233   0.124   0.108   0.158" in out
+    # Seed 001's context vector for "cat".
+    assert "0.4419   0.6515   0.5683" in out
+    # Seed 000's contextualised "chair" in both sentences.
+    assert "3.4882   3.3862   3.1256" in out and "3.1256   3.3862   3.4882" in out
+    # Masked (causal) keys print as '.', and all 5 heads of the multi-head example appear.
+    assert "each    1.000        .        .        .        ." in out
+    assert all(f"head {h}:" in out for h in range(5))
+
+
+def test_demo_weight_tables_are_probabilities(capsys):
+    demo.main([])
+    rows = [line.split()[1:] for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith(("cat ", "love ", "chair "))]
+    numeric = [[float(c) for c in r if c != "."] for r in rows if r and r[0][0] in "0123456789."]
+    assert len(numeric) == 9           # cat, love (5 heads), chair (2 sentences + learned)
+    assert all(abs(sum(r) - 1) < 6e-3 for r in numeric)
+
+
+def test_demo_ignores_a_leading_demo_word_and_has_help(capsys):
+    assert demo.main(["demo"]) == 0
+    assert "A cat sat" in capsys.readouterr().out
+    assert demo.main(["--help"]) == 0
+    assert "--plot" in capsys.readouterr().out
+    assert demo.main(["--bogus"]) == 2
+
+
+def test_demo_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` fail
+    assert demo.main(["--plot", str(tmp_path / "plots")]) == 1
+    captured = capsys.readouterr()
+    assert "pip install matplotlib" in captured.err
+    assert captured.out == ""                               # fails before printing tables
+    assert not (tmp_path / "plots").exists()
+
+
+def test_demo_plot_writes_heatmaps(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert demo.main(["--plot", str(tmp_path)]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["01_cat_sat_on_the_mat.png", "02_i_love_you_today.png",
+                     "03_each_person_has_a_chair.png", "03_each_session_has_a_chair.png",
+                     "03b_learned_projections.png"]
+    assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in files)
+    assert "saved 5 heatmaps" in capsys.readouterr().out
+
+
+def test_format_table_labels_and_hidden_cells():
+    text = demo.format_table(np.array([[1.0, 0.0], [0.25, 0.75]]), ["a", "bb"],
+                             hidden=np.array([[False, True], [False, False]]), decimals=2)
+    lines = text.splitlines()
+    assert lines[0].split() == ["query", "\\", "key", "a", "bb"]
+    assert lines[1].split() == ["a", "1.00", "."]
+    assert lines[2].split() == ["bb", "0.25", "0.75"]
+    with pytest.raises(ValueError, match="weights"):
+        demo.format_table(np.ones((2, 3)), ["a", "b"])
+
+
+def test_python_m_fastattn_demo_runs():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "fastattn", "demo"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "each person has a chair" in proc.stdout
