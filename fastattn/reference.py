@@ -36,7 +36,8 @@ Visibility, in the notation of the contract (``Lq`` queries, ``Lk`` keys, ``Lk``
 ``kv_lengths[b]`` for batch element ``b`` when given)::
 
     key j exists          iff  j < Lk
-    causal=True           iff  j <= i + (Lk - Lq)            (bottom-right aligned)
+    causal=True           iff  j <= i + (Lk - Lq)            (bottom-right aligned;
+                                                              also causal="bottom-right")
     causal="top-left"     iff  j <= i                        (PyTorch's is_causal)
     window=(left, right)  iff  i + (Lk-Lq) - left <= j <= i + (Lk-Lq) + right   (-1: unbounded)
     boolean mask          iff  mask[..., h, i, j] is True
@@ -127,8 +128,11 @@ def _expand_kv_heads(x, Hq):
 
 def _check_causal(causal):
     if isinstance(causal, str):
+        if causal == "bottom-right":  # the explicit spelling of causal=True
+            return True
         if causal != "top-left":
-            raise ValueError(f"causal must be True, False or 'top-left', got {causal!r}")
+            raise ValueError(
+                f"causal must be True, False, 'top-left' or 'bottom-right', got {causal!r}")
         return causal
     if isinstance(causal, (bool, np.bool_)):
         return bool(causal)
@@ -202,8 +206,9 @@ def _scores_and_visibility(q, k, scale, causal, window, mask, kv_lengths, batch_
                            Hq, Lq, Lk, D):
     """Scaled float64 scores (..., Hq, Lq, Lk) with hidden keys at -inf, plus visibility."""
     if scale is None:
-        # An empty dot product (D == 0) is 0 whatever the scale; avoid 1/sqrt(0).
-        scale = 1.0 / np.sqrt(D) if D > 0 else 1.0
+        if D == 0:
+            raise ValueError("scale=None needs a head dimension D >= 1 (q.shape[-1] is 0)")
+        scale = 1.0 / np.sqrt(D)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
                                                                       np.floating)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")

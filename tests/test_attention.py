@@ -157,6 +157,8 @@ def test_causal_is_window_minus_one_zero(rng):
     q, k, v = make_qkv(rng, (2, 40, 8), (2, 300, 8), (2, 300, 8))
     np.testing.assert_array_equal(fastattn.attention(q, k, v, causal=True),
                                   fastattn.attention(q, k, v, window=(-1, 0)))
+    np.testing.assert_array_equal(fastattn.attention(q, k, v, causal=True),
+                                  fastattn.attention(q, k, v, causal="bottom-right"))
 
 
 # --------------------------------------------------------------------------- kv_lengths

@@ -514,3 +514,11 @@ def test_kv_lengths_padding_is_never_read(rng, strict_warnings):
     clean = ref.attention(q, k, v, kv_lengths=lengths)
     k[0, :, 5:], v[0, :, 5:], k[1], v[1] = np.nan, np.inf, np.nan, np.nan
     np.testing.assert_array_equal(ref.attention(q, k, v, kv_lengths=lengths), clean)
+
+
+def test_causal_bottom_right_spelling(rng):
+    q, k, v = rng.standard_normal((3, 4)), rng.standard_normal((6, 4)), rng.standard_normal((6, 2))
+    np.testing.assert_array_equal(ref.attention(q, k, v, causal="bottom-right"),
+                                  ref.attention(q, k, v, causal=True))
+    with pytest.raises(ValueError):
+        ref.attention(q[:, :0], k[:, :0], v)  # scale=None with D = 0 has no meaning

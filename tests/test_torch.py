@@ -1,0 +1,121 @@
+"""fastattn against PyTorch's scaled_dot_product_attention, when torch is installed.
+
+This pins the meaning shared with PyTorch: the boolean mask (True = may attend), the
+additive float mask, ``is_causal`` (= fastattn's causal for Lq == Lk, and "top-left"
+otherwise), ``scale``, and GQA's head grouping. Comparisons are in float64 (torch computes
+float64 on CPU) so the tolerance is the float64 one; one float32 check allows for both
+sides' float32 rounding. Rows that see no key are avoided: torch returns NaN there, where
+the contract says zeros.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import fastattn  # noqa: E402
+
+from conftest import assert_close, make_qkv  # noqa: E402
+
+
+
+def _has_gqa():
+    # The function is a builtin without an inspectable signature: just try the keyword.
+    try:
+        F.scaled_dot_product_attention(torch.ones(1, 2, 1, 1), torch.ones(1, 1, 1, 1),
+                                       torch.ones(1, 1, 1, 1), enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+HAS_GQA = _has_gqa()
+
+
+def sdpa(q, k, v, mask=None, **kw):
+    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+    with torch.no_grad():
+        return F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=t(mask), **kw).numpy()
+
+
+@pytest.mark.parametrize("L", [1, 7, 64, 257])
+@pytest.mark.parametrize("D", [5, 64])
+def test_is_causal_square(rng, L, D):
+    q, k, v = make_qkv(rng, (2, 3, L, D), (2, 3, L, D), (2, 3, L, D), np.float64)
+    expected = sdpa(q, k, v, is_causal=True)
+    assert_close(fastattn.attention(q, k, v, causal=True), expected)
+    assert_close(fastattn.attention(q, k, v, causal="top-left"), expected)
+    assert_close(fastattn.attention(q, k, v), sdpa(q, k, v))
+
+
+@pytest.mark.parametrize("Lq, Lk", [(5, 33), (33, 5), (1, 300), (257, 300)])
+def test_is_causal_top_left(rng, Lq, Lk):
+    # torch's is_causal is top-left aligned (j <= i) for Lq != Lk; every row sees key 0.
+    q, k, v = make_qkv(rng, (2, Lq, 16), (2, Lk, 16), (2, Lk, 8), np.float64)
+    assert_close(fastattn.attention(q, k, v, causal="top-left"), sdpa(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("Lq, Lk", [(5, 33), (1, 300), (257, 300)])
+def test_bottom_right_is_shifted_tril(rng, Lq, Lk):
+    # fastattn's causal=True for Lq <= Lk is torch with the mask tril(k=Lk-Lq).
+    q, k, v = make_qkv(rng, (2, Lq, 16), (2, Lk, 16), (2, Lk, 8), np.float64)
+    mask = np.tril(np.ones((Lq, Lk), bool), k=Lk - Lq)
+    assert_close(fastattn.attention(q, k, v, causal=True), sdpa(q, k, v, mask))
+
+
+@pytest.mark.parametrize("mask_shape", [(9, 40), (1, 40), (2, 1, 40), (3, 2, 9, 40)])
+def test_bool_and_float_masks(rng, mask_shape):
+    q, k, v = make_qkv(rng, (3, 2, 9, 16), (3, 2, 40, 16), (3, 2, 40, 8), np.float64)
+    bool_mask = rng.random(mask_shape) < 0.7
+    bool_mask[..., 0] = True  # no empty rows: torch gives NaN there
+    assert_close(fastattn.attention(q, k, v, mask=bool_mask), sdpa(q, k, v, bool_mask))
+    float_mask = np.where(bool_mask, rng.standard_normal(mask_shape), -np.inf)
+    assert_close(fastattn.attention(q, k, v, mask=float_mask), sdpa(q, k, v, float_mask))
+
+
+@pytest.mark.parametrize("window", [(3, 0), (2, 2), (-1, 5)])
+def test_window_as_mask(rng, window):
+    Lq, Lk = 20, 50
+    q, k, v = make_qkv(rng, (2, Lq, 8), (2, Lk, 8), (2, Lk, 8), np.float64)
+    i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
+    left, right = window
+    off = Lk - Lq
+    mask = np.ones((Lq, Lk), bool)
+    if left != -1:
+        mask &= j >= i + off - left
+    if right != -1:
+        mask &= j <= i + off + right
+    assert_close(fastattn.attention(q, k, v, window=window), sdpa(q, k, v, mask))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.05, 2.0])
+def test_scale(rng, scale):
+    q, k, v = make_qkv(rng, (2, 2, 7, 16), (2, 2, 33, 16), (2, 2, 33, 4), np.float64)
+    assert_close(fastattn.attention(q, k, v, scale=scale, causal=True),
+                 sdpa(q, k, v, scale=scale, is_causal=False,
+                      mask=np.tril(np.ones((7, 33), bool), k=26)))
+
+
+@pytest.mark.skipif(not HAS_GQA, reason="this torch has no enable_gqa")
+@pytest.mark.parametrize("Hq, Hkv", [(4, 2), (8, 1), (6, 3)])
+def test_gqa(rng, Hq, Hkv):
+    q, k, v = make_qkv(rng, (2, Hq, 33, 16), (2, Hkv, 33, 16), (2, Hkv, 33, 8), np.float64)
+    assert_close(fastattn.attention(q, k, v, causal=True),
+                 sdpa(q, k, v, is_causal=True, enable_gqa=True))
+
+
+def test_float32(rng):
+    q, k, v = make_qkv(rng, (2, 4, 300, 64), (2, 4, 300, 64), (2, 4, 300, 64), np.float32)
+    out = fastattn.attention(q, k, v, causal=True)
+    assert out.dtype == np.float32
+    # Both sides are within the float32 tolerance of the exact result: allow twice that.
+    np.testing.assert_allclose(out, sdpa(q, k, v, is_causal=True), rtol=2e-5, atol=4e-6)
+
+
+def test_seed_001_context_vectors():
+    # Seed 001 ran torch in float32 on these inputs, unscaled (scores = inputs @ inputs.T).
+    x = np.array([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
+                  [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]], np.float32)
+    np.testing.assert_allclose(fastattn.attention(x, x, x, scale=1.0),
+                               sdpa(x, x, x, scale=1.0), rtol=1e-5, atol=2e-6)
