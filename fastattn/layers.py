@@ -474,7 +474,10 @@ class MultiHeadAttention:
     def _linear(x, w, b):
         y = x @ w
         if b is not None:
-            y += b   # y is a fresh array: add in place, no second temporary
+            if np.result_type(y, b) == y.dtype:
+                y += b       # y is a fresh array: add in place, no second temporary
+            else:
+                y = y + b    # e.g. integer weights with a float bias
         return y
 
     def _qkv(self, x, W, positions=None):
@@ -500,7 +503,10 @@ class MultiHeadAttention:
 
         Without a cache, ``causal``, ``mask`` (broadcastable to
         ``(..., n_heads, L, L)``) and ``kv_lengths`` (batch shape) mean exactly
-        what they mean for ``fastattn.attention``.
+        what they mean for ``fastattn.attention``.  For a right-padded batch of
+        causal sequences pass ``kv_lengths=lengths, causal="top-left"``
+        (``causal=True`` aligns each sequence's *last* real key with the last
+        row, the decoding convention).
 
         With ``cache=`` (a ``KVCache``), ``x`` holds the *new* tokens of each
         sequence.  Their keys and values are appended to the cache, the queries
@@ -582,11 +588,11 @@ class MultiHeadAttention:
         to the arrays' floating dtype; extra keywords (e.g. ``rope``) go to the
         constructor.
 
-        Examples
-        --------
-        >>> import torch                                        # doctest: +SKIP
-        >>> m = torch.nn.MultiheadAttention(16, 4, batch_first=True)
-        >>> mha = MultiHeadAttention.from_torch_state_dict(m.state_dict(), n_heads=4)
+        Example (with torch installed)::
+
+            m = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+            mha = MultiHeadAttention.from_torch_state_dict(m.state_dict(), n_heads=4)
+            # mha(x) == m(x, x, x, need_weights=False)[0] for x of shape (N, L, 16)
         """
         def get(name, required=True):
             key = prefix + name

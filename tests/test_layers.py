@@ -517,3 +517,17 @@ def test_from_torch_state_dict_errors(rng):
         MultiHeadAttention.from_torch_state_dict(separate, 2)
     with pytest.raises(ValueError, match="n_heads"):
         MultiHeadAttention.from_torch_state_dict(good, 3)
+
+
+def test_mha_integer_weights_float_bias_and_float16(rng):
+    m = MultiHeadAttention(4, 2, bias=True, dtype=np.float64)
+    m.w_q = np.eye(4, dtype=int)                    # user-assigned integer weights
+    m.b_q = np.full(4, 0.5)
+    x = rng.integers(-2, 3, (3, 4))
+    np.testing.assert_allclose(m(x), mha_oracle(m, x), **TOL64)
+    h = MultiHeadAttention(8, 2, dtype=np.float16, seed=0)
+    x16 = rng.standard_normal((5, 8)).astype(np.float16)
+    out = h(x16, causal=True)
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(out, mha_oracle(h, x16.astype(np.float64), causal=True),
+                               rtol=2e-2, atol=2e-3)
