@@ -191,6 +191,42 @@ def blas_threads(n):
     yield "default (could not set: no threadpoolctl, no OpenBLAS found)"
 
 
+def _system_cpu_seconds():
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat (Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    steal = fields[7] if len(fields) > 7 else 0
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+class OtherLoad:
+    """Share of the CPUs used by *other* processes (and stolen by the hypervisor) while we
+    measure: machine-wide busy time minus this process's own CPU time (all its threads,
+    spinning OpenMP workers included). Timings taken while this is high are not the
+    machine's; the table shows it so nobody trusts them by mistake."""
+
+    def __init__(self):
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        self._start = (time.perf_counter(), time.process_time(), _system_cpu_seconds())
+
+    def fraction(self):
+        """(other processes' share, stolen share) of all CPUs since creation, or None."""
+        wall0, own0, sys0 = self._start
+        sys1 = _system_cpu_seconds()
+        if sys0 is None or sys1 is None:
+            return None
+        capacity = (time.perf_counter() - wall0) * self.cpus
+        own = time.process_time() - own0
+        other = max(0.0, (sys1[0] - sys0[0]) - own)
+        return min(1.0, other / capacity), min(1.0, (sys1[1] - sys0[1]) / capacity)
+
+
 def _import_torch():
     try:
         import torch
@@ -284,6 +320,7 @@ def _reference_slice(shape, q, k, v):
 
 def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
     """Time and check one shape; return a JSON-ready dict."""
+    load = OtherLoad()
     q, k, v = make_inputs(shape)
     result = {
         "name": shape.name, "dtype": shape.dtype, "hq": shape.hq, "hkv": shape.hkv,
@@ -401,6 +438,9 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
             check["vs_reference_max_abs"] = diff
             check["ok"] = check["ok"] and diff <= tol * max(1.0, float(np.max(np.abs(want))))
     result["check"] = check
+    busy = load.fraction()
+    if busy is not None:
+        result["other_cpu_load"], result["cpu_steal"] = busy
 
     fa_res = result["libraries"].get("fastattn", {})
     for other in ("reference", "torch"):
@@ -431,12 +471,43 @@ def format_time(seconds, sym=None):
     return f"{seconds:.1f} s"
 
 
+def _rate(x):
+    # Three significant digits: the tiny shape runs at a few hundredths of a GFLOP/s.
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _percent(fraction):
+    return "<1%" if fraction < 0.01 else f"{100 * fraction:.0f}%"
+
+
+def _background(entry):
+    if entry.get("other_cpu_load") is None:
+        return None
+    return entry["other_cpu_load"] + (entry.get("cpu_steal") or 0.0)
+
+
+# Above this share of the CPUs used by others, timings say more about the neighbours.
+BUSY_WARNING = 0.10
+
+
+def load_warning(report):
+    """A warning line when other processes used the CPUs during the run, else None."""
+    busy = [(r["name"], _background(r)) for r in report["results"]]
+    busy = [(n, b) for n, b in busy if b is not None and b > BUSY_WARNING]
+    if not busy:
+        return None
+    worst = max(busy, key=lambda nb: nb[1])
+    return (f"WARNING: other processes used > {100 * BUSY_WARNING:.0f}% of the CPUs during "
+            f"{len(busy)} of {len(report['results'])} shapes (worst: {worst[0]}, "
+            f"{100 * worst[1]:.0f}%); those timings are not this machine's -- rerun when idle")
+
+
 def format_table(report):
     sym = _symbols()
     peaks = report["machine"]["peaks"]
     header = ["shape", "(Hq,Hkv,Lq,Lk,D)", "fastattn", "throughput", "% peak",
               "reference", f"{sym['x']} ref", "torch", f"{sym['x']} torch",
-              f"max|{sym['delta']}|", "check"]
+              f"max|{sym['delta']}|", "check", "bg load"]
     rows = []
     for r in report["results"]:
         libs = r["libraries"]
@@ -446,13 +517,12 @@ def format_table(report):
         if "median_s" in fa:
             row.append(format_time(fa["median_s"], sym))
             if r["kind"] == "decode":
-                row.append(f"{fa['gbs']:.1f} GB/s")
-                peak = peaks.get("read_gbs")
-                row.append(f"{100 * fa['gbs'] / peak:.0f}%" if peak else "?")
+                rate, unit, peak = fa["gbs"], "GB/s", peaks.get("read_gbs")
             else:
-                row.append(f"{fa['gflops']:.1f} GFLOP/s")
+                rate, unit = fa["gflops"], "GFLOP/s"
                 peak = peaks.get("dgemm_gflops" if r["dtype"] == "float64" else "sgemm_gflops")
-                row.append(f"{100 * fa['gflops'] / peak:.0f}%" if peak else "?")
+            row.append(f"{_rate(rate)} {unit}")
+            row.append(_percent(rate / peak) if peak else "?")
         else:
             row += ["ERROR", "", ""]
         for other in ("reference", "torch"):
@@ -471,6 +541,9 @@ def format_table(report):
         diffs = [c[key] for key in ("vs_torch_max_abs", "vs_reference_max_abs") if key in c]
         row.append(f"{max(diffs):.1e}" if diffs else sym["dash"])
         row.append("ok" if c.get("ok") else "FAIL")
+        # CPU share taken by other processes (or the hypervisor) while this row ran.
+        bg = _background(r)
+        row.append(_percent(bg) if bg is not None else "?")
         rows.append(row)
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     left = {0, 1}
@@ -502,7 +575,9 @@ def format_header(report):
         parts.append(f"dgemm {peaks['dgemm_gflops']:.1f} GFLOP/s")
     if "read_gbs" in peaks:
         parts.append(f"read bandwidth {peaks['read_gbs']:.1f} GB/s (sgemv)")
-    lines.append("measured peaks: " + (", ".join(parts) or "none"))
+    bg = m.get("other_cpu_load_during_peaks")
+    lines.append("measured peaks: " + (", ".join(parts) or "none")
+                 + (f" (bg load {100 * bg:.0f}%)" if bg is not None else ""))
     if m["env"]:
         lines.append("environment: " + " ".join(f"{k}={v}" for k, v in m["env"].items()))
     s = report["settings"]
@@ -510,7 +585,8 @@ def format_header(report):
         f"median of {s['repeat']} batches per library (reference: {s['reference_repeat_max']} at"
         f" most, 1 if a call takes > 2 s); libraries alternate with {int(PAUSE_S * 1000)} ms"
         f" pauses; fastattn writes into out=; % peak = of sgemm (dgemm for f64), of read"
-        f" bandwidth for decode" + ("; --quick" if s["quick"] else ""))
+        f" bandwidth for decode; bg load = CPU share used by other processes meanwhile"
+        + ("; --quick" if s["quick"] else ""))
     return "\n".join(lines)
 
 
@@ -669,12 +745,16 @@ def run(args, stdout=None, stderr=None):
         if torch is not None:
             machine["threads"]["torch"] = torch.get_num_threads()
         peak_repeat = 3 if args.quick else 5
+        peak_load = OtherLoad()
         peaks = {"sgemm_gflops": measure_matmul_peak(np.float32, peak_repeat)}
         if any(s.dtype == "float64" for s in shapes):
             peaks["dgemm_gflops"] = measure_matmul_peak(np.float64, peak_repeat)
         if any(s.decode for s in shapes):
             peaks["read_gbs"] = measure_read_bandwidth(peak_repeat, 256 if args.quick else 512)
         machine["peaks"] = peaks
+        busy = peak_load.fraction()
+        if busy is not None:
+            machine["other_cpu_load_during_peaks"] = busy[0] + busy[1]
         report = {
             "machine": machine,
             "settings": {"repeat": repeat, "reference_repeat_max": min(repeat, 3),
@@ -690,6 +770,9 @@ def run(args, stdout=None, stderr=None):
                 quick=args.quick))
     print(file=stdout)
     print(format_table(report), file=stdout, flush=True)
+    warning = load_warning(report)
+    if warning:
+        print(warning, file=stdout)
 
     status = EXIT_OK
     failed = [r["name"] for r in report["results"] if not r["check"].get("ok")]

@@ -76,7 +76,9 @@ def test_bench_quick_exit_status_and_table(quick_run):
     rows = {line.split()[0]: line for line in lines if line.split()[:1] in (["tiny"], ["small"])}
     assert set(rows) == {"tiny", "small"}
     for row in rows.values():
-        assert row.rstrip().endswith("ok")
+        check, bg_load = row.split()[-2:]
+        assert check == "ok"
+        assert bg_load.endswith("%") or bg_load == "?"
     assert "GFLOP/s" in proc.stdout
     assert "measured peaks: sgemm" in proc.stdout
 
@@ -111,6 +113,8 @@ def test_bench_quick_json(quick_run):
             assert positive_finite(torch_entry["median_s"])
             assert positive_finite(r["speedup_vs_torch"])
             assert 0 <= r["check"]["vs_torch_max_abs"] <= r["check"]["tolerance"]
+        if "other_cpu_load" in r:    # Linux: measured from /proc/stat
+            assert 0 <= r["other_cpu_load"] <= 1 and 0 <= r["cpu_steal"] <= 1
         check = r["check"]
         assert check["ok"] is True
         assert check["reference_slice"] == "whole output"
