@@ -1,6 +1,6 @@
 """Command line: ``python -m fastattn {bench,info,demo}``.
 
-Exit status: 0 success; 1 a benchmark correctness check failed (or a library raised);
+Exit status: 0 success; 1 a benchmark correctness check failed (or fastattn raised);
 2 bad command line; 3 an environment problem (fastattn not importable, matplotlib missing
 for ``--plot``). ``demo`` returns whatever ``fastattn.demo.main`` returns.
 

@@ -60,7 +60,7 @@ __all__ = ["Shape", "SHAPES", "QUICK_SKIP_REFERENCE", "make_inputs", "flops", "b
            "add_arguments", "run", "main"]
 
 EXIT_OK = 0
-EXIT_CHECK_FAILED = 1     # a correctness check failed or a library raised
+EXIT_CHECK_FAILED = 1     # a correctness check failed, or fastattn raised
 EXIT_USAGE = 2            # bad command line (argparse uses 2 as well)
 EXIT_ENVIRONMENT = 3      # an output that was asked for could not be produced (e.g. no matplotlib)
 
@@ -582,11 +582,12 @@ def format_header(report):
         lines.append("environment: " + " ".join(f"{k}={v}" for k, v in m["env"].items()))
     s = report["settings"]
     lines.append(
-        f"median of {s['repeat']} batches per library (reference: {s['reference_repeat_max']} at"
-        f" most, 1 if a call takes > 2 s); libraries alternate with {int(PAUSE_S * 1000)} ms"
-        f" pauses; fastattn writes into out=; % peak = of sgemm (dgemm for f64), of read"
-        f" bandwidth for decode; bg load = CPU share used by other processes meanwhile"
+        f"method: median of {s['repeat']} batches per library (reference: at most"
+        f" {s['reference_repeat_max']}, 1 if a call takes > 2 s);\n        libraries alternate"
+        f" with a {int(PAUSE_S * 1000)} ms pause before each batch; fastattn writes into out="
         + ("; --quick" if s["quick"] else ""))
+    lines.append("columns: % peak = of measured sgemm (dgemm for float64), of read bandwidth"
+                 " for decode;\n         bg load = CPU share used by other processes meanwhile")
     return "\n".join(lines)
 
 
