@@ -11,6 +11,7 @@ does not pay for the benchmark's imports.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EXIT_USAGE = 2
@@ -19,8 +20,11 @@ EXIT_USAGE = 2
 def _parser():
     from . import bench, info
 
+    # Installed as the `fastattn` console script too; name whichever the user typed.
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    prog = "python -m fastattn" if script in ("", "__main__.py", "-c") else script
     parser = argparse.ArgumentParser(
-        prog="python -m fastattn",
+        prog=prog,
         description="fastattn: fused scaled-dot-product attention for NumPy.")
     sub = parser.add_subparsers(dest="command", metavar="{bench,info,demo}")
     bench.add_arguments(sub.add_parser(
