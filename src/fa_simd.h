@@ -18,6 +18,9 @@
 #include <string.h>
 #include <stdint.h>
 #include <math.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #if !defined(__GNUC__) && !defined(__clang__)
 #error "fastattn's kernels need GCC or Clang vector extensions (MSVC: use clang-cl)"
@@ -38,21 +41,41 @@ typedef int64_t fa_vdi __attribute__((vector_size(FA_VBYTES)));
 #define FA_VL_D ((ptrdiff_t)(FA_VBYTES / sizeof(double)))
 
 #define FA_INLINE static inline __attribute__((always_inline))
+#define FA_NOINLINE static __attribute__((noinline))
 
 /* Unaligned loads/stores: memcpy of a whole vector compiles to one vmovups. */
 FA_INLINE fa_vf fa_load_f(const float* p) { fa_vf v; memcpy(&v, p, sizeof v); return v; }
 FA_INLINE void fa_store_f(float* p, fa_vf v) { memcpy(p, &v, sizeof v); }
-FA_INLINE fa_vf fa_bcast_f(float x) { return (fa_vf){0} + x; }
+/* Broadcast: a constructor with every lane equal compiles to one vbroadcastss/sd (from
+ * memory when x is a load); `(fa_vf){0} + x` would cost an extra add and a lane-filling
+ * loop is not recognised by GCC 12. */
+#if FA_VBYTES == 64
+#define FA_X8(x) x, x, x, x, x, x, x, x
+FA_INLINE fa_vf fa_bcast_f(float x) { return (fa_vf){FA_X8(x), FA_X8(x)}; }
+FA_INLINE fa_vd fa_bcast_d(double x) { return (fa_vd){FA_X8(x)}; }
+#else
+FA_INLINE fa_vf fa_bcast_f(float x) { return (fa_vf){x, x, x, x, x, x, x, x}; }
+FA_INLINE fa_vd fa_bcast_d(double x) { return (fa_vd){x, x, x, x}; }
+#endif
 FA_INLINE fa_vf fa_select_f(fa_vfi m, fa_vf a, fa_vf b)
 { return (fa_vf)(((fa_vfi)a & m) | ((fa_vfi)b & ~m)); }
-FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return fa_select_f(a > b, a, b); }
+
 
 FA_INLINE fa_vd fa_load_d(const double* p) { fa_vd v; memcpy(&v, p, sizeof v); return v; }
 FA_INLINE void fa_store_d(double* p, fa_vd v) { memcpy(p, &v, sizeof v); }
-FA_INLINE fa_vd fa_bcast_d(double x) { return (fa_vd){0} + x; }
 FA_INLINE fa_vd fa_select_d(fa_vdi m, fa_vd a, fa_vd b)
 { return (fa_vd)(((fa_vdi)a & m) | ((fa_vdi)b & ~m)); }
+#if FA_VBYTES == 64
+FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return (fa_vf)_mm512_max_ps((__m512)a, (__m512)b); }
+FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return (fa_vd)_mm512_max_pd((__m512d)a, (__m512d)b); }
+#elif defined(__AVX__)
+FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return (fa_vf)_mm256_max_ps((__m256)a, (__m256)b); }
+FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return (fa_vd)_mm256_max_pd((__m256d)a, (__m256d)b); }
+#else
+/* No single max instruction for a 32-byte vector on SSE2: compare and select. */
+FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return fa_select_f(a > b, a, b); }
 FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return fa_select_d(a > b, a, b); }
+#endif
 
 /*
  * exp(x), float lanes.  Cephes' expf: x = n*ln2 + r with |r| <= ln2/2, a degree-6
@@ -62,15 +85,14 @@ FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return fa_select_d(a > b, a, b); }
  * Measured max error vs. float64 exp on [-87, 0]: see tests/test_exp.py (~1-2 ulp).
  * Below -87.33 (where exp would be subnormal) and for -inf the result is exactly 0: the
  * online softmax relies on exp(-inf) == 0 for hidden keys, and exp(0) is exactly 1.
- * NaN propagates.
+ * NaN propagates.  Domain: x <= 88 (the kernel only takes exp of score - running max <= 0);
+ * larger x overflow the exponent bits instead of giving inf.
  */
 FA_INLINE fa_vf fa_exp_f(fa_vf x)
 {
     const fa_vf magic = fa_bcast_f(12582912.0f);            /* 1.5 * 2^23 */
-    const fa_vf lo = fa_bcast_f(-87.33654f), hi = fa_bcast_f(88.3762626647949f);
-    fa_vfi under = x < lo;
-    x = fa_select_f(under, lo, x);
-    x = fa_select_f(x > hi, hi, x);
+    const fa_vf lo = fa_bcast_f(-87.33654f);
+    const fa_vfi under = x < lo;   /* -inf included; garbage lanes are replaced below */
     fa_vf t = x * 1.44269504088896341f + magic;
     fa_vfi n = (fa_vfi)t - (fa_vfi)magic;
     fa_vf fn = t - magic;
@@ -94,10 +116,8 @@ FA_INLINE fa_vf fa_exp_f(fa_vf x)
 FA_INLINE fa_vd fa_exp_d(fa_vd x)
 {
     const fa_vd magic = fa_bcast_d(6755399441055744.0);      /* 1.5 * 2^52 */
-    const fa_vd lo = fa_bcast_d(-708.3964185322641), hi = fa_bcast_d(709.0);
-    fa_vdi under = x < lo;
-    x = fa_select_d(under, lo, x);
-    x = fa_select_d(x > hi, hi, x);
+    const fa_vd lo = fa_bcast_d(-708.3964185322641);
+    const fa_vdi under = x < lo;
     fa_vd t = x * 1.4426950408889634074 + magic;
     fa_vdi n = (fa_vdi)t - (fa_vdi)magic;
     fa_vd fn = t - magic;

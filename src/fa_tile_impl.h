@@ -9,19 +9,21 @@
  *   acc[r*ldacc + c]  the unnormalised output tile
  *
  * Each kernel has exactly one variant, used by every call path (prefill, decode, edge
- * tiles, padded rows): the arithmetic a row sees is always the same instruction sequence,
- * which keeps results bitwise reproducible (SPEC §1).
+ * tiles, padded rows), and is kept out of line (FA_NOINLINE): the arithmetic a row sees is
+ * always the same machine code, which keeps results bitwise reproducible (SPEC §1), and
+ * each kernel gets the whole register file instead of sharing it with the caller's loop.
  */
 
 /*
  * Score micro-tile: FA_MR_K keys x 2 vectors of query rows.
- *   s[jj*lds + c] = scale * sum_d k_jj[d] * qt[d*ldqt + c]
- * Broadcast-FMA: one key element broadcast, times a contiguous vector of packed queries;
- * 12 accumulators + 2 query vectors + 1 broadcast fit the 16 registers of AVX2.  The sum
- * over d is a plain sequential chain per lane (the canonical order of a score).
+ *   s[jj*lds + c] = scale * sum_d kr[jj][d] * qt[d*ldqt + c]
+ * Broadcast-FMA: one key element broadcast (straight from K's rows, any row stride), times a
+ * contiguous vector of packed queries; 12 accumulators + 2 query vectors + 1 broadcast fit
+ * the 16 registers of AVX2.  The sum over d is a plain sequential chain per lane: the
+ * canonical order of a score, whichever tile or call computes it.
  */
-FA_INLINE void FA_FN(fa_score_tile)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
-                                   ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
+FA_NOINLINE void FA_FN(fa_score_tile)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
+                                     ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
 {
     const T *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
     V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
@@ -62,7 +64,7 @@ FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds)
  * before; a row that sees nothing keeps m = -inf, l = 0 and gets p = 0: a block hidden
  * from a row leaves its state bit-for-bit unchanged, so skipping it is equivalent.
  */
-FA_INLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, T* m, T* l, T* alpha)
+FA_NOINLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, T* m, T* l, T* alpha)
 {
     const V ninf = BCAST(-INFINITY), zero = BCAST(0), one = BCAST(1);
     V mb = ninf;
@@ -90,7 +92,7 @@ FA_INLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, T* m, T
  * p == 0 contribute exactly nothing, so callers may shorten [0, nj) to the keys visible
  * to any of these rows.
  */
-FA_INLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                 const T* v, ptrdiff_t ldv,
                                 T* acc, ptrdiff_t ldacc, const T* alpha)
 {
