@@ -9,6 +9,14 @@ import warnings
 import numpy as np
 import pytest
 
+try:
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # hypothesis is only needed by the randomised tests
+    pass
+else:
+    # For hunting bugs before a release: `pytest --hypothesis-profile=thorough`.
+    _hypothesis_settings.register_profile("thorough", max_examples=3000, deadline=None)
+
 # (rtol, atol) for comparing a kernel result with the float64 reference, per result dtype.
 #
 # float64: both sides compute in float64. They differ only in summation order (blocked

@@ -16,6 +16,10 @@ from fastattn import reference as ref
 
 from conftest import assert_close, make_qkv, max_error, merge_partials
 
+# No call in this file may warn (overflow, invalid value in exp/log/divide, ...): the
+# contract promises neither NaN nor warnings, hidden rows included.
+pytestmark = pytest.mark.filterwarnings("error")
+
 
 def check(q, k, v, dtype=None, **kw):
     """Run kernel and reference with return_lse; compare output, lse, dtypes and shapes."""
@@ -115,6 +119,9 @@ def test_integer_seed_examples():
     # Seed 002's integer examples, unscaled: int64 in, float64 out, "Jiraiya" exactly.
     x = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
     check(x, x, x, scale=1.0)
+    # The seeds pass Python lists: they are arrays like any other.
+    np.testing.assert_array_equal(fastattn.attention(x.tolist(), x.tolist(), x.tolist(), scale=1.0),
+                                  fastattn.attention(x, x, x, scale=1.0))
     x = np.array([[9, 31, 8], [106, 7, 0], [207, 15, 0]])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -395,3 +402,51 @@ def test_softmax_special_rows(strict_warnings):
     np.testing.assert_allclose(fastattn.softmax([1, 2, 3]),
                                [0.09003057317038284, 0.24472847105480003, 0.6652409557748171],
                                rtol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Hq, Hkv", [(2, 2), (4, 1)])
+def test_float16_long(rng, causal, Hq, Hkv):
+    # float16 over many keys: the float32 accumulation must keep one float16 rounding.
+    q, k, v = make_qkv(rng, (Hq, 257, 128), (Hkv, 1030, 128), (Hkv, 1030, 64), np.float16)
+    check(q, k, v, causal=causal)
+
+
+# --------------------------------------------------------------------------- random combos
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def attention_case(draw):
+    """A random, valid call: shapes, GQA, batch broadcast, causal, window, lengths, mask."""
+    group = draw(st.sampled_from([1, 2, 3]))
+    Hkv = draw(st.integers(1, 2))
+    Lq, Lk = draw(st.integers(0, 70)), draw(st.integers(0, 140))
+    D, Dv = draw(st.sampled_from([1, 3, 8, 16, 33])), draw(st.sampled_from([1, 4, 16, 19]))
+    qb, kb = draw(st.sampled_from([((1,), (2,)), ((2,), (1,)), ((2,), (2,)), ((3, 1), (1, 2))]))
+    kw = dict(causal=draw(st.sampled_from([False, True, "top-left"])))
+    if draw(st.booleans()):
+        kw["window"] = (draw(st.integers(-1, 20)), draw(st.integers(-1, 20)))
+    batch = np.broadcast_shapes(qb, kb)
+    if draw(st.booleans()):
+        kw["kv_lengths"] = np.array(draw(st.lists(st.integers(0, Lk), min_size=batch[-1],
+                                                  max_size=batch[-1])))
+    mask_kind = draw(st.sampled_from([None, "bool", "float"]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    return (qb, kb, group * Hkv, Hkv, Lq, Lk, D, Dv, kw, mask_kind, seed, dtype)
+
+
+# 100 examples by default (~3 s); `pytest --hypothesis-profile=thorough` runs 3000.
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(attention_case())
+def test_random_combinations(case):
+    qb, kb, Hq, Hkv, Lq, Lk, D, Dv, kw, mask_kind, seed, dtype = case
+    rng = np.random.default_rng(seed)
+    q, k, v = make_qkv(rng, (*qb, Hq, Lq, D), (*kb, Hkv, Lk, D), (*kb, Hkv, Lk, Dv), dtype)
+    if mask_kind == "bool":
+        kw["mask"] = rng.random((Hq, 1, Lk)) < 0.8
+    elif mask_kind == "float":
+        kw["mask"] = np.where(rng.random((Lq, Lk)) < 0.8, rng.standard_normal((Lq, Lk)), -np.inf)
+    check(q, k, v, **kw)
