@@ -450,3 +450,42 @@ def test_random_combinations(case):
     elif mask_kind == "float":
         kw["mask"] = np.where(rng.random((Lq, Lk)) < 0.8, rng.standard_normal((Lq, Lk)), -np.inf)
     check(q, k, v, **kw)
+
+
+# --------------------------------------------------------------------------- ISA variants
+
+_VARIANT_SCRIPT = """
+import sys
+import numpy as np
+import fastattn
+from fastattn import _dispatch, reference as ref
+sys.path.insert(0, {tests!r})
+from conftest import assert_close
+assert _dispatch.ISA == {isa!r}, _dispatch.ISA
+rng = np.random.default_rng(5)
+for dtype in (np.float32, np.float64, np.float16):
+    for (Lq, Lk, D, Dv) in [(1, 300, 64, 64), (33, 257, 5, 7), (257, 300, 128, 16)]:
+        q = rng.standard_normal((2, 4, Lq, D)).astype(dtype)
+        k = rng.standard_normal((2, 2, Lk, D)).astype(dtype)
+        v = rng.standard_normal((2, 2, Lk, Dv)).astype(dtype)
+        kw = dict(causal=True, window=(100, -1), kv_lengths=np.array([Lk, Lk // 2]))
+        assert_close(fastattn.attention(q, k, v, **kw), ref.attention(q, k, v, **kw), dtype)
+print("ok")
+"""
+
+
+def test_every_isa_variant(tmp_path):
+    # The CPU picks one compiled variant at import; the others must be right too (they run
+    # on other machines). Each is forced in a fresh interpreter with FASTATTN_ISA.
+    import os
+    import subprocess
+    import sys
+    from fastattn import _dispatch
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+    for isa in _dispatch.available_variants():
+        env = dict(os.environ, FASTATTN_ISA=isa, PYTHONPATH=root)
+        proc = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT.format(tests=tests, isa=isa)],
+                              env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", (isa, proc.stderr[-2000:])

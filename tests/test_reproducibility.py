@@ -207,3 +207,29 @@ def test_concurrent_threads_with_own_thread_counts(rng):
         assert seen == n
         for r in results:
             assert_bitwise(r, expected, f"thread with num_threads({n})")
+
+
+def test_omp_num_threads_environment(tmp_path):
+    # The default thread count honours OMP_NUM_THREADS, and a process running on one
+    # thread reproduces this process's result byte for byte.
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(11)
+    q, k, v = _inputs(rng, SHAPES[3], np.float32)
+    np.save(tmp_path / "q.npy", q), np.save(tmp_path / "k.npy", k), np.save(tmp_path / "v.npy", v)
+    expected = fastattn.attention(q, k, v, causal=True)
+    script = (
+        "import numpy as np, fastattn\n"
+        "q, k, v = (np.load(n + '.npy') for n in 'qkv')\n"
+        "print(fastattn.get_num_threads())\n"
+        "np.save('out.npy', fastattn.attention(q, k, v, causal=True))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1"]
+    assert_bitwise(np.load(tmp_path / "out.npy"), expected, "OMP_NUM_THREADS=1 process")
