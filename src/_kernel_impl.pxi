@@ -52,14 +52,22 @@ cdef extern from "fa_kernels.h" nogil:
                          float scale, float* s, Py_ssize_t lds)
     void fa_score_tile_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
                          double scale, double* s, Py_ssize_t lds)
-    void fa_score_hidden_f(float* s, Py_ssize_t lds)
-    void fa_score_hidden_d(double* s, Py_ssize_t lds)
+    void fa_score_tile1_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile1_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          double scale, double* s, Py_ssize_t lds)
+    void fa_score_hidden_f(float* s, Py_ssize_t lds, int nvec)
+    void fa_score_hidden_d(double* s, Py_ssize_t lds, int nvec)
     void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, float* m, float* l, float* alpha)
     void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, double* m, double* l, double* alpha)
     void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
                       float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
                       double* acc, Py_ssize_t ldacc, const double* alpha)
+    void fa_pv_tile1_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
+                       float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
+                       double* acc, Py_ssize_t ldacc, const double* alpha)
     void fa_exp_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp_array_d(const double* x, double* y, Py_ssize_t n)
     int fa_have_openmp()
@@ -128,14 +136,45 @@ cdef Py_ssize_t _workspace_elems(Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_lanes
             + D + 1)                          # zero key row for micro-tiles past the end
 
 
+cdef inline void _score(const floating** krows, const floating* qt, Py_ssize_t D,
+                        floating scale, floating* s, int nvec) noexcept nogil:
+    # One score micro-tile over 1 or 2 vectors of query rows (identical per-lane arithmetic).
+    if floating is float:
+        if nvec == 2:
+            fa_score_tile_f(krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        else:
+            fa_score_tile1_f(krows, qt, FA_BQ, D, scale, s, FA_BQ)
+    else:
+        if nvec == 2:
+            fa_score_tile_d(krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        else:
+            fa_score_tile1_d(krows, qt, FA_BQ, D, scale, s, FA_BQ)
+
+
+cdef inline void _pv(const floating* p, Py_ssize_t nj, const floating* v, Py_ssize_t ldv,
+                     floating* acc, Py_ssize_t ldacc, const floating* alpha,
+                     Py_ssize_t nrows) noexcept nogil:
+    # One output micro-tile of FA_MR_PV rows or of a single row.
+    if floating is float:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_f(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_f(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+    else:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+
+
 cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
                        floating* buf, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
     cdef Py_ssize_t NL = _lanes(buf)
     cdef Py_ssize_t VL = NL // 2
     cdef Py_ssize_t D = P.D, Dv = P.Dv, Lq = P.Lq
     cdef Py_ssize_t nrows = min(FA_BQ, P.group * Lq - r0)
-    cdef Py_ssize_t npv = _round_up(nrows, FA_MR_PV)       # rows the output kernel touches
-    cdef Py_ssize_t nlanes = _round_up(npv, NL)            # rows the score kernel touches
+    cdef Py_ssize_t nlanes = _round_up(nrows, VL)   # rows the score kernel touches (padded)
+    cdef Py_ssize_t n6 = (nrows // FA_MR_PV) * FA_MR_PV   # rows in 6-row output tiles
     cdef Py_ssize_t dv_pad = _dv_pad(Dv, NL)
     cdef Py_ssize_t dv_main = (Dv // NL) * NL
     cdef Py_ssize_t dv_tail = Dv - dv_main
@@ -163,7 +202,8 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef char* mrow
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij, ig
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
-    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi
+    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr
+    cdef int nvec
     cdef floating inv_l
 
     # --- rows: visibility interval, packed Q^T, softmax state ---
@@ -187,7 +227,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 qt[d * FA_BQ + r] = 0
         m[r] = ninf
         l[r] = 0
-    memset(acc, 0, npv * dv_pad * sizeof(floating))
+    memset(acc, 0, nrows * dv_pad * sizeof(floating))
     memset(zrow, 0, D * sizeof(floating))
 
     # --- key blocks, in key order; blocks are aligned to multiples of FA_BK from key 0 ---
@@ -198,14 +238,16 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             j1 = min(blk + FA_BK, tile_hi)
             nj = j1 - j0
 
-            # Scores, one lane group (2 vectors of rows) at a time.
-            for ic in range(nlanes // NL):
+            # Scores, one lane group (2 vectors of rows, or 1 for the last) at a time.
+            for ic in range((nlanes + NL - 1) // NL):
                 c = ic * NL
+                nvec = <int> min(2, (nlanes - c) // VL)
+                rend = min(c + nvec * VL, nrows)
                 g_minlo = kv_len
                 g_maxhi = 0
                 g_maxlo = 0
                 g_minhi = kv_len
-                for r in range(c, min(c + NL, nrows)):
+                for r in range(c, rend):
                     g_maxlo = max(g_maxlo, lo[r])
                     g_minhi = min(g_minhi, hi[r])
                     if lo[r] < hi[r]:
@@ -215,25 +257,23 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                     jj = ij * FA_MR_K
                     ja = j0 + jj
                     if ja + FA_MR_K <= g_minlo or ja >= g_maxhi:
+                        # Hidden from every row of the group (causal / window skipping).
                         if floating is float:
-                            fa_score_hidden_f(s + jj * FA_BQ + c, FA_BQ)
+                            fa_score_hidden_f(s + jj * FA_BQ + c, FA_BQ, nvec)
                         else:
-                            fa_score_hidden_d(s + jj * FA_BQ + c, FA_BQ)
+                            fa_score_hidden_d(s + jj * FA_BQ + c, FA_BQ, nvec)
                         continue
                     for t in range(FA_MR_K):
                         krows[t] = kb + (ja + t) * P.k_sj if ja + t < j1 else zrow
-                    if floating is float:
-                        fa_score_tile_f(krows, qt + c, FA_BQ, D, scale, s + jj * FA_BQ + c, FA_BQ)
-                    else:
-                        fa_score_tile_d(krows, qt + c, FA_BQ, D, scale, s + jj * FA_BQ + c, FA_BQ)
+                    _score(krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec)
                     if ja < g_maxlo or ja + FA_MR_K > g_minhi:
                         # The micro-tile straddles some row's interval edge: hide per key.
                         for t in range(min(FA_MR_K, j1 - ja)):
-                            for r in range(c, min(c + NL, nrows)):
+                            for r in range(c, rend):
                                 if ja + t < lo[r] or ja + t >= hi[r]:
                                     s[(jj + t) * FA_BQ + r] = ninf
-                # end: for jj
-            # end: for c
+                # end: for ij
+            # end: for ic
 
             if P.mask_kind != 0:
                 for r in range(nrows):
@@ -264,12 +304,13 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                     for t in range(NL):
                         vtail[j * NL + t] = vrow[t] if t < dv_tail else 0
 
-            for ig in range(npv // FA_MR_PV):
-                rg = ig * FA_MR_PV
+            rg = 0
+            while rg < nrows:
+                nr = FA_MR_PV if rg < n6 else 1
                 # Keys any of these rows can see; the rest have p == 0 exactly.
                 g_minlo = j1
                 g_maxhi = j0
-                for r in range(rg, min(rg + FA_MR_PV, nrows)):
+                for r in range(rg, rg + nr):
                     if lo[r] < hi[r]:
                         g_minlo = min(g_minlo, lo[r])
                         g_maxhi = max(g_maxhi, hi[r])
@@ -277,19 +318,12 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 na = max(0, min(j1, g_maxhi) - ja)
                 for ic in range(dv_main // NL):
                     c = ic * NL
-                    if floating is float:
-                        fa_pv_tile_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                     P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg)
-                    else:
-                        fa_pv_tile_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                     P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg)
+                    _pv(s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c, P.v_sj,
+                        acc + rg * dv_pad + c, dv_pad, alpha + rg, nr)
                 if dv_tail:
-                    if floating is float:
-                        fa_pv_tile_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vtail + (ja - j0) * NL,
-                                     NL, acc + rg * dv_pad + dv_main, dv_pad, alpha + rg)
-                    else:
-                        fa_pv_tile_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vtail + (ja - j0) * NL,
-                                     NL, acc + rg * dv_pad + dv_main, dv_pad, alpha + rg)
+                    _pv(s + (ja - j0) * FA_BQ + rg, na, vtail + (ja - j0) * NL, NL,
+                        acc + rg * dv_pad + dv_main, dv_pad, alpha + rg, nr)
+                rg += nr
             # end: for rg
         # end: for blk
 

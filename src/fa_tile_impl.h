@@ -47,13 +47,37 @@ FA_NOINLINE void FA_FN(fa_score_tile)(const T* const* kr, const T* qt, ptrdiff_t
     STORE(s + 5 * lds, a50 * sc); STORE(s + 5 * lds + VL, a51 * sc);
 }
 
+/* The same score micro-tile for a single vector of query rows (decode steps and the last
+ * lane group of a tile): per lane, the identical FMA chain as fa_score_tile. */
+FA_NOINLINE void FA_FN(fa_score_tile1)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
+                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
+{
+    const T *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
+    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
+    for (ptrdiff_t d = 0; d < D; d++) {
+        const V q0 = LOAD(qt + d * ldqt);
+        a0 += BCAST(k0[d]) * q0;
+        a1 += BCAST(k1[d]) * q0;
+        a2 += BCAST(k2[d]) * q0;
+        a3 += BCAST(k3[d]) * q0;
+        a4 += BCAST(k4[d]) * q0;
+        a5 += BCAST(k5[d]) * q0;
+    }
+    const V sc = BCAST(scale);
+    STORE(s + 0 * lds, a0 * sc);
+    STORE(s + 1 * lds, a1 * sc);
+    STORE(s + 2 * lds, a2 * sc);
+    STORE(s + 3 * lds, a3 * sc);
+    STORE(s + 4 * lds, a4 * sc);
+    STORE(s + 5 * lds, a5 * sc);
+}
+
 /* A score micro-tile that no query of the lane group can see: -inf, nothing computed. */
-FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds)
+FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds, int nvec)
 {
     const V ninf = BCAST(-INFINITY);
-    for (int jj = 0; jj < FA_MR_K; jj++) {
-        STORE(s + jj * lds, ninf); STORE(s + jj * lds + VL, ninf);
-    }
+    for (int jj = 0; jj < FA_MR_K; jj++)
+        for (int t = 0; t < nvec; t++) STORE(s + jj * lds + t * VL, ninf);
 }
 
 /*
@@ -118,4 +142,21 @@ FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     FA_PV_STORE_ROW(0) FA_PV_STORE_ROW(1) FA_PV_STORE_ROW(2)
     FA_PV_STORE_ROW(3) FA_PV_STORE_ROW(4) FA_PV_STORE_ROW(5)
 #undef FA_PV_STORE_ROW
+}
+
+/* The output micro-tile for one query row (decode steps, rows left over by the 6-row
+ * tiles): per element, the identical sequence as fa_pv_tile. */
+FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                   const T* v, ptrdiff_t ldv,
+                                   T* acc, ptrdiff_t ldacc, const T* alpha)
+{
+    (void)ldacc;
+    V c0 = LOAD(acc) * BCAST(alpha[0]);
+    V c1 = LOAD(acc + VL) * BCAST(alpha[0]);
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        const V b = BCAST(p[j * ldp]);
+        c0 += b * LOAD(v + j * ldv);
+        c1 += b * LOAD(v + j * ldv + VL);
+    }
+    STORE(acc, c0); STORE(acc + VL, c1);
 }
