@@ -301,6 +301,13 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
            [0.269, 0.731],
            [0.576, 0.576]])
     """
+    if window is None and mask is None and kv_lengths is None:
+        # The common case is validated and run entirely in C (see src/_kernel_impl.pxi,
+        # "The lean call path"); it returns None for anything it does not handle.
+        res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
+                                     _threads.get_num_threads())
+        if res is not None:
+            return res
     call = _Call(q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse)
     cdt = call.compute_dtype
     q, k, v = (_kernel_ready(a, cdt) for a in (call.q, call.k, call.v))

@@ -22,7 +22,8 @@
 
 from cython.parallel cimport prange, parallel, threadid
 from libc.string cimport memset
-from libc.math cimport log, INFINITY
+from cpython.mem cimport PyMem_RawMalloc, PyMem_RawFree
+from libc.math cimport log, sqrt, isfinite, INFINITY
 
 cimport numpy as cnp
 import numpy as np
@@ -350,6 +351,14 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
     cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
     cdef Py_ssize_t item, rb, bg, tid
+    if n_threads == 1:
+        # No OpenMP region at all: small calls skip the team start-up (~1 us).
+        for item in range(n_items):
+            rb = item % n_rblk
+            bg = item // n_rblk
+            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ,
+                         workspace, row_idx, row_idx + FA_BQ)
+        return
     with parallel(num_threads=n_threads):
         for item in prange(n_items, schedule='dynamic'):
             tid = threadid()
@@ -360,6 +369,38 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
                          row_idx + tid * 2 * FA_BQ, row_idx + tid * 2 * FA_BQ + FA_BQ)
         # end: for item
     # end: with parallel
+
+
+cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
+    """Allocate per-thread workspaces, release the GIL and run the kernel."""
+    cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
+    cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
+    if n_items == 0:
+        return 0
+    # "Not using less, not using more": no idle threads on small problems.
+    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_items))
+    cdef Py_ssize_t itemsize = sizeof(float) if is_float else sizeof(double)
+    cdef Py_ssize_t n_lanes = 2 * (FA_VL_F if is_float else FA_VL_D)
+    # Rounded to 64 bytes so that threads' workspaces never share a cache line.
+    cdef Py_ssize_t ws_elems = _round_up(_workspace_elems(P.D, P.Dv, n_lanes), 16)
+    cdef size_t ws_bytes = n_threads * ws_elems * itemsize
+    cdef size_t idx_bytes = n_threads * 2 * FA_BQ * sizeof(Py_ssize_t)
+    # Allocated here, with the GIL, so that a failure is a MemoryError before any work.
+    cdef char* mem = <char*> PyMem_RawMalloc(ws_bytes + idx_bytes + 64)
+    if mem == NULL:
+        raise MemoryError(f"fastattn: cannot allocate {ws_bytes + idx_bytes} bytes of workspace")
+    cdef char* aligned = <char*> ((<size_t> mem + 63) & ~(<size_t> 63))
+    try:
+        with nogil:
+            if is_float:
+                _forward[float](P, <float*> aligned, ws_elems,
+                                <Py_ssize_t*> (aligned + ws_bytes), n_threads)
+            else:
+                _forward[double](P, <double*> aligned, ws_elems,
+                                 <Py_ssize_t*> (aligned + ws_bytes), n_threads)
+    finally:
+        PyMem_RawFree(mem)
+    return 0
 
 
 cdef inline Py_ssize_t _estride(cnp.ndarray a, int axis):
@@ -431,25 +472,7 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
     P.wr = wr
     P.scale = scale
 
-    cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
-    cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
-    if n_items == 0:
-        return
-    # "Not using less, not using more": no idle threads on small problems.
-    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_items))
-    cdef Py_ssize_t n_lanes = 2 * (FA_VL_F if q.dtype == np.float32 else FA_VL_D)
-    cdef Py_ssize_t ws_elems = _round_up(_workspace_elems(P.D, P.Dv, n_lanes), 16)
-    # Workspaces come from NumPy so that an allocation failure is a MemoryError here,
-    # before the parallel region, rather than a NULL inside it.
-    cdef cnp.ndarray workspace = np.empty(n_threads * ws_elems, dtype=q.dtype)
-    cdef cnp.ndarray row_idx = np.empty(n_threads * 2 * FA_BQ, dtype=np.intp)
-    cdef Py_ssize_t* ridx = <Py_ssize_t*> cnp.PyArray_DATA(row_idx)
-    if q.dtype == np.float32:
-        with nogil:
-            _forward[float](&P, <float*> cnp.PyArray_DATA(workspace), ws_elems, ridx, n_threads)
-    else:
-        with nogil:
-            _forward[double](&P, <double*> cnp.PyArray_DATA(workspace), ws_elems, ridx, n_threads)
+    _run(&P, q.dtype == np.float32, n_threads)
 
 
 def key_intervals(Py_ssize_t Lq, cnp.ndarray kv_len, int causal, Py_ssize_t wl, Py_ssize_t wr):
@@ -499,3 +522,204 @@ def omp_max_threads():
 def cpu_supports(str isa):
     """Whether the running CPU can execute the named variant ("sse2", "avx2", "avx512")."""
     return bool(fa_cpu_supports(isa.encode()))
+
+
+# ---------------------------------------------------------------------------------------
+# The lean call path.  fastattn.attention() first offers its arguments here: the common
+# case (ndarrays of one float dtype, no mask / window / kv_lengths, no broadcasting of the
+# batch dims) is validated and run without leaving C, in about a microsecond of overhead.
+# Anything else -- including every *invalid* call -- returns None, and the Python front end
+# takes over and does the full validation with its error messages.  So this path never
+# raises for bad input and never accepts an input the front end would reject.
+# ---------------------------------------------------------------------------------------
+
+cdef inline bint _extent_overlap(cnp.ndarray a, cnp.ndarray b):
+    # Whether the byte ranges spanned by two arrays intersect (conservative).
+    cdef char* a_lo = <char*> cnp.PyArray_DATA(a)
+    cdef char* a_hi = a_lo
+    cdef char* b_lo = <char*> cnp.PyArray_DATA(b)
+    cdef char* b_hi = b_lo
+    cdef int d
+    cdef Py_ssize_t n, st
+    if cnp.PyArray_SIZE(a) == 0 or cnp.PyArray_SIZE(b) == 0:
+        return False
+    for d in range(cnp.PyArray_NDIM(a)):
+        n = cnp.PyArray_DIMS(a)[d]
+        st = cnp.PyArray_STRIDES(a)[d]
+        if st < 0:
+            a_lo += (n - 1) * st
+        else:
+            a_hi += (n - 1) * st
+    for d in range(cnp.PyArray_NDIM(b)):
+        n = cnp.PyArray_DIMS(b)[d]
+        st = cnp.PyArray_STRIDES(b)[d]
+        if st < 0:
+            b_lo += (n - 1) * st
+        else:
+            b_hi += (n - 1) * st
+    a_hi += cnp.PyArray_ITEMSIZE(a)
+    b_hi += cnp.PyArray_ITEMSIZE(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+cdef inline bint _kernel_layout(cnp.ndarray a):
+    # Contiguous last axis and whole-element strides: the kernel can read it in place.
+    cdef int d, nd = cnp.PyArray_NDIM(a)
+    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(a)
+    if cnp.PyArray_DIMS(a)[nd - 1] > 1 and cnp.PyArray_STRIDES(a)[nd - 1] != isz:
+        return False
+    for d in range(nd):
+        if cnp.PyArray_STRIDES(a)[d] % isz:
+            return False
+    return True
+
+
+cdef void _fill_offsets(cnp.ndarray a, int nb, Py_ssize_t nbatch, Py_ssize_t* off) noexcept:
+    # Element offsets of the nb leading (batch) axes, in C order (an odometer).
+    cdef Py_ssize_t idx[32]
+    cdef Py_ssize_t cur = 0, b
+    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(a)
+    cdef int d
+    for d in range(nb):
+        idx[d] = 0
+    for b in range(nbatch):
+        off[b] = cur
+        d = nb - 1
+        while d >= 0:
+            idx[d] += 1
+            cur += cnp.PyArray_STRIDES(a)[d] // isz
+            if idx[d] < cnp.PyArray_DIMS(a)[d]:
+                break
+            cur -= idx[d] * (cnp.PyArray_STRIDES(a)[d] // isz)
+            idx[d] = 0
+            d -= 1
+
+
+def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
+    """The lean path of fastattn.attention (see above); None means "not handled here"."""
+    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+        return None
+    cdef cnp.ndarray qa = q, ka = k, va = v, oa, la = None
+    cdef int typenum = cnp.PyArray_TYPE(qa)
+    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
+        return None
+    if cnp.PyArray_TYPE(ka) != typenum or cnp.PyArray_TYPE(va) != typenum:
+        return None
+    cdef int nd = cnp.PyArray_NDIM(qa), d
+    if nd < 2 or nd > 32 or cnp.PyArray_NDIM(ka) != nd or cnp.PyArray_NDIM(va) != nd:
+        return None
+    cdef cnp.npy_intp* qs = cnp.PyArray_DIMS(qa)
+    cdef cnp.npy_intp* ks = cnp.PyArray_DIMS(ka)
+    cdef cnp.npy_intp* vs = cnp.PyArray_DIMS(va)
+    cdef int nb = nd - 3 if nd >= 3 else 0
+    for d in range(nb):
+        if ks[d] != qs[d] or vs[d] != qs[d]:
+            return None
+    cdef Py_ssize_t Hq = qs[nd - 3] if nd >= 3 else 1
+    cdef Py_ssize_t Hkv = ks[nd - 3] if nd >= 3 else 1
+    cdef Py_ssize_t Lq = qs[nd - 2], Lk = ks[nd - 2], D = qs[nd - 1], Dv = vs[nd - 1]
+    if ks[nd - 1] != D or vs[nd - 2] != Lk or (nd >= 3 and vs[nd - 3] != Hkv):
+        return None
+    if Hkv == 0 or Hq % Hkv:
+        return None
+    if not (_kernel_layout(qa) and _kernel_layout(ka) and _kernel_layout(va)):
+        return None
+
+    cdef double sc
+    if scale is None:
+        if D == 0:
+            return None
+        sc = 1.0 / sqrt(<double> D)
+    elif type(scale) is float:
+        sc = scale
+        if not isfinite(sc):
+            return None
+    elif type(scale) is int and -2**53 <= scale <= 2**53:
+        sc = scale
+    else:
+        return None
+    cdef int causal_mode
+    if causal is False:
+        causal_mode = FA_CAUSAL_NONE
+    elif causal is True:
+        causal_mode = FA_CAUSAL_BOTTOM_RIGHT
+    else:
+        return None
+
+    cdef cnp.npy_intp oshape[32]
+    for d in range(nd - 1):
+        oshape[d] = qs[d]
+    oshape[nd - 1] = Dv
+    if out is None:
+        oa = cnp.PyArray_EMPTY(nd, oshape, typenum, 0)
+    else:
+        if type(out) is not np.ndarray:
+            return None
+        oa = out
+        if cnp.PyArray_TYPE(oa) != typenum or cnp.PyArray_NDIM(oa) != nd:
+            return None
+        for d in range(nd):
+            if cnp.PyArray_DIMS(oa)[d] != oshape[d]:
+                return None
+        if not cnp.PyArray_ISWRITEABLE(oa) or not _kernel_layout(oa):
+            return None
+        if _extent_overlap(oa, qa) or _extent_overlap(oa, ka) or _extent_overlap(oa, va):
+            return None
+    if return_lse:
+        la = cnp.PyArray_EMPTY(nd - 1, oshape, typenum, 0)
+
+    cdef Problem P
+    cdef Py_ssize_t nbatch = 1
+    for d in range(nb):
+        nbatch *= qs[d]
+    # One block: offsets of q, k, v, out, lse per batch element, and the kv lengths.
+    cdef Py_ssize_t* offs = <Py_ssize_t*> PyMem_RawMalloc(6 * max(nbatch, 1) * sizeof(Py_ssize_t))
+    if offs == NULL:
+        raise MemoryError("fastattn: cannot allocate batch offsets")
+    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(qa)
+    try:
+        _fill_offsets(qa, nb, nbatch, offs)
+        _fill_offsets(ka, nb, nbatch, offs + nbatch)
+        _fill_offsets(va, nb, nbatch, offs + 2 * nbatch)
+        _fill_offsets(oa, nb, nbatch, offs + 3 * nbatch)
+        if la is not None:
+            _fill_offsets(la, nb, nbatch, offs + 4 * nbatch)
+        for d in range(nbatch):
+            offs[5 * nbatch + d] = Lk
+        P.q = <char*> cnp.PyArray_DATA(qa)
+        P.k = <char*> cnp.PyArray_DATA(ka)
+        P.v = <char*> cnp.PyArray_DATA(va)
+        P.out = <char*> cnp.PyArray_DATA(oa)
+        P.lse = NULL if la is None else <char*> cnp.PyArray_DATA(la)
+        P.mask = NULL
+        P.q_boff = offs
+        P.k_boff = offs + nbatch
+        P.v_boff = offs + 2 * nbatch
+        P.o_boff = offs + 3 * nbatch
+        P.lse_boff = offs + 4 * nbatch
+        P.m_boff = offs
+        P.kv_len = offs + 5 * nbatch
+        P.nbatch, P.Hq, P.Hkv, P.group = nbatch, Hq, Hkv, Hq // Hkv
+        P.Lq, P.Lk, P.D, P.Dv = Lq, Lk, D, Dv
+        P.q_sh = cnp.PyArray_STRIDES(qa)[nd - 3] // isz if nd >= 3 else 0
+        P.q_si = cnp.PyArray_STRIDES(qa)[nd - 2] // isz
+        P.k_sh = cnp.PyArray_STRIDES(ka)[nd - 3] // isz if nd >= 3 else 0
+        P.k_sj = cnp.PyArray_STRIDES(ka)[nd - 2] // isz
+        P.v_sh = cnp.PyArray_STRIDES(va)[nd - 3] // isz if nd >= 3 else 0
+        P.v_sj = cnp.PyArray_STRIDES(va)[nd - 2] // isz
+        P.o_sh = cnp.PyArray_STRIDES(oa)[nd - 3] // isz if nd >= 3 else 0
+        P.o_si = cnp.PyArray_STRIDES(oa)[nd - 2] // isz
+        if la is not None:
+            P.lse_sh = cnp.PyArray_STRIDES(la)[nd - 3] // isz if nd >= 3 else 0
+            P.lse_si = cnp.PyArray_STRIDES(la)[nd - 2] // isz
+        else:
+            P.lse_sh = P.lse_si = 0
+        P.m_sh = P.m_si = P.m_sj = 0
+        P.mask_kind = 0
+        P.causal = causal_mode
+        P.wl = P.wr = -1
+        P.scale = sc
+        _run(&P, typenum == cnp.NPY_FLOAT32, n_threads)
+    finally:
+        PyMem_RawFree(offs)
+    return (oa, la) if return_lse else oa
