@@ -69,6 +69,7 @@ cdef extern from "fa_kernels.h" nogil:
                        float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
                        double* acc, Py_ssize_t ldacc, const double* alpha)
+    void fa_prefetch_rows(const char* base, Py_ssize_t stride, Py_ssize_t nrows, Py_ssize_t row_bytes)
     void fa_exp_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp_array_d(const double* x, double* y, Py_ssize_t n)
     int fa_have_openmp()
@@ -238,6 +239,12 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             j0 = max(blk, tile_lo)
             j1 = min(blk + FA_BK, tile_hi)
             nj = j1 - j0
+            if j1 < tile_hi:
+                na = min(FA_BK, tile_hi - j1)
+                fa_prefetch_rows(<const char*> (kb + j1 * P.k_sj), P.k_sj * sizeof(floating), na,
+                                 D * sizeof(floating))
+                fa_prefetch_rows(<const char*> (vb + j1 * P.v_sj), P.v_sj * sizeof(floating), na,
+                                 Dv * sizeof(floating))
 
             # Scores, one lane group (2 vectors of rows, or 1 for the last) at a time.
             for ic in range((nlanes + NL - 1) // NL):
