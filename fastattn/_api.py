@@ -95,7 +95,8 @@ def _window(window):
             raise TypeError(f"window {side} must be an int, got {type(w).__name__}") from None
         if w < -1:
             raise ValueError(f"window {side} must be >= 0 or -1 (unbounded), got {w}")
-        sides.append(w)
+        # Any width beyond 2**62 is wider than every sequence: keep it in C's range.
+        sides.append(min(w, 2**62))
     return sides[0], sides[1]
 
 

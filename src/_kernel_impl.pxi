@@ -341,7 +341,9 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
         h = g * P.group + R // Lq
         i = R % Lq
         orow = (<floating*> P.out) + P.o_boff[b] + h * P.o_sh + i * P.o_si
-        if l[r] > 0:
+        # l == 0 exactly iff no key was visible (the max key alone contributes p = 1);
+        # a NaN or +inf score makes l NaN, and the row NaN, as in the reference.
+        if l[r] != 0:
             inv_l = 1 / l[r]
             for c in range(Dv):
                 orow[c] = acc[r * dv_pad + c] * inv_l
@@ -350,7 +352,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 orow[c] = 0
         if P.lse != NULL:
             (<floating*> P.lse)[P.lse_boff[b] + h * P.lse_sh + i * P.lse_si] = (
-                m[r] + log(l[r]) if l[r] > 0 else ninf)
+                m[r] + log(l[r]) if l[r] != 0 else ninf)
 
 
 cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,

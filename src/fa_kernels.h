@@ -54,8 +54,9 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
     ptrdiff_t l = 0, h = kv_len;
     if (causal == FA_CAUSAL_BOTTOM_RIGHT && diag + 1 < h) h = diag + 1;
     if (causal == FA_CAUSAL_TOP_LEFT && i + 1 < h) h = i + 1;
-    if (wl >= 0 && diag - wl > l) l = diag - wl;
-    if (wr >= 0 && diag + wr + 1 < h) h = diag + wr + 1;
+    /* Written so that no window size, however large, overflows: diag >= -Lq always. */
+    if (wl >= 0 && diag > wl && diag - wl > l) l = diag - wl;
+    if (wr >= 0 && wr < h - 1 - diag) h = diag + wr + 1;
     if (h < l) h = l;   /* l >= 0 always, so an empty interval is [l, l) */
     *lo = l;
     *hi = h;
