@@ -14,8 +14,30 @@ try:
 except ImportError:  # hypothesis is only needed by the randomised tests
     pass
 else:
-    # For hunting bugs before a release: `pytest --hypothesis-profile=thorough`.
-    _hypothesis_settings.register_profile("thorough", max_examples=3000, deadline=None)
+    from hypothesis import HealthCheck as _HealthCheck
+
+    # Profiles (select with `pytest --hypothesis-profile=NAME`):
+    #   default   CI: 100 examples per randomised test (hypothesis' own default), no
+    #             deadline -- timings on a shared 2-core machine say nothing about bugs.
+    #   long      >= 5000 cases over the property tests (1000 per randomised test);
+    #             tests/test_properties.py and tests/test_bad_inputs.py scale their own
+    #             example counts from max_examples.
+    #   thorough  for hunting bugs before a release.
+    _quiet = [_HealthCheck.too_slow, _HealthCheck.data_too_large]
+    _hypothesis_settings.register_profile(
+        "default", max_examples=100, deadline=None, print_blob=True,
+        suppress_health_check=_quiet)
+    _hypothesis_settings.register_profile(
+        "long", max_examples=1000, deadline=None, print_blob=True,
+        suppress_health_check=_quiet)
+    _hypothesis_settings.register_profile("thorough", max_examples=3000, deadline=None,
+                                          suppress_health_check=_quiet)
+    _hypothesis_settings.load_profile("default")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: takes more than a few seconds (deselect with -m 'not slow')")
 
 # (rtol, atol) for comparing a kernel result with the float64 reference, per result dtype.
 #
