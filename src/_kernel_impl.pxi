@@ -70,8 +70,8 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
                        double* acc, Py_ssize_t ldacc, const double* alpha)
     void fa_prefetch_rows(const char* base, Py_ssize_t stride, Py_ssize_t nrows, Py_ssize_t row_bytes)
-    void fa_exp_array_f(const float* x, float* y, Py_ssize_t n)
-    void fa_exp_array_d(const double* x, double* y, Py_ssize_t n)
+    void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
+    void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     int fa_have_openmp()
     int fa_omp_max_threads()
     int fa_cpu_supports(const char* isa)
@@ -111,6 +111,10 @@ cdef struct Problem:
     int causal
     Py_ssize_t wl, wr
     double scale
+
+
+cdef double LOG2E = 1.4426950408889634074
+cdef double LN2 = 0.69314718055994530942
 
 
 cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
@@ -180,7 +184,10 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef Py_ssize_t dv_pad = _dv_pad(Dv, NL)
     cdef Py_ssize_t dv_main = (Dv // NL) * NL
     cdef Py_ssize_t dv_tail = Dv - dv_main
-    cdef floating scale = <floating> P.scale
+    # Scores are kept in base 2 (scale * log2 e folded into the score kernel): the softmax
+    # then needs 2^x, one multiply cheaper than e^x.  lse is converted back at the end.
+    cdef floating scale = <floating> (P.scale * LOG2E)
+    cdef floating log2e = <floating> LOG2E
     cdef floating ninf = -INFINITY
 
     # Carve the workspace (see _workspace_elems).
@@ -295,7 +302,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                             if not (<const unsigned char*> mrow)[j * P.m_sj]:
                                 s[(j - j0) * FA_BQ + r] = ninf
                         else:
-                            s[(j - j0) * FA_BQ + r] += (<const floating*> mrow)[j * P.m_sj]
+                            s[(j - j0) * FA_BQ + r] += (<const floating*> mrow)[j * P.m_sj] * log2e
 
             for ic in range(nlanes // VL):
                 c = ic * VL
@@ -352,7 +359,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 orow[c] = 0
         if P.lse != NULL:
             (<floating*> P.lse)[P.lse_boff[b] + h * P.lse_sh + i * P.lse_si] = (
-                m[r] + log(l[r]) if l[r] != 0 else ninf)
+                m[r] * LN2 + log(l[r]) if l[r] != 0 else ninf)
 
 
 cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
@@ -501,13 +508,13 @@ def key_intervals(Py_ssize_t Lq, cnp.ndarray kv_len, int causal, Py_ssize_t wl, 
     return lo, hi
 
 
-def vector_exp(cnp.ndarray x):
-    """The kernel's vector exp on a contiguous float32/float64 array (for accuracy tests)."""
+def vector_exp2(cnp.ndarray x):
+    """The kernel's vector 2**x on a contiguous float32/float64 array (for accuracy tests)."""
     cdef cnp.ndarray y = np.empty_like(x)
     if x.dtype == np.float32:
-        fa_exp_array_f(<const float*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
+        fa_exp2_array_f(<const float*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
     else:
-        fa_exp_array_d(<const double*> cnp.PyArray_DATA(x), <double*> cnp.PyArray_DATA(y), x.size)
+        fa_exp2_array_d(<const double*> cnp.PyArray_DATA(x), <double*> cnp.PyArray_DATA(y), x.size)
     return y
 
 

@@ -72,7 +72,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #define BCAST fa_bcast_f
 #define MAX fa_max_f
 #define SELECT fa_select_f
-#define EXP fa_exp_f
+#define EXP2 fa_exp2_f
 #include "fa_tile_impl.h"
 #undef T
 #undef V
@@ -83,7 +83,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #undef BCAST
 #undef MAX
 #undef SELECT
-#undef EXP
+#undef EXP2
 
 /* ---- micro-kernels, double ---- */
 #define T double
@@ -95,7 +95,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #define BCAST fa_bcast_d
 #define MAX fa_max_d
 #define SELECT fa_select_d
-#define EXP fa_exp_d
+#define EXP2 fa_exp2_d
 #include "fa_tile_impl.h"
 #undef T
 #undef V
@@ -106,7 +106,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #undef BCAST
 #undef MAX
 #undef SELECT
-#undef EXP
+#undef EXP2
 
 /*
  * Prefetch rows [0, nrows) of a block (row r at base + r*stride bytes, row_bytes long).
@@ -123,24 +123,24 @@ static inline void fa_prefetch_rows(const char* base, ptrdiff_t stride, ptrdiff_
     }
 }
 
-/* Whole-array exp, for measuring the vector exp's accuracy from the tests. */
-static inline void fa_exp_array_f(const float* x, float* y, ptrdiff_t n)
+/* Whole-array 2^x, for measuring the vector exp2's accuracy from the tests. */
+static inline void fa_exp2_array_f(const float* x, float* y, ptrdiff_t n)
 {
     float buf[64];
     for (ptrdiff_t i = 0; i < n; i += FA_VL_F) {
         ptrdiff_t m = n - i < FA_VL_F ? n - i : FA_VL_F;
         for (ptrdiff_t t = 0; t < FA_VL_F; t++) buf[t] = t < m ? x[i + t] : 0.0f;
-        fa_store_f(buf, fa_exp_f(fa_load_f(buf)));
+        fa_store_f(buf, fa_exp2_f(fa_load_f(buf)));
         for (ptrdiff_t t = 0; t < m; t++) y[i + t] = buf[t];
     }
 }
-static inline void fa_exp_array_d(const double* x, double* y, ptrdiff_t n)
+static inline void fa_exp2_array_d(const double* x, double* y, ptrdiff_t n)
 {
     double buf[32];
     for (ptrdiff_t i = 0; i < n; i += FA_VL_D) {
         ptrdiff_t m = n - i < FA_VL_D ? n - i : FA_VL_D;
         for (ptrdiff_t t = 0; t < FA_VL_D; t++) buf[t] = t < m ? x[i + t] : 0.0;
-        fa_store_d(buf, fa_exp_d(fa_load_d(buf)));
+        fa_store_d(buf, fa_exp2_d(fa_load_d(buf)));
         for (ptrdiff_t t = 0; t < m; t++) y[i + t] = buf[t];
     }
 }

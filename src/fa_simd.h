@@ -78,66 +78,62 @@ FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return fa_select_d(a > b, a, b); }
 #endif
 
 /*
- * exp(x), float lanes.  Cephes' expf: x = n*ln2 + r with |r| <= ln2/2, a degree-6
- * polynomial for e^r, and 2^n built in the exponent bits.  n = round(x*log2 e) comes from
- * the "magic number" trick (adding 1.5*2^23 leaves n in the low mantissa bits), which
- * needs no float->int conversion instruction and so works on every ISA.
- * Measured max error vs. float64 exp on [-87, 0]: see tests/test_exp.py (~1-2 ulp).
- * Below -87.33 (where exp would be subnormal) and for -inf the result is exactly 0: the
- * online softmax relies on exp(-inf) == 0 for hidden keys, and exp(0) is exactly 1.
- * NaN propagates.  Domain: x <= 88 (the kernel only takes exp of score - running max <= 0);
- * larger x overflow the exponent bits instead of giving inf.
+ * 2^x, float lanes.  The kernel works in base 2: scores are scaled by scale*log2(e) inside
+ * the score micro-kernel, so the softmax needs exp2 and no extra multiply.
+ *   x = n + r, n = round(x), |r| <= 1/2;  2^r by its degree-7 Taylor polynomial in r
+ *   (truncation < 7.1e-9 relative, below float's half-ulp);  2^n built in the exponent bits.
+ * round(x) is the "magic number" trick (adding 1.5*2^23 leaves n in the low mantissa bits),
+ * which needs no float->int instruction and so compiles to the same code on every ISA.
+ * x is first clamped to -127: there n + 127 == 0, the exponent field is 0 and the result
+ * is exactly 0 -- the online softmax relies on 2^-inf == 0 for hidden keys (and 2^0 == 1
+ * exactly).  Results below 2^-126 are flushed to 0.  The clamp keeps NaN (max(c, NaN) is
+ * NaN with vmaxps' operand order), and NaN propagates.  Domain: x <= 127 (the kernel only
+ * takes 2^(score - running max) <= 1).  Accuracy vs. float64: tests/test_exp.py.
  */
-FA_INLINE fa_vf fa_exp_f(fa_vf x)
+FA_INLINE fa_vf fa_exp2_f(fa_vf x)
 {
     const fa_vf magic = fa_bcast_f(12582912.0f);            /* 1.5 * 2^23 */
-    const fa_vf lo = fa_bcast_f(-87.33654f);
-    const fa_vfi under = x < lo;   /* -inf included; garbage lanes are replaced below */
-    fa_vf t = x * 1.44269504088896341f + magic;
-    fa_vfi n = (fa_vfi)t - (fa_vfi)magic;
-    fa_vf fn = t - magic;
-    fa_vf r = x - fn * 0.693359375f;
-    r = r - fn * -2.12194440e-4f;
-    fa_vf p = fa_bcast_f(1.9875691500E-4f);
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    fa_vf y = p * (r * r) + r + 1.0f;
-    fa_vf pow2n = (fa_vf)((n + 127) << 23);
-    return fa_select_f(under, fa_bcast_f(0.0f), y * pow2n);
+    x = fa_max_f(fa_bcast_f(-127.0f), x);
+    const fa_vf t = x + magic;
+    const fa_vf r = x - (t - magic);
+    fa_vf p = fa_bcast_f(1.5252733804059838e-05f);
+    p = p * r + 1.5403530393381606e-04f;
+    p = p * r + 1.3333558146428441e-03f;
+    p = p * r + 9.6181291076284770e-03f;
+    p = p * r + 5.5504108664821576e-02f;
+    p = p * r + 2.4022650695910071e-01f;
+    p = p * r + 6.9314718055994531e-01f;
+    p = p * r + 1.0f;
+    const fa_vf pow2n = (fa_vf)(((fa_vfi)t - (fa_vfi)magic + 127) << 23);
+    return p * pow2n;
 }
 
 /*
- * exp(x), double lanes: same reduction with a two-part ln2 and a degree-13 Taylor
- * polynomial on |r| <= ln2/2 (truncation error < 1e-17, below half an ulp).
+ * 2^x, double lanes: the same scheme with a degree-13 Taylor polynomial (truncation
+ * < 4e-18 relative) and the clamp at -1023.
  */
-FA_INLINE fa_vd fa_exp_d(fa_vd x)
+FA_INLINE fa_vd fa_exp2_d(fa_vd x)
 {
     const fa_vd magic = fa_bcast_d(6755399441055744.0);      /* 1.5 * 2^52 */
-    const fa_vd lo = fa_bcast_d(-708.3964185322641);
-    const fa_vdi under = x < lo;
-    fa_vd t = x * 1.4426950408889634074 + magic;
-    fa_vdi n = (fa_vdi)t - (fa_vdi)magic;
-    fa_vd fn = t - magic;
-    fa_vd r = x - fn * 6.93145751953125E-1;
-    r = r - fn * 1.42860682030941723212E-6;
-    fa_vd p = fa_bcast_d(1.0 / 6227020800.0);                /* 1/13! */
-    p = p * r + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    fa_vd y = p * (r * r) + r + 1.0;
-    fa_vd pow2n = (fa_vd)((n + 1023) << 52);
-    return fa_select_d(under, fa_bcast_d(0.0), y * pow2n);
+    x = fa_max_d(fa_bcast_d(-1023.0), x);
+    const fa_vd t = x + magic;
+    const fa_vd r = x - (t - magic);
+    fa_vd p = fa_bcast_d(1.3691488853904124e-12);
+    p = p * r + 2.5678435993488196e-11;
+    p = p * r + 4.4455382718708100e-10;
+    p = p * r + 7.0549116208011210e-09;
+    p = p * r + 1.0178086009239696e-07;
+    p = p * r + 1.3215486790144305e-06;
+    p = p * r + 1.5252733804059838e-05;
+    p = p * r + 1.5403530393381606e-04;
+    p = p * r + 1.3333558146428441e-03;
+    p = p * r + 9.6181291076284770e-03;
+    p = p * r + 5.5504108664821576e-02;
+    p = p * r + 2.4022650695910071e-01;
+    p = p * r + 6.9314718055994531e-01;
+    p = p * r + 1.0;
+    const fa_vd pow2n = (fa_vd)(((fa_vdi)t - (fa_vdi)magic + 1023) << 52);
+    return p * pow2n;
 }
 
 #endif /* FA_SIMD_H */

@@ -1,7 +1,7 @@
 /*
  * fa_tile_impl.h -- the three micro-kernels of the fused attention loop, for one element
  * type.  Included twice by fa_kernels.h (float, double) with these macros defined:
- *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP
+ *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP2
  *
  * Layout (lanes = query rows; see fa_kernels.h for why):
  *   qt[d*ldqt + r]    the query tile, transposed and packed once per tile
@@ -17,6 +17,7 @@
 /*
  * Score micro-tile: FA_MR_K keys x 2 vectors of query rows.
  *   s[jj*lds + c] = scale * sum_d kr[jj][d] * qt[d*ldqt + c]
+ * (the caller passes scale * log2 e: scores leave here in base 2)
  * Broadcast-FMA: one key element broadcast (straight from K's rows, any row stride), times a
  * contiguous vector of packed queries; 12 accumulators + 2 query vectors + 1 broadcast fit
  * the 16 registers of AVX2.  The sum over d is a plain sequential chain per lane: the
@@ -81,8 +82,9 @@ FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds, int nvec)
 }
 
 /*
- * Online-softmax step for one vector of query rows over nj keys of a key block:
- *   m_new = max(m, max_j s_j);  alpha = exp(m - m_new);  p_j = exp(s_j - m_new)
+ * Online-softmax step for one vector of query rows over nj keys of a key block.  Scores
+ * are in base 2 (already multiplied by log2 e):
+ *   m_new = max(m, max_j s_j);  alpha = 2^(m - m_new);  p_j = 2^(s_j - m_new)
  *   l = l * alpha + sum_j p_j  (sequential in j);  s_j <- p_j
  * alpha is exactly 1 when the max did not move and exactly 0 when nothing was visible
  * before; a row that sees nothing keeps m = -inf, l = 0 and gets p = 0: a block hidden
@@ -95,11 +97,11 @@ FA_NOINLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, T* m,
     for (ptrdiff_t j = 0; j < nj; j++) mb = MAX(mb, LOAD(s + j * lds));
     const V m_old = LOAD(m);
     const V m_new = MAX(m_old, mb);
-    const V a = SELECT(m_new == m_old, one, EXP(m_old - m_new));
+    const V a = SELECT(m_new == m_old, one, EXP2(m_old - m_new));
     const V m_sub = SELECT(m_new == ninf, zero, m_new);
     V sum = zero;
     for (ptrdiff_t j = 0; j < nj; j++) {
-        const V p = EXP(LOAD(s + j * lds) - m_sub);
+        const V p = EXP2(LOAD(s + j * lds) - m_sub);
         STORE(s + j * lds, p);
         sum += p;
     }

@@ -1,0 +1,42 @@
+"""Accuracy of the kernel's vector 2**x (src/fa_simd.h), the only transcendental in the
+fused loop.  The bounds asserted here are the ones stated in the source and the README."""
+import numpy as np
+import pytest
+
+from fastattn._dispatch import available_variants, _load
+
+
+@pytest.fixture(params=available_variants())
+def kernel(request):
+    return _load(request.param)
+
+
+def _ulp_error(y, exact, dtype):
+    # Error in units of the last place of the exact value, in that dtype.
+    return np.abs(y.astype(np.float64) - exact) / np.spacing(exact.astype(dtype)).astype(np.float64)
+
+
+def test_exp2_float32_within_2_ulp(kernel):
+    # Normal results only: below 2**-126 the kernel flushes to zero (checked below).
+    x = np.linspace(-126.0, 0.0, 400_003, dtype=np.float32)
+    y = kernel.vector_exp2(x)
+    exact = np.exp2(x.astype(np.float64))
+    assert _ulp_error(y, exact, np.float32).max() <= 2.0
+
+
+def test_exp2_float64_within_2_ulp(kernel):
+    x = np.linspace(-1022.0, 0.0, 400_003)
+    y = kernel.vector_exp2(x)
+    exact = np.exp2(x.astype(np.longdouble)).astype(np.float64)
+    assert _ulp_error(y, exact, np.float64).max() <= 2.0
+
+
+@pytest.mark.parametrize("dtype, floor", [(np.float32, -127.0), (np.float64, -1023.0)])
+def test_exp2_special_values(kernel, dtype, floor):
+    # 2**0 == 1 and 2**-inf == 0 exactly (the online softmax relies on both), results
+    # below the smallest normal are flushed to 0, NaN propagates.
+    x = np.array([0.0, -np.inf, floor, floor - 5, -1e30, np.nan, -0.0], dtype=dtype)
+    y = kernel.vector_exp2(x)
+    assert y[0] == 1.0 and y[6] == 1.0
+    assert (y[1:5] == 0.0).all()
+    assert np.isnan(y[5])
