@@ -378,7 +378,9 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
     with parallel(num_threads=n_threads):
         for item in prange(n_items, schedule='dynamic'):
             tid = threadid()
-            rb = item % n_rblk
+            # Last row blocks first: under causal masking they see the most keys, and the
+            # dynamic schedule then ends on the cheap ones instead of waiting on a big one.
+            rb = n_rblk - 1 - item % n_rblk
             bg = item // n_rblk
             _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ,
                          workspace + tid * ws_elems,
