@@ -1,0 +1,139 @@
+# Type stub of fastattn's public API (SPEC.md).  The implementation modules carry no
+# annotations; this stub is what type checkers see for ``import fastattn`` /
+# ``from fastattn import ...``.  tests/test_typing.py checks it against the runtime with
+# mypy.stubtest, so a renamed argument or a new public name fails the test suite.
+from contextlib import AbstractContextManager
+from typing import Any, Literal, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from . import reference as reference
+
+__version__: str
+__all__ = [
+    "attention", "attention_weights", "softmax",
+    "set_num_threads", "get_num_threads", "num_threads",
+    "reference",
+    "self_attention", "MultiHeadAttention", "KVCache",
+    "sinusoidal_positions", "rope",
+    "__version__",
+]
+
+_Causal = bool | Literal["bottom-right", "top-left"]
+_Window = tuple[int, int] | None
+_Array = npt.NDArray[Any]
+
+# -- core kernel (SPEC §1) ----------------------------------------------------------------
+@overload
+def attention(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
+    scale: float | None = None, causal: _Causal = False, window: _Window = None,
+    mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
+    return_lse: Literal[False] = False, out: _Array | None = None,
+) -> _Array: ...
+@overload
+def attention(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
+    scale: float | None = None, causal: _Causal = False, window: _Window = None,
+    mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
+    return_lse: Literal[True], out: _Array | None = None,
+) -> tuple[_Array, _Array]: ...
+@overload
+def attention(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
+    scale: float | None = None, causal: _Causal = False, window: _Window = None,
+    mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
+    return_lse: bool = False, out: _Array | None = None,
+) -> _Array | tuple[_Array, _Array]: ...
+def attention_weights(
+    q: npt.ArrayLike, k: npt.ArrayLike, *,
+    scale: float | None = None, causal: _Causal = False, window: _Window = None,
+    mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
+) -> _Array: ...
+def softmax(x: npt.ArrayLike, axis: int = -1) -> _Array: ...
+
+# -- threads ------------------------------------------------------------------------------
+def set_num_threads(n: int) -> None: ...
+def get_num_threads() -> int: ...
+def num_threads(n: int) -> AbstractContextManager[int]: ...
+
+# -- layers (SPEC §3) ---------------------------------------------------------------------
+def self_attention(
+    x: npt.ArrayLike,
+    w_q: npt.ArrayLike | None = None, w_k: npt.ArrayLike | None = None,
+    w_v: npt.ArrayLike | None = None, w_o: npt.ArrayLike | None = None,
+    *, scale: float | None = None, causal: _Causal = False,
+) -> _Array: ...
+
+class KVCache:
+    def __init__(self, capacity: int = 64, *, growth: float = 2.0) -> None: ...
+    def reset(self) -> None: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def lengths(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def max_length(self) -> int: ...
+    def __len__(self) -> int: ...
+    @property
+    def k(self) -> _Array | None: ...
+    @property
+    def v(self) -> _Array | None: ...
+    @property
+    def batch_shape(self) -> tuple[int, ...] | None: ...
+    def append(
+        self, k: npt.ArrayLike, v: npt.ArrayLike, lengths: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.int64]: ...
+
+class MultiHeadAttention:
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_value: int
+    dtype: np.dtype[Any]
+    scale: float | None
+    rope: bool
+    rope_base: float
+    w_q: _Array
+    w_k: _Array
+    w_v: _Array
+    w_o: _Array
+    b_q: _Array | None
+    b_k: _Array | None
+    b_v: _Array | None
+    b_o: _Array | None
+    def __init__(
+        self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
+        d_head: int | None = None, d_value: int | None = None, bias: bool = False,
+        dtype: npt.DTypeLike = ..., seed: int | np.random.Generator | None = None,
+        scale: float | None = None, rope: bool = False, rope_base: float = 10000.0,
+    ) -> None: ...
+    @overload
+    def __call__(
+        self, x: npt.ArrayLike, *, causal: _Causal = False, mask: npt.ArrayLike | None = None,
+        kv_lengths: npt.ArrayLike | None = None, cache: None = None,
+    ) -> _Array: ...
+    @overload
+    def __call__(
+        self, x: npt.ArrayLike, *, causal: _Causal = False, mask: npt.ArrayLike | None = None,
+        kv_lengths: npt.ArrayLike | None = None, cache: KVCache,
+    ) -> tuple[_Array, KVCache]: ...
+    def attention_weights(
+        self, x: npt.ArrayLike, *, causal: _Causal = False, mask: npt.ArrayLike | None = None,
+        kv_lengths: npt.ArrayLike | None = None,
+    ) -> _Array: ...
+    @classmethod
+    def from_torch_state_dict(
+        cls, state_dict: Any, n_heads: int, *, prefix: str = "",
+        dtype: npt.DTypeLike | None = None, **kwargs: Any,
+    ) -> MultiHeadAttention: ...
+
+# -- positions ----------------------------------------------------------------------------
+def sinusoidal_positions(
+    length: int, d_model: int, base: float = 10000.0, *, dtype: npt.DTypeLike = ...
+) -> _Array: ...
+def rope(
+    x: npt.ArrayLike, positions: npt.ArrayLike | None = None, base: float = 10000.0
+) -> _Array: ...
