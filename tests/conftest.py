@@ -35,9 +35,23 @@ else:
     _hypothesis_settings.load_profile("default")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow (each takes a minute or more)")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: takes more than a few seconds (deselect with -m 'not slow')")
+        "markers", "slow: takes a minute or more; skipped unless --run-slow is given")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 # (rtol, atol) for comparing a kernel result with the float64 reference, per result dtype.
 #
