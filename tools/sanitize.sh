@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Build fastattn with AddressSanitizer + UndefinedBehaviorSanitizer in a scratch clone and
+# run a test subset under it; then a valgrind memcheck pass over a few small calls.
+#
+#   tools/sanitize.sh [--no-valgrind] [--keep] [pytest args...]
+#
+# Works from a clean clone of the repository's committed HEAD (uncommitted changes are not
+# seen: commit first), never touches the work tree's build. Needs gcc (libasan/libubsan)
+# and, for the second pass, valgrind. Exit status: 0 clean, 1 a sanitizer or valgrind
+# finding or a failing test.
+#
+# Why the settings:
+#   -fno-sanitize-recover=all   any UB report aborts the process (pytest then fails
+#                                loudly) instead of printing a line that nobody reads.
+#   LD_PRELOAD=libasan.so        CPython itself is not instrumented; ASan must come first.
+#   detect_leaks=0               CPython keeps interned objects alive on purpose at exit;
+#                                leaks are checked by tools/leakcheck.py instead.
+#   FASTATTN_ISAS=base,avx2      the portable kernel and the one most machines run (and
+#                                half the build time); FASTATTN_ISA forces each in turn.
+#   PYTHONMALLOC=malloc          (valgrind) pymalloc's arenas hide heap errors from it.
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")/.." && pwd)"
+valgrind=1
+keep=0
+pytest_args=()
+for a in "$@"; do
+    case "$a" in
+        --no-valgrind) valgrind=0 ;;
+        --keep) keep=1 ;;
+        *) pytest_args+=("$a") ;;
+    esac
+done
+if [ ${#pytest_args[@]} -eq 0 ]; then
+    pytest_args=(tests/test_attention.py tests/test_errors.py tests/test_bad_inputs.py
+                 tests/test_properties.py tests/test_reproducibility.py
+                 tests/test_hardening.py -k "not every_isa_variant and not peak_memory and not two_threads_overlap")
+fi
+
+work="$(mktemp -d /tmp/fastattn-san.XXXXXX)"
+cleanup() { if [ "$keep" = 0 ]; then rm -rf "$work"; else echo "kept $work"; fi; }
+trap cleanup EXIT
+
+# The real interpreter, not a pyenv/asdf shim script (LD_PRELOAD must reach Python).
+py="$(python -c 'import sys; print(sys.executable)')"
+t0=$(date +%s)
+git clone -q "$here" "$work/src"
+cd "$work/src"
+echo "== building with -fsanitize=address,undefined in $work/src ($(git log --oneline -1))"
+san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
+CFLAGS="$san" LDFLAGS="$san" FASTATTN_ISAS=base,avx2 \
+    "$py" setup.py build_ext --inplace > "$work/build.log" 2>&1 \
+    || { tail -30 "$work/build.log"; echo "sanitizer build failed"; exit 1; }
+t1=$(date +%s)
+echo "   built in $((t1 - t0)) s"
+
+status=0
+libasan="$(gcc -print-file-name=libasan.so)"
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:strict_string_checks=1:check_initialization_order=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+for isa in avx2 base; do
+    if [ "$isa" = avx2 ] && ! grep -q avx2 /proc/cpuinfo; then continue; fi
+    echo "== pytest under ASan+UBSan, FASTATTN_ISA=$isa: ${pytest_args[*]}"
+    rc=0
+    FASTATTN_ISA=$isa LD_PRELOAD="$libasan" "$py" -m pytest -q -x -p no:cacheprovider \
+        "${pytest_args[@]}" > "$work/pytest-$isa.log" 2>&1 || rc=$?
+    tail -5 "$work/pytest-$isa.log"
+    if [ "$rc" != 0 ] || grep -qE "ERROR: AddressSanitizer|runtime error:" "$work/pytest-$isa.log"; then
+        echo "-- FAILED (pytest exit $rc); sanitizer reports:"
+        grep -E -A30 "ERROR: AddressSanitizer|runtime error:" "$work/pytest-$isa.log" | head -80 || true
+        status=1
+    fi
+done
+t2=$(date +%s)
+echo "   sanitizer tests took $((t2 - t1)) s"
+
+if [ "$valgrind" = 1 ]; then
+    if ! command -v valgrind > /dev/null; then
+        echo "valgrind not installed: memcheck pass skipped"
+    else
+        # A plain (uninstrumented) build: valgrind and ASan do not mix.
+        git clean -qfdx fastattn build src
+        git checkout -q -- .
+        FASTATTN_ISAS=base,avx2 "$py" setup.py build_ext --inplace > "$work/build2.log" 2>&1 \
+            || { tail -30 "$work/build2.log"; echo "plain build failed"; exit 1; }
+        cat > "$work/calls.py" <<'EOF'
+import numpy as np
+import fastattn
+rng = np.random.default_rng(0)
+f = lambda *s, dt=np.float32: rng.standard_normal(s).astype(dt)
+q, k, v = f(2, 4, 37, 16), f(2, 2, 70, 16), f(2, 2, 70, 9)
+out = np.empty((2, 4, 37, 9), np.float32)
+for n in (1, 2):
+    with fastattn.num_threads(n):
+        fastattn.attention(q, k, v, causal=True, return_lse=True)
+        fastattn.attention(q, k, v, out=out, window=(20, 3), mask=rng.random((37, 70)) < 0.7)
+        fastattn.attention(q.astype(np.float64), k, v, kv_lengths=np.array([70, 5]))
+        fastattn.attention(q.astype(np.float16)[:, :, :1], k.astype(np.float16), v.astype(np.float16))
+        fastattn.attention(q[..., ::-1, :], np.swapaxes(np.swapaxes(k, -1, -2).copy(), -1, -2), v[..., ::2])
+        fastattn.attention(f(1, 5), f(0, 5), f(0, 3))
+        fastattn.attention(f(0, 5), f(3, 5), f(3, 3))
+        fastattn.attention_weights(q, k, causal=True)
+        fastattn.softmax(f(4, 6))
+for bad in (dict(kv_lengths=np.array([99, 1])), dict(window=(-3, 0)), dict(out=out[..., :3])):
+    try:
+        fastattn.attention(q, k, v, **bad)
+    except (ValueError, TypeError):
+        pass
+print("calls done")
+EOF
+        echo "== valgrind memcheck on $work/calls.py"
+        if PYTHONMALLOC=malloc OMP_NUM_THREADS=2 PYTHONPATH="$work/src" valgrind --tool=memcheck \
+                --error-exitcode=99 --errors-for-leak-kinds=none --track-origins=yes \
+                --suppressions=/dev/null --log-file="$work/valgrind.log" \
+                "$py" "$work/calls.py" > "$work/valgrind.out" 2>&1; then
+            grep "ERROR SUMMARY" "$work/valgrind.log" | tail -1
+        else
+            echo "valgrind found errors (exit $?):"
+            grep -E "ERROR SUMMARY|Invalid|uninitialised|Conditional" "$work/valgrind.log" | head -20
+            grep -B2 -A25 -m3 "fastattn\|_kernel" "$work/valgrind.log" | head -80 || true
+            cat "$work/valgrind.out"
+            status=1
+        fi
+        t3=$(date +%s)
+        echo "   valgrind took $((t3 - t2)) s"
+    fi
+fi
+echo "== sanitize.sh: $([ $status = 0 ] && echo clean || echo FINDINGS) in $(( $(date +%s) - t0 )) s"
+exit $status
