@@ -113,6 +113,8 @@ cdef struct Problem:
     double scale
 
 
+# Tiles with at most this many rows prefetch the next key block (see _attend_tile).
+cdef Py_ssize_t FA_PREFETCH_ROWS = 16
 cdef double LOG2E = 1.4426950408889634074
 cdef double LN2 = 0.69314718055994530942
 
@@ -246,7 +248,9 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             j0 = max(blk, tile_lo)
             j1 = min(blk + FA_BK, tile_hi)
             nj = j1 - j0
-            if j1 < tile_hi:
+            if nrows <= FA_PREFETCH_ROWS and j1 < tile_hi:
+                # Few rows (decode): streaming K/V is the bottleneck, fetch the next block
+                # early.  Large tiles reuse each block from L2 and do not need it.
                 na = min(FA_BK, tile_hi - j1)
                 fa_prefetch_rows(<const char*> (kb + j1 * P.k_sj), P.k_sj * sizeof(floating), na,
                                  D * sizeof(floating))
