@@ -42,15 +42,17 @@ def _as_array(x, name):
     return a
 
 
-def _dtypes(*arrays):
-    """(compute dtype, result dtype) for the inputs, following SPEC §1."""
-    res = np.result_type(*arrays)
+def _dtypes(**arrays):
+    """(compute dtype, result dtype) for the named inputs, following SPEC §1."""
+    res = np.result_type(*arrays.values())
     if res.kind in "biu":
         res = np.dtype(np.float64)
     if res == np.float16:
         return np.dtype(np.float32), res
     if res not in (np.float32, np.float64):
-        raise TypeError(f"unsupported floating dtype {res} (use float16, float32 or float64)")
+        culprits = ", ".join(f"{n}.dtype={a.dtype}" for n, a in arrays.items()
+                             if a.dtype.kind == "f" and a.dtype.itemsize > 8) or str(res)
+        raise TypeError(f"unsupported floating dtype ({culprits}): use float16, float32 or float64")
     return res, res
 
 
@@ -61,7 +63,10 @@ def _scale(scale, D):
         return 1.0 / math.sqrt(D)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError(f"scale must be finite, got {scale}") from None
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
@@ -174,7 +179,7 @@ class _Call:
                 + ", ".join(f"{n}.shape={a.shape}" for n, a in zip("qkv", (q, k, v)) if a is not None)
             ) from None
 
-        self.compute_dtype, self.result_dtype = _dtypes(*arrays)
+        self.compute_dtype, self.result_dtype = _dtypes(**dict(zip("qkv", arrays)))
         self.scale = _scale(scale, D)
         self.causal = _causal(causal)
         self.wl, self.wr = _window(window)
@@ -302,6 +307,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
            [0.269, 0.731],
            [0.576, 0.576]])
     """
+    if v is None:
+        raise TypeError("v must be an array of shape (..., Hkv, Lk, Dv), got None")
     if window is None and mask is None and kv_lengths is None:
         # The common case is validated and run entirely in C (see src/_kernel_impl.pxi,
         # "The lean call path"); it returns None for anything it does not handle.
@@ -409,7 +416,7 @@ def softmax(x, axis=-1):
     Integer and bool input is computed in float64, float16 in float32 (returned as float16).
     """
     x = _as_array(x, "x")
-    cdt, rdt = _dtypes(x)
+    cdt, rdt = _dtypes(x=x)
     x = x.astype(cdt, copy=False)
     m = np.max(x, axis=axis, keepdims=True) if x.size else np.zeros_like(x)
     # Subtract the row max (stability); a row with no finite max subtracts 0 instead.

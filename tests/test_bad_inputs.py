@@ -120,8 +120,9 @@ def c_dtype(call, draw):
 
 def c_not_array(call, draw):
     name = draw(st.sampled_from("qkv"))
+    # v=None is left to test_v_none_is_a_type_error (a known front-end bug for now).
     call[name] = draw(st.sampled_from([
-        None, "abc", b"xy", {}, {"a": 1}, Ragged(), [[1.0, 2.0], [3.0]], [[[1.0], []]],
+        *([None] if name != "v" else []), "abc", b"xy", {}, {"a": 1}, Ragged(), [[1.0, 2.0], [3.0]], [[[1.0], []]],
         [None, None], 1j, [[1j]],
     ]))
     return {name}
@@ -325,17 +326,12 @@ def test_out_aliasing_an_input(alias, window):
 
 # --------------------------------------------------------------------------- known bugs
 
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="front-end bug: float(scale) overflows for huge ints "
-                          "(fastattn/_api.py _scale): OverflowError, not ValueError")
 def test_huge_integer_scale_is_a_value_error():
     x = np.ones((2, 3))
     with pytest.raises(ValueError, match="scale"):
         fastattn.attention(x, x, x, scale=10 ** 400)
 
 
-@pytest.mark.xfail(strict=True, reason="front-end bug: the float128 TypeError does not name "
-                   "the argument (fastattn/_api.py _dtypes: 'unsupported floating dtype')")
 @pytest.mark.parametrize("arg", ["q", "k", "v"])
 def test_longdouble_error_names_the_argument(arg):
     arrays = {n: np.ones((3, 2)) for n in "qkv"}
@@ -343,3 +339,10 @@ def test_longdouble_error_names_the_argument(arg):
     with pytest.raises(TypeError) as info:
         fastattn.attention(**arrays)
     assert names_any(str(info.value), {arg}), str(info.value)
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": (1, 1)}, {"out": np.ones((2, 3), np.float32)}])
+def test_v_none_is_a_type_error(kw):
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(TypeError, match=r"(?<![A-Za-z_])v(?![A-Za-z_])"):
+        fastattn.attention(x, x, None, **kw)
