@@ -5,7 +5,8 @@
 #   2. `auditwheel repair` grafts the OpenMP runtime (libgomp) into the wheel;
 #   3. the repaired wheel goes into fresh venvs with no compiler in reach (gcc/cc/clang on
 #      PATH are stubs that fail, CC=CXX=false, --only-binary=:all:) and the test suite runs
-#      from a copy of tests/ (so the installed package is imported, not the source tree)
+#      via tools/test_installed.py (from a copy of the repository without the package
+#      sources, so the installed package is imported, not the source tree)
 #      under NumPy 1.26.x and under the newest NumPy 2.x, then once more with the baseline
 #      kernel forced (FASTATTN_ISA=base), as on a CPU without AVX2;
 #   4. `pip install` of the sdist in another venv (this one may compile) and a smoke test.
@@ -126,8 +127,7 @@ for c in cc gcc g++ c++ clang clang++ x86_64-linux-gnu-gcc aarch64-linux-gnu-gcc
     printf '#!/bin/sh\necho "check_wheel.sh: no compiler allowed ($0)" >&2\nexit 1\n' > "$NOCC/$c"
     chmod +x "$NOCC/$c"
 done
-rm -rf "$WORK/tests" "$WORK/run"
-cp -r "$WORK/src/tests" "$WORK/tests"    # tests only: no fastattn/ next to them
+rm -rf "$WORK/run"
 mkdir -p "$WORK/run"                     # neutral working directory
 
 # wheel_env NAME NUMPY_SPEC: fresh venv with the repaired wheel, its test extra and numpy.
@@ -148,8 +148,10 @@ wheel_tests() {
         "import numpy, fastattn, fastattn._dispatch as d; print(f'numpy {numpy.__version__}, fastattn {fastattn.__version__}, kernel {d.ISA}, from {fastattn.__file__}')")
     echo "$label: $info"
     if [[ "$info" != *"$venv"* ]]; then fail "$label: fastattn not imported from the venv ($info)"; return; fi
+    # tools/test_installed.py runs the suite from a copy of the repository without the
+    # package sources, so every import (subprocesses included) gets the installed wheel.
     if (cd "$WORK/run" && export PATH="$NOCC:$PATH" CC=false CXX=false && { [ $# = 0 ] || export "$@"; } \
-            && run "$log" "$venv/bin/python" -m pytest "$WORK/tests" "${PYTEST_ARGS[@]}" -p no:cacheprovider); then
+            && run "$log" "$venv/bin/python" "$WORK/src/tools/test_installed.py" "$WORK/src" "${PYTEST_ARGS[@]}"); then
         pass "$label: $(pytest_line "$log") [$info]"
     else
         fail "$label: $(pytest_line "$log") (log: $LOGS/$log.log)"
