@@ -109,18 +109,28 @@ for bad in (dict(kv_lengths=np.array([99, 1])), dict(window=(-3, 0)), dict(out=o
 print("calls done")
 EOF
         echo "== valgrind memcheck on $work/calls.py"
-        if PYTHONMALLOC=malloc OMP_NUM_THREADS=2 PYTHONPATH="$work/src" valgrind --tool=memcheck \
-                --error-exitcode=99 --errors-for-leak-kinds=none --track-origins=yes \
-                --suppressions=/dev/null --log-file="$work/valgrind.log" \
-                "$py" "$work/calls.py" > "$work/valgrind.out" 2>&1; then
-            grep "ERROR SUMMARY" "$work/valgrind.log" | tail -1
-        else
-            echo "valgrind found errors (exit $?):"
-            grep -E "ERROR SUMMARY|Invalid|uninitialised|Conditional" "$work/valgrind.log" | head -20
-            grep -B2 -A25 -m3 "fastattn\|_kernel" "$work/valgrind.log" | head -80 || true
-            cat "$work/valgrind.out"
-            status=1
-        fi
+        PYTHONMALLOC=malloc OMP_NUM_THREADS=2 PYTHONPATH="$work/src" valgrind --tool=memcheck \
+            --errors-for-leak-kinds=none --track-origins=yes --num-callers=30 \
+            --log-file="$work/valgrind.log" "$py" "$work/calls.py" > "$work/valgrind.out" 2>&1 \
+            || { cat "$work/valgrind.out"; status=1; }
+        # CPython itself reports a few known uninitialised-value errors under memcheck
+        # (e.g. int.from_bytes when seeding random; see CPython's Misc/valgrind-python.supp).
+        # Count only the errors with fastattn's extension (or its origin) in the stack.
+        cat > "$work/vgcount.py" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+blocks = re.split(r"\n==\d+== \n", text)
+kinds = r"^==\d+== (Invalid|Conditional|Use of|Syscall|Mismatched|Source and|Argument)"
+errors = [b for b in blocks if re.search(kinds, b, re.M)]
+ours = [b for b in errors if "_kernel_" in b or "fastattn" in b]
+summary = re.findall(r"ERROR SUMMARY: .*", text)
+print(f"   memcheck: {len(errors)} error contexts in all, {len(ours)} in fastattn; "
+      + (summary[-1] if summary else "no summary"))
+for b in ours[:5]:
+    print(b)
+sys.exit(1 if ours else 0)
+EOF
+        "$py" "$work/vgcount.py" "$work/valgrind.log" || status=1
         t3=$(date +%s)
         echo "   valgrind took $((t3 - t2)) s"
     fi
