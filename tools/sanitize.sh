@@ -56,6 +56,11 @@ CFLAGS="$san" LDFLAGS="$san" FASTATTN_ISAS=base,avx2 \
     || { tail -30 "$work/build.log"; echo "sanitizer build failed"; exit 1; }
 t1=$(date +%s)
 echo "   built in $((t1 - t0)) s"
+# Guard against a silently uninstrumented build (e.g. CFLAGS not reaching the compiler).
+for so in fastattn/_kernel_*.so; do
+    ldd "$so" | grep -q libasan || { echo "$so is not linked with libasan"; exit 1; }
+    nm -D "$so" | grep -q __ubsan_handle || { echo "$so has no UBSan checks"; exit 1; }
+done
 
 status=0
 libasan="$(gcc -print-file-name=libasan.so)"
