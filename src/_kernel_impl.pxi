@@ -57,6 +57,12 @@ cdef extern from "fa_kernels.h" nogil:
                           float scale, float* s, Py_ssize_t lds)
     void fa_score_tile1_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
                           double scale, double* s, Py_ssize_t lds)
+    void fa_transpose_keys_f(const float** kr, Py_ssize_t D, float* kt, Py_ssize_t ldkt)
+    void fa_transpose_keys_d(const double** kr, Py_ssize_t D, double* kt, Py_ssize_t ldkt)
+    void fa_score_keys_f(const float* q, Py_ssize_t ldq, const float* kt, Py_ssize_t ldkt,
+                         Py_ssize_t D, float scale, float* out)
+    void fa_score_keys_d(const double* q, Py_ssize_t ldq, const double* kt, Py_ssize_t ldkt,
+                         Py_ssize_t D, double scale, double* out)
     void fa_score_hidden_f(float* s, Py_ssize_t lds, int nvec)
     void fa_score_hidden_d(double* s, Py_ssize_t lds, int nvec)
     void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, float* m, float* l, float* alpha)
@@ -70,6 +76,10 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
                        double* acc, Py_ssize_t ldacc, const double* alpha)
     void fa_prefetch_rows(const char* base, Py_ssize_t stride, Py_ssize_t nrows, Py_ssize_t row_bytes)
+    void fa_pv_row8_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
+                      float* acc, const float* alpha)
+    void fa_pv_row8_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
+                      double* acc, const double* alpha)
     void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     int fa_have_openmp()
@@ -113,8 +123,11 @@ cdef struct Problem:
     double scale
 
 
-# Tiles with at most this many rows prefetch the next key block (see _attend_tile).
+# Tiles with at most this many rows prefetch the next key block and compute scores with
+# keys as the SIMD lanes (K transposed), see _attend_tile.  Above it, query rows fill the
+# lanes and the broadcast-FMA tiles win.
 cdef Py_ssize_t FA_PREFETCH_ROWS = 16
+cdef Py_ssize_t FA_DECODE_ROWS = 8
 cdef double LOG2E = 1.4426950408889634074
 cdef double LN2 = 0.69314718055994530942
 
@@ -141,7 +154,8 @@ cdef Py_ssize_t _workspace_elems(Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_lanes
             + FA_BQ * _dv_pad(Dv, n_lanes)    # acc
             + 3 * FA_BQ                       # m, l, alpha
             + FA_BK * n_lanes                 # vtail
-            + D + 1)                          # zero key row for micro-tiles past the end
+            + D + 1                           # zero key row for micro-tiles past the end
+            + D * FA_BK)                      # kt: the key block transposed (decode tiles)
 
 
 cdef inline void _score(const floating** krows, const floating* qt, Py_ssize_t D,
@@ -175,6 +189,46 @@ cdef inline void _pv(const floating* p, Py_ssize_t nj, const floating* v, Py_ssi
             fa_pv_tile1_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
 
 
+cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t j0,
+                                Py_ssize_t j1, Py_ssize_t D, const floating* zrow,
+                                floating* kt, const floating** krows, floating* stmp,
+                                const floating* qt, floating* s, floating scale,
+                                Py_ssize_t nrows, Py_ssize_t nlanes,
+                                const Py_ssize_t* lo, const Py_ssize_t* hi) noexcept nogil:
+    # Scores of a decode-sized tile: keys [j0, j1) transposed into kt (zero keys pad it to
+    # whole groups of 4 vectors), then each row against them with keys as the lanes;
+    # written to S^T like the lane-group path, keys outside a row's interval hidden, and
+    # the padding lanes set to -inf so the softmax step never reads stale memory.
+    cdef Py_ssize_t VL = _lanes(s) // 2
+    cdef Py_ssize_t nj = j1 - j0
+    cdef Py_ssize_t nkv = _round_up(nj, 4 * VL) // VL
+    cdef Py_ssize_t iv, t, r, j, ic, jb
+    cdef floating ninf = -INFINITY
+    for iv in range(nkv):
+        for t in range(VL):
+            krows[t] = kb + (j0 + iv * VL + t) * k_sj if iv * VL + t < nj else zrow
+        if floating is float:
+            fa_transpose_keys_f(krows, D, kt + iv * VL, FA_BK)
+        else:
+            fa_transpose_keys_d(krows, D, kt + iv * VL, FA_BK)
+    for r in range(nrows):
+        for ic in range(nkv // 4):
+            jb = ic * 4 * VL
+            if floating is float:
+                fa_score_keys_f(qt + r, FA_BQ, kt + jb, FA_BK, D, scale, stmp)
+            else:
+                fa_score_keys_d(qt + r, FA_BQ, kt + jb, FA_BK, D, scale, stmp)
+            for j in range(min(4 * VL, nj - jb)):
+                s[(jb + j) * FA_BQ + r] = stmp[j]
+        if lo[r] > j0 or hi[r] < j1:
+            for j in range(nj):
+                if j0 + j < lo[r] or j0 + j >= hi[r]:
+                    s[j * FA_BQ + r] = ninf
+    for r in range(nrows, nlanes):
+        for j in range(nj):
+            s[j * FA_BQ + r] = ninf
+
+
 cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
                        floating* buf, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
     cdef Py_ssize_t NL = _lanes(buf)
@@ -201,7 +255,9 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef floating* alpha = l + FA_BQ
     cdef floating* vtail = alpha + FA_BQ
     cdef floating* zrow = vtail + FA_BK * NL
-    cdef const floating* krows[FA_MR_K]
+    cdef floating* kt = zrow + D + 1
+    cdef const floating* krows[16]      # FA_MR_K (6) or VL (<= 16) key rows
+    cdef floating stmp[64]              # 4 vectors of scores, <= 64 lanes
 
     cdef Py_ssize_t kv_len = P.kv_len[b]
     cdef floating* qb = (<floating*> P.q) + P.q_boff[b]
@@ -214,6 +270,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij, ig
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
     cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr
+    cdef bint decode = nrows <= FA_DECODE_ROWS
     cdef int nvec
     cdef floating inv_l
 
@@ -257,8 +314,11 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 fa_prefetch_rows(<const char*> (vb + j1 * P.v_sj), P.v_sj * sizeof(floating), na,
                                  Dv * sizeof(floating))
 
+            if decode:
+                _decode_scores(kb, P.k_sj, j0, j1, D, zrow, kt, krows, stmp, qt, s, scale,
+                               nrows, nlanes, lo, hi)
             # Scores, one lane group (2 vectors of rows, or 1 for the last) at a time.
-            for ic in range((nlanes + NL - 1) // NL):
+            for ic in range((nlanes + NL - 1) // NL if not decode else 0):
                 c = ic * NL
                 nvec = <int> min(2, (nlanes - c) // VL)
                 rend = min(c + nvec * VL, nrows)
@@ -335,10 +395,21 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                         g_maxhi = max(g_maxhi, hi[r])
                 ja = max(j0, g_minlo)
                 na = max(0, min(j1, g_maxhi) - ja)
-                for ic in range(dv_main // NL):
-                    c = ic * NL
+                c = 0
+                if nr == 1:
+                    # A single row reads whole V rows, 8 vectors at a time (contiguous).
+                    while c + 4 * NL <= dv_main:
+                        if floating is float:
+                            fa_pv_row8_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
+                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg)
+                        else:
+                            fa_pv_row8_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
+                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg)
+                        c += 4 * NL
+                while c < dv_main:
                     _pv(s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c, P.v_sj,
                         acc + rg * dv_pad + c, dv_pad, alpha + rg, nr)
+                    c += NL
                 if dv_tail:
                     _pv(s + (ja - j0) * FA_BQ + rg, na, vtail + (ja - j0) * NL, NL,
                         acc + rg * dv_pad + dv_main, dv_pad, alpha + rg, nr)

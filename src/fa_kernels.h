@@ -18,6 +18,7 @@
 #define FA_KERNELS_H
 
 #include "fa_simd.h"
+#include "fa_transpose.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -73,6 +74,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #define MAX fa_max_f
 #define SELECT fa_select_f
 #define EXP2 fa_exp2_f
+#define TRANSPOSE fa_transpose_vf
 #include "fa_tile_impl.h"
 #undef T
 #undef V
@@ -84,6 +86,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #undef MAX
 #undef SELECT
 #undef EXP2
+#undef TRANSPOSE
 
 /* ---- micro-kernels, double ---- */
 #define T double
@@ -96,6 +99,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #define MAX fa_max_d
 #define SELECT fa_select_d
 #define EXP2 fa_exp2_d
+#define TRANSPOSE fa_transpose_vd
 #include "fa_tile_impl.h"
 #undef T
 #undef V
@@ -107,6 +111,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #undef MAX
 #undef SELECT
 #undef EXP2
+#undef TRANSPOSE
 
 /*
  * Prefetch rows [0, nrows) of a block (row r at base + r*stride bytes, row_bytes long).

@@ -1,7 +1,7 @@
 /*
  * fa_tile_impl.h -- the three micro-kernels of the fused attention loop, for one element
  * type.  Included twice by fa_kernels.h (float, double) with these macros defined:
- *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP2
+ *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP2, TRANSPOSE
  *
  * Layout (lanes = query rows; see fa_kernels.h for why):
  *   qt[d*ldqt + r]    the query tile, transposed and packed once per tile
@@ -161,4 +161,73 @@ FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         c1 += b * LOAD(v + j * ldv + VL);
     }
     STORE(acc, c0); STORE(acc + VL, c1);
+}
+
+/*
+ * Decode-sized tiles (a few query rows) compute scores with the keys as the lanes instead:
+ * one query element broadcast against a vector of VL keys read from K transposed.  Each
+ * score is still the sequential FMA chain over d of fa_score_tile (k*q + acc, rounded
+ * once per step), so a decode step reproduces the prefill row bit for bit -- but no
+ * lanes idle, which makes these tiles ~10x cheaper and lets them run at memory speed.
+ */
+
+/* kt[d*ldkt + t] = kr[t][d] for t < VL: VL key rows transposed, VL x VL blocks in
+ * registers; the D % VL tail element by element. */
+FA_NOINLINE void FA_FN(fa_transpose_keys)(const T* const* kr, ptrdiff_t D, T* kt, ptrdiff_t ldkt)
+{
+    V r[VL];
+    ptrdiff_t d0 = 0;
+    for (; d0 + VL <= D; d0 += VL) {
+        for (int t = 0; t < VL; t++) r[t] = LOAD(kr[t] + d0);
+        TRANSPOSE(r);
+        for (int i = 0; i < VL; i++) STORE(kt + (d0 + i) * ldkt, r[i]);
+    }
+    for (; d0 < D; d0++)
+        for (int t = 0; t < VL; t++) kt[d0 * ldkt + t] = kr[t][d0];
+}
+
+/* out[j] = scale * sum_d q[d*ldq] * kt[d*ldkt + j] for j < 4*VL (one query row). */
+FA_NOINLINE void FA_FN(fa_score_keys)(const T* q, ptrdiff_t ldq, const T* kt, ptrdiff_t ldkt,
+                                     ptrdiff_t D, T scale, T* out)
+{
+    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (ptrdiff_t d = 0; d < D; d++) {
+        const V b = BCAST(q[d * ldq]);
+        const T* kd = kt + d * ldkt;
+        a0 += LOAD(kd) * b;
+        a1 += LOAD(kd + VL) * b;
+        a2 += LOAD(kd + 2 * VL) * b;
+        a3 += LOAD(kd + 3 * VL) * b;
+    }
+    const V sc = BCAST(scale);
+    STORE(out, a0 * sc);
+    STORE(out + VL, a1 * sc);
+    STORE(out + 2 * VL, a2 * sc);
+    STORE(out + 3 * VL, a3 * sc);
+}
+
+/* The output of one query row over 8 vectors of value columns at once (decode tiles):
+ * each V row is read as 8 contiguous vectors instead of in 2-vector strips, one pass per
+ * key block.  Per element, the identical sequence as fa_pv_tile. */
+FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                  const T* v, ptrdiff_t ldv, T* acc, const T* alpha)
+{
+    const V a = BCAST(alpha[0]);
+    V c0 = LOAD(acc) * a, c1 = LOAD(acc + VL) * a, c2 = LOAD(acc + 2 * VL) * a;
+    V c3 = LOAD(acc + 3 * VL) * a, c4 = LOAD(acc + 4 * VL) * a, c5 = LOAD(acc + 5 * VL) * a;
+    V c6 = LOAD(acc + 6 * VL) * a, c7 = LOAD(acc + 7 * VL) * a;
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        const V b = BCAST(p[j * ldp]);
+        const T* vj = v + j * ldv;
+        c0 += b * LOAD(vj);
+        c1 += b * LOAD(vj + VL);
+        c2 += b * LOAD(vj + 2 * VL);
+        c3 += b * LOAD(vj + 3 * VL);
+        c4 += b * LOAD(vj + 4 * VL);
+        c5 += b * LOAD(vj + 5 * VL);
+        c6 += b * LOAD(vj + 6 * VL);
+        c7 += b * LOAD(vj + 7 * VL);
+    }
+    STORE(acc, c0); STORE(acc + VL, c1); STORE(acc + 2 * VL, c2); STORE(acc + 3 * VL, c3);
+    STORE(acc + 4 * VL, c4); STORE(acc + 5 * VL, c5); STORE(acc + 6 * VL, c6); STORE(acc + 7 * VL, c7);
 }
