@@ -46,6 +46,10 @@ trap cleanup EXIT
 
 # The real interpreter, not a pyenv/asdf shim script (LD_PRELOAD must reach Python).
 py="$(python -c 'import sys; print(sys.executable)')"
+# The build requirements of pyproject.toml, in this interpreter (the in-place builds below
+# do not get pip's isolated build environment); a no-op when they are already there.
+"$py" -m pip install -q --disable-pip-version-check "setuptools>=77" "Cython>=3.1" "numpy>=2.0" \
+    || { echo "cannot install the build requirements"; exit 1; }
 t0=$(date +%s)
 git clone -q "$here" "$work/src"
 cd "$work/src"
