@@ -305,7 +305,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     >>> fastattn.attention(x, x, x, scale=1.0, causal=True).round(3)
     array([[1.   , 0.   ],
            [0.269, 0.731],
-           [0.576, 0.576]])
+           [0.788, 0.788]])
     """
     if v is None:
         raise TypeError("v must be an array of shape (..., Hkv, Lk, Dv), got None")
