@@ -86,10 +86,13 @@ def _causal(causal):
 def _window(window):
     if window is None:
         return -1, -1
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be None or a pair (left, right), got {window!r}") from None
+    if isinstance(window, np.ndarray):
+        window = window.tolist()
+    if not isinstance(window, (tuple, list)):  # not any iterable: a dict would unpack its keys
+        raise TypeError(f"window must be None or a pair (left, right), got {type(window).__name__}")
+    if len(window) != 2:
+        raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
+    left, right = window
     sides = []
     for side, w in (("left", left), ("right", right)):
         if isinstance(w, (bool, np.bool_)):
@@ -188,6 +191,8 @@ class _Call:
         self.nbatch = math.prod(batch)
         self.mask, self.mask_kind = self._mask(mask)
         self.kv_len = self._kv_lengths(kv_lengths)
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         self.return_lse = bool(return_lse)
         self.out = self._out(out)
         self.q, self.k, self.v = q, k, v
@@ -309,7 +314,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     """
     if v is None:
         raise TypeError("v must be an array of shape (..., Hkv, Lk, Dv), got None")
-    if window is None and mask is None and kv_lengths is None:
+    if window is None and mask is None and kv_lengths is None and type(return_lse) is bool:
         # The common case is validated and run entirely in C (see src/_kernel_impl.pxi,
         # "The lean call path"); it returns None for anything it does not handle.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,

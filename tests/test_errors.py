@@ -196,3 +196,18 @@ def test_inputs_untouched_after_error():
         fastattn.attention(q, k, v, kv_lengths=99)
     for a, c in zip((q, k, v), copies):
         np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("window", [{1: 2, 3: 4}, {0, 1}, "ab"])
+def test_window_must_be_a_pair_not_any_iterable(window):
+    # A dict or set would otherwise unpack as its keys and be taken as a window.
+    q = np.ones((2, 3, 4))
+    with pytest.raises(ERRORS, match=names("window")):
+        fastattn.attention(q, q, q, window=window)
+
+
+@pytest.mark.parametrize("flag", [np.array([1, 2]), "yes", None, 1])
+def test_return_lse_must_be_a_bool(flag):
+    q = np.ones((2, 3, 4))
+    with pytest.raises(TypeError, match="return_lse"):
+        fastattn.attention(q, q, q, return_lse=flag)
