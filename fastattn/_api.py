@@ -127,17 +127,18 @@ def _batch_offsets(a, n_core, batch_shape):
     return np.ascontiguousarray(off.reshape(-1))
 
 
-def _kernel_ready(a, dtype):
-    """``a`` cast to the compute dtype, with a contiguous last axis and whole-element strides.
-
-    Arrays that already qualify (any other strides, negative or zero included) are used in
-    place; only the rest are copied.
-    """
-    a = a.astype(dtype, copy=False)
+def _kernel_layout(a):
+    """Whether the kernel can address ``a`` in place: a contiguous last axis and strides
+    that are whole elements (any others, negative or zero included, are fine)."""
     itemsize = a.itemsize
-    if (a.shape[-1] > 1 and a.strides[-1] != itemsize) or any(s % itemsize for s in a.strides):
-        a = np.ascontiguousarray(a)
-    return a
+    return (a.shape[-1] <= 1 or a.strides[-1] == itemsize) and not any(
+        s % itemsize for s in a.strides)
+
+
+def _kernel_ready(a, dtype):
+    """``a`` cast to the compute dtype, copied only if the kernel cannot read it in place."""
+    a = a.astype(dtype, copy=False)
+    return a if _kernel_layout(a) else np.ascontiguousarray(a)
 
 
 class _Call:
@@ -335,8 +336,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     direct = (
         target is not None
         and target.dtype == cdt
-        and (call.Dv <= 1 or target.strides[-1] == target.itemsize)
-        and not any(st % target.itemsize for st in target.strides)
+        and _kernel_layout(target)
         and not any(np.may_share_memory(target, a) for a in (q, k, v, call.mask) if a is not None)
     )
     res = target if direct else np.empty(full_shape, dtype=cdt)
