@@ -144,14 +144,10 @@ cdef inline Py_ssize_t _lanes(floating* dummy) noexcept nogil:
         return 2 * FA_VL_D
 
 
-cdef inline Py_ssize_t _dv_pad(Py_ssize_t Dv, Py_ssize_t n_lanes) noexcept nogil:
-    return _round_up(Dv, n_lanes)
-
-
 cdef Py_ssize_t _workspace_elems(Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_lanes) noexcept nogil:
     return (D * FA_BQ                         # qt
             + (FA_BK + FA_MR_K) * FA_BQ       # s (a score micro-tile may run past nj)
-            + FA_BQ * _dv_pad(Dv, n_lanes)    # acc
+            + FA_BQ * _round_up(Dv, n_lanes)  # acc (columns padded to whole tiles)
             + 3 * FA_BQ                       # m, l, alpha
             + FA_BK * n_lanes                 # vtail
             + D + 1                           # zero key row for micro-tiles past the end
@@ -237,7 +233,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef Py_ssize_t nrows = min(FA_BQ, P.group * Lq - r0)
     cdef Py_ssize_t nlanes = _round_up(nrows, VL)   # rows the score kernel touches (padded)
     cdef Py_ssize_t n6 = (nrows // FA_MR_PV) * FA_MR_PV   # rows in 6-row output tiles
-    cdef Py_ssize_t dv_pad = _dv_pad(Dv, NL)
+    cdef Py_ssize_t dv_pad = _round_up(Dv, NL)
     cdef Py_ssize_t dv_main = (Dv // NL) * NL
     cdef Py_ssize_t dv_tail = Dv - dv_main
     # Scores are kept in base 2 (scale * log2 e folded into the score kernel): the softmax
@@ -267,7 +263,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef const floating* vrow
     cdef floating* orow
     cdef char* mrow
-    cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij, ig
+    cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
     cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr
     cdef bint decode = nrows <= FA_DECODE_ROWS
