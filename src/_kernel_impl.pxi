@@ -40,6 +40,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_BQ
         FA_MR_K
         FA_MR_PV
+        FA_DEC_NR_MAX
         FA_CAUSAL_NONE
         FA_CAUSAL_BOTTOM_RIGHT
         FA_CAUSAL_TOP_LEFT
@@ -57,12 +58,30 @@ cdef extern from "fa_kernels.h" nogil:
                           float scale, float* s, Py_ssize_t lds)
     void fa_score_tile1_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
                           double scale, double* s, Py_ssize_t lds)
-    void fa_transpose_keys_f(const float** kr, Py_ssize_t D, float* kt, Py_ssize_t ldkt)
-    void fa_transpose_keys_d(const double** kr, Py_ssize_t D, double* kt, Py_ssize_t ldkt)
-    void fa_score_keys_f(const float* q, Py_ssize_t ldq, const float* kt, Py_ssize_t ldkt,
-                         Py_ssize_t D, float scale, float* out)
-    void fa_score_keys_d(const double* q, Py_ssize_t ldq, const double* kt, Py_ssize_t ldkt,
-                         Py_ssize_t D, double scale, double* out)
+    void fa_score_keyrows1_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows1_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+                             Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
+                             const char** pf, Py_ssize_t pf_bytes)
     void fa_score_hidden_f(float* s, Py_ssize_t lds, int nvec)
     void fa_score_hidden_d(double* s, Py_ssize_t lds, int nvec)
     void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, float* m, float* l, float* alpha)
@@ -76,10 +95,18 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
                        double* acc, Py_ssize_t ldacc, const double* alpha)
     void fa_prefetch_rows(const char* base, Py_ssize_t stride, Py_ssize_t nrows, Py_ssize_t row_bytes)
+    void fa_pv_rows4_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
+                       float* acc, Py_ssize_t ldacc, const float* alpha, const char* pf,
+                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+    void fa_pv_rows4_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
+                       double* acc, Py_ssize_t ldacc, const double* alpha, const char* pf,
+                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
     void fa_pv_row8_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
-                      float* acc, const float* alpha)
+                      float* acc, const float* alpha, const char* pf, Py_ssize_t pf_stride,
+                      Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
     void fa_pv_row8_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
-                      double* acc, const double* alpha)
+                      double* acc, const double* alpha, const char* pf, Py_ssize_t pf_stride,
+                      Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
     void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     int fa_have_openmp()
@@ -126,7 +153,7 @@ cdef struct Problem:
 # Tiles with at most this many rows prefetch the next key block and compute scores with
 # keys as the SIMD lanes (K transposed), see _attend_tile.  Above it, query rows fill the
 # lanes and the broadcast-FMA tiles win.
-cdef Py_ssize_t FA_PREFETCH_ROWS = 16
+cdef Py_ssize_t FA_PREFETCH_ROWS = 0
 cdef Py_ssize_t FA_DECODE_ROWS = 8
 cdef double LOG2E = 1.4426950408889634074
 cdef double LN2 = 0.69314718055994530942
@@ -150,8 +177,7 @@ cdef Py_ssize_t _workspace_elems(Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_lanes
             + FA_BQ * _round_up(Dv, n_lanes)  # acc (columns padded to whole tiles)
             + 3 * FA_BQ                       # m, l, alpha
             + FA_BK * n_lanes                 # vtail
-            + D + 1                           # zero key row for micro-tiles past the end
-            + D * FA_BK)                      # kt: the key block transposed (decode tiles)
+            + D + 1)                          # zero key row for micro-tiles past the end
 
 
 cdef inline void _score(const floating** krows, const floating* qt, Py_ssize_t D,
@@ -187,42 +213,72 @@ cdef inline void _pv(const floating* p, Py_ssize_t nj, const floating* v, Py_ssi
 
 cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t j0,
                                 Py_ssize_t j1, Py_ssize_t D, const floating* zrow,
-                                floating* kt, const floating** krows, floating* stmp,
-                                const floating* qt, floating* s, floating scale,
-                                Py_ssize_t nrows, Py_ssize_t nlanes,
+                                const floating** krows, const floating* qt, floating* s,
+                                const floating* vb, Py_ssize_t v_sj, Py_ssize_t Dv,
+                                const char** vrows, floating scale, Py_ssize_t nrows, Py_ssize_t nlanes,
                                 const Py_ssize_t* lo, const Py_ssize_t* hi) noexcept nogil:
-    # Scores of a decode-sized tile: keys [j0, j1) transposed into kt (zero keys pad it to
-    # whole groups of 4 vectors), then each row against them with keys as the lanes;
-    # written to S^T like the lane-group path, keys outside a row's interval hidden, and
-    # the padding lanes set to -inf so the softmax step never reads stale memory.
+    # Scores of a decode-sized tile, keys as the lanes: VL keys at a time (zero keys pad
+    # the last group), each against the rows in passes of 8/4/2/1 (fa_score_keyrows);
+    # written to S^T like the lane-group path, keys outside a row's interval hidden.
+    # Padding lanes [nrows, nlanes) are not written: _attend_tile zeroes them once, like
+    # the zero scores the lane-group path computes for its padding rows.
+    # Passes may compute rows past nrows from qt's zero padding (up to nlanes); only
+    # rows < nrows are stored.  The first pass prefetches the V rows of its keys.
     cdef Py_ssize_t VL = _lanes(s) // 2
     cdef Py_ssize_t nj = j1 - j0
-    cdef Py_ssize_t nkv = _round_up(nj, 4 * VL) // VL
-    cdef Py_ssize_t iv, t, r, j, ic, jb
+    cdef Py_ssize_t t, r, j, jb, ig, left, pf_bytes
+    cdef int nk
     cdef floating ninf = -INFINITY
-    for iv in range(nkv):
+    for ig in range((nj + VL - 1) // VL):
+        jb = ig * VL
+        nk = <int> min(VL, nj - jb)
         for t in range(VL):
-            krows[t] = kb + (j0 + iv * VL + t) * k_sj if iv * VL + t < nj else zrow
-        if floating is float:
-            fa_transpose_keys_f(krows, D, kt + iv * VL, FA_BK)
-        else:
-            fa_transpose_keys_d(krows, D, kt + iv * VL, FA_BK)
-    for r in range(nrows):
-        for ic in range(nkv // 4):
-            jb = ic * 4 * VL
+            krows[t] = kb + (j0 + jb + t) * k_sj if jb + t < nj else zrow
+            vrows[t] = <const char*> (vb + (j0 + jb + t) * v_sj if jb + t < nj else zrow)
+        pf_bytes = Dv * sizeof(floating)
+        r = 0
+        while r < nrows:
+            left = nrows - r
             if floating is float:
-                fa_score_keys_f(qt + r, FA_BQ, kt + jb, FA_BK, D, scale, stmp)
+                if left > 4 and FA_DEC_NR_MAX >= 8:
+                    fa_score_keyrows8_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, <int> left, vrows, pf_bytes)
+                    r += 8
+                elif left > 2:
+                    fa_score_keyrows4_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, <int> left, vrows, pf_bytes)
+                    r += 4
+                elif left == 2:
+                    fa_score_keyrows2_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, 2, vrows, pf_bytes)
+                    r += 2
+                else:
+                    fa_score_keyrows1_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, 1, vrows, pf_bytes)
+                    r += 1
             else:
-                fa_score_keys_d(qt + r, FA_BQ, kt + jb, FA_BK, D, scale, stmp)
-            for j in range(min(4 * VL, nj - jb)):
-                s[(jb + j) * FA_BQ + r] = stmp[j]
+                if left > 4 and FA_DEC_NR_MAX >= 8:
+                    fa_score_keyrows8_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, <int> left, vrows, pf_bytes)
+                    r += 8
+                elif left > 2:
+                    fa_score_keyrows4_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, <int> left, vrows, pf_bytes)
+                    r += 4
+                elif left == 2:
+                    fa_score_keyrows2_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, 2, vrows, pf_bytes)
+                    r += 2
+                else:
+                    fa_score_keyrows1_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
+                                        FA_BQ, 1, vrows, pf_bytes)
+                    r += 1
+            pf_bytes = 0
+    for r in range(nrows):
         if lo[r] > j0 or hi[r] < j1:
             for j in range(nj):
                 if j0 + j < lo[r] or j0 + j >= hi[r]:
                     s[j * FA_BQ + r] = ninf
-    for r in range(nrows, nlanes):
-        for j in range(nj):
-            s[j * FA_BQ + r] = ninf
 
 
 cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
@@ -251,9 +307,9 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef floating* alpha = l + FA_BQ
     cdef floating* vtail = alpha + FA_BQ
     cdef floating* zrow = vtail + FA_BK * NL
-    cdef floating* kt = zrow + D + 1
     cdef const floating* krows[16]      # FA_MR_K (6) or VL (<= 16) key rows
-    cdef floating stmp[64]              # 4 vectors of scores, <= 64 lanes
+    cdef const char* vrows[16]          # decode: the V rows of krows, to prefetch
+    cdef const char* pf
 
     cdef Py_ssize_t kv_len = P.kv_len[b]
     cdef floating* qb = (<floating*> P.q) + P.q_boff[b]
@@ -265,7 +321,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef char* mrow
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
-    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr
+    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows
     cdef bint decode = nrows <= FA_DECODE_ROWS
     cdef int nvec
     cdef floating inv_l
@@ -291,7 +347,13 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 qt[d * FA_BQ + r] = 0
         m[r] = ninf
         l[r] = 0
-    memset(acc, 0, nrows * dv_pad * sizeof(floating))
+    memset(acc, 0, nlanes * dv_pad * sizeof(floating))
+    if decode:
+        # Padding lanes of S^T hold finite values from here on (0, then the softmax's p):
+        # their m, l, acc are never read, and no stale NaN or denormal reaches the exp.
+        for j in range(FA_BK):
+            for r in range(nrows, nlanes):
+                s[j * FA_BQ + r] = 0
     memset(zrow, 0, D * sizeof(floating))
 
     # --- key blocks, in key order; blocks are aligned to multiples of FA_BK from key 0 ---
@@ -311,8 +373,8 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                                  Dv * sizeof(floating))
 
             if decode:
-                _decode_scores(kb, P.k_sj, j0, j1, D, zrow, kt, krows, stmp, qt, s, scale,
-                               nrows, nlanes, lo, hi)
+                _decode_scores(kb, P.k_sj, j0, j1, D, zrow, krows, qt, s, vb, P.v_sj, Dv, vrows,
+                               scale, nrows, nlanes, lo, hi)
             # Scores, one lane group (2 vectors of rows, or 1 for the last) at a time.
             for ic in range((nlanes + NL - 1) // NL if not decode else 0):
                 c = ic * NL
@@ -380,7 +442,46 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                         vtail[j * NL + t] = vrow[t] if t < dv_tail else 0
 
             rg = 0
-            while rg < nrows:
+            while decode and nrows >= 2 and rg < nrows:
+                # Decode tiles of several rows (a GQA group): 4 rows at a time, each V
+                # vector loaded once for all of them; rows past nrows (up to nlanes) are
+                # zero-initialised padding and never written out.
+                g_minlo = j1
+                g_maxhi = j0
+                for r in range(rg, rg + 4):
+                    if lo[r] < hi[r]:
+                        g_minlo = min(g_minlo, lo[r])
+                        g_maxhi = max(g_maxhi, hi[r])
+                ja = max(j0, g_minlo)
+                na = max(0, min(j1, g_maxhi) - ja)
+                pf_rows = max(0, min(na, tile_hi - (ja + FA_BK))) if rg == 0 else 0
+                c = 0
+                while c + 2 * NL <= dv_main:
+                    pf = <const char*> (kb + (ja + FA_BK) * P.k_sj + c)
+                    if c >= D:
+                        pf_rows = 0
+                    if floating is float:
+                        fa_pv_rows4_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
+                                      P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg,
+                                      pf, P.k_sj * sizeof(floating), pf_rows,
+                                      min(2 * NL, D - c) * sizeof(floating))
+                    else:
+                        fa_pv_rows4_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
+                                      P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg,
+                                      pf, P.k_sj * sizeof(floating), pf_rows,
+                                      min(2 * NL, D - c) * sizeof(floating))
+                    c += 2 * NL
+                for r in range(rg, min(rg + 4, nrows)):
+                    d = c
+                    while d < dv_main:
+                        _pv(s + (ja - j0) * FA_BQ + r, na, vb + ja * P.v_sj + d, P.v_sj,
+                            acc + r * dv_pad + d, dv_pad, alpha + r, 1)
+                        d += NL
+                    if dv_tail:
+                        _pv(s + (ja - j0) * FA_BQ + r, na, vtail + (ja - j0) * NL, NL,
+                            acc + r * dv_pad + dv_main, dv_pad, alpha + r, 1)
+                rg += 4
+            while not (decode and nrows >= 2) and rg < nrows:
                 nr = FA_MR_PV if rg < n6 else 1
                 # Keys any of these rows can see; the rest have p == 0 exactly.
                 g_minlo = j1
@@ -394,13 +495,25 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 c = 0
                 if nr == 1:
                     # A single row reads whole V rows, 8 vectors at a time (contiguous).
+                    # Decode: the first row also prefetches the next block's K rows
+                    # (columns c..c+8 vectors of row ja+j+FA_BK beside V row ja+j).
+                    pf_rows = 0
+                    if decode and rg == 0:
+                        pf_rows = max(0, min(na, tile_hi - (ja + FA_BK)))
                     while c + 4 * NL <= dv_main:
+                        pf = <const char*> (kb + (ja + FA_BK) * P.k_sj + c)
+                        if c >= D:
+                            pf_rows = 0
                         if floating is float:
                             fa_pv_row8_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg)
+                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg,
+                                         pf, P.k_sj * sizeof(floating), pf_rows,
+                                         min(4 * NL, D - c) * sizeof(floating))
                         else:
                             fa_pv_row8_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg)
+                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg,
+                                         pf, P.k_sj * sizeof(floating), pf_rows,
+                                         min(4 * NL, D - c) * sizeof(floating))
                         c += 4 * NL
                 while c < dv_main:
                     _pv(s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c, P.v_sj,

@@ -35,6 +35,13 @@
 #define FA_BQ 96
 #define FA_MR_K 6
 #define FA_MR_PV 6
+/* Decode tiles (few query rows, keys as lanes): rows per pass of fa_score_keyrows -- as
+ * many accumulators as fit beside VL transposed keys in the register file. */
+#if FA_VBYTES == 64
+#define FA_DEC_NR_MAX 8
+#else
+#define FA_DEC_NR_MAX 4
+#endif
 
 /* causal modes */
 #define FA_CAUSAL_NONE 0

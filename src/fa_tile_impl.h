@@ -171,46 +171,78 @@ FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
  * lanes idle, which makes these tiles ~10x cheaper and lets them run at memory speed.
  */
 
-/* kt[d*ldkt + t] = kr[t][d] for t < VL: VL key rows transposed, VL x VL blocks in
- * registers; the D % VL tail element by element. */
-FA_NOINLINE void FA_FN(fa_transpose_keys)(const T* const* kr, ptrdiff_t D, T* kt, ptrdiff_t ldkt)
+/*
+ * Scores of VL keys (the lanes) against nr query rows, K transposed on the fly:
+ *   s[t*lds + r] = scale * sum_d kr[t][d] * qt[d*ldqt + r]    t < nk, r < nr
+ * Each VL x VL block of keys is loaded (row by row, as K lies in memory), transposed in
+ * registers and consumed at once by nr accumulators; nothing is written back but the
+ * scores.  Per score this is the FMA chain of fa_score_tile (acc += k[d]*q[d], d in
+ * order, then * scale), so a decode row equals its prefill row bit for bit.
+ * nr is a compile-time constant in each wrapper below so the accumulators stay in
+ * registers: VL transposed keys + nr accumulators fit the register file (32 zmm for
+ * AVX-512 with nr <= 8; 16 ymm for AVX2 with nr <= 4).  Rows past the caller's last
+ * are computed from qt's zero padding and not stored.
+ * pf (optional): VL rows to prefetch into L2, the same byte range of each as the key
+ * loads (up to pf_bytes): the decode path passes the V rows of these keys, which the
+ * output kernel reads next (see fa_pv_row8).
+ */
+FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, int nk, const T* qt, ptrdiff_t ldqt,
+                                       ptrdiff_t D, T scale, T* s, ptrdiff_t lds,
+                                       const int nr, int nstore,
+                                       const char* const* pf, ptrdiff_t pf_bytes)
 {
-    V r[VL];
+    V a[8];
+    for (int r = 0; r < nr; r++) a[r] = BCAST(0);
     ptrdiff_t d0 = 0;
     for (; d0 + VL <= D; d0 += VL) {
-        for (int t = 0; t < VL; t++) r[t] = LOAD(kr[t] + d0);
-        TRANSPOSE(r);
-        for (int i = 0; i < VL; i++) STORE(kt + (d0 + i) * ldkt, r[i]);
+        V t[VL];
+        for (int i = 0; i < VL; i++) t[i] = LOAD(kr[i] + d0);
+        if (pf && (ptrdiff_t)(d0 * sizeof(T)) < pf_bytes)
+            for (int i = 0; i < VL; i++) __builtin_prefetch(pf[i] + d0 * sizeof(T), 0, 2);
+        TRANSPOSE(t);
+        for (int i = 0; i < VL; i++) {
+            const T* qd = qt + (d0 + i) * ldqt;
+            for (int r = 0; r < nr; r++) a[r] += BCAST(qd[r]) * t[i];
+        }
     }
-    for (; d0 < D; d0++)
-        for (int t = 0; t < VL; t++) kt[d0 * ldkt + t] = kr[t][d0];
-}
-
-/* out[j] = scale * sum_d q[d*ldq] * kt[d*ldkt + j] for j < 4*VL (one query row). */
-FA_NOINLINE void FA_FN(fa_score_keys)(const T* q, ptrdiff_t ldq, const T* kt, ptrdiff_t ldkt,
-                                     ptrdiff_t D, T scale, T* out)
-{
-    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (ptrdiff_t d = 0; d < D; d++) {
-        const V b = BCAST(q[d * ldq]);
-        const T* kd = kt + d * ldkt;
-        a0 += LOAD(kd) * b;
-        a1 += LOAD(kd + VL) * b;
-        a2 += LOAD(kd + 2 * VL) * b;
-        a3 += LOAD(kd + 3 * VL) * b;
+    for (; d0 < D; d0++) {   /* D % VL leftover dimensions, one lane-gathered vector each */
+        T col[VL];
+        for (int i = 0; i < VL; i++) col[i] = kr[i][d0];
+        const V kd = LOAD(col);
+        const T* qd = qt + d0 * ldqt;
+        for (int r = 0; r < nr; r++) a[r] += BCAST(qd[r]) * kd;
     }
     const V sc = BCAST(scale);
-    STORE(out, a0 * sc);
-    STORE(out + VL, a1 * sc);
-    STORE(out + 2 * VL, a2 * sc);
-    STORE(out + 3 * VL, a3 * sc);
+    for (int r = 0; r < nr && r < nstore; r++) {
+        T out[VL];
+        STORE(out, a[r] * sc);
+        for (int t = 0; t < nk; t++) s[t * lds + r] = out[t];
+    }
 }
+
+#define FA_SCORE_KEYROWS_NR(NR) \
+FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const T* const* kr, int nk, const T* qt, \
+                                            ptrdiff_t ldqt, ptrdiff_t D, T scale, T* s, \
+                                            ptrdiff_t lds, int nstore, \
+                                            const char* const* pf, ptrdiff_t pf_bytes) \
+{ FA_FN(fa_score_keyrows)(kr, nk, qt, ldqt, D, scale, s, lds, NR, nstore, pf, pf_bytes); }
+FA_SCORE_KEYROWS_NR(1)
+FA_SCORE_KEYROWS_NR(2)
+FA_SCORE_KEYROWS_NR(4)
+FA_SCORE_KEYROWS_NR(8)   /* called only when FA_DEC_NR_MAX >= 8 */
+#undef FA_SCORE_KEYROWS_NR
 
 /* The output of one query row over 8 vectors of value columns at once (decode tiles):
  * each V row is read as 8 contiguous vectors instead of in 2-vector strips, one pass per
- * key block.  Per element, the identical sequence as fa_pv_tile. */
+ * key block.  Per element, the identical sequence as fa_pv_tile.
+ * pf: row j < pf_rows of another block (pf + j*pf_stride, pf_bytes long) is prefetched
+ * into L2 as V row j is read: the decode path passes the next block's K rows, so that
+ * K and V stream from memory continuously, each kernel's loads hitting lines the other
+ * kernel requested (one core alone keeps too few misses in flight otherwise). */
 FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                  const T* v, ptrdiff_t ldv, T* acc, const T* alpha)
+                                  const T* v, ptrdiff_t ldv, T* acc, const T* alpha,
+                                  const char* pf, ptrdiff_t pf_stride, ptrdiff_t pf_rows,
+                                  ptrdiff_t pf_bytes)
 {
     const V a = BCAST(alpha[0]);
     V c0 = LOAD(acc) * a, c1 = LOAD(acc + VL) * a, c2 = LOAD(acc + 2 * VL) * a;
@@ -219,6 +251,9 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
         const T* vj = v + j * ldv;
+        if (j < pf_rows)
+            for (ptrdiff_t off = 0; off < pf_bytes; off += 64)
+                __builtin_prefetch(pf + j * pf_stride + off, 0, 2);
         c0 += b * LOAD(vj);
         c1 += b * LOAD(vj + VL);
         c2 += b * LOAD(vj + 2 * VL);
@@ -230,4 +265,38 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     }
     STORE(acc, c0); STORE(acc + VL, c1); STORE(acc + 2 * VL, c2); STORE(acc + 3 * VL, c3);
     STORE(acc + 4 * VL, c4); STORE(acc + 5 * VL, c5); STORE(acc + 6 * VL, c6); STORE(acc + 7 * VL, c7);
+}
+
+/* The output of 4 query rows over 4 vectors of value columns (decode tiles of a GQA
+ * group): each V vector loaded is used by all 4 rows.  Per element, the identical
+ * sequence as fa_pv_tile.  pf, pf_stride, pf_rows, pf_bytes: as fa_pv_row8. */
+FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                   const T* v, ptrdiff_t ldv, T* acc, ptrdiff_t ldacc,
+                                   const T* alpha, const char* pf, ptrdiff_t pf_stride,
+                                   ptrdiff_t pf_rows, ptrdiff_t pf_bytes)
+{
+#define FA_PV4_LOAD_ROW(r) \
+    const V a##r = BCAST(alpha[r]); \
+    V c##r##0 = LOAD(acc + r * ldacc) * a##r, c##r##1 = LOAD(acc + r * ldacc + VL) * a##r; \
+    V c##r##2 = LOAD(acc + r * ldacc + 2 * VL) * a##r, c##r##3 = LOAD(acc + r * ldacc + 3 * VL) * a##r;
+    FA_PV4_LOAD_ROW(0) FA_PV4_LOAD_ROW(1) FA_PV4_LOAD_ROW(2) FA_PV4_LOAD_ROW(3)
+#undef FA_PV4_LOAD_ROW
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        const T* vj = v + j * ldv;
+        const T* pj = p + j * ldp;
+        if (j < pf_rows)
+            for (ptrdiff_t off = 0; off < pf_bytes; off += 64)
+                __builtin_prefetch(pf + j * pf_stride + off, 0, 2);
+        const V v0 = LOAD(vj), v1 = LOAD(vj + VL), v2 = LOAD(vj + 2 * VL), v3 = LOAD(vj + 3 * VL);
+        V b;
+        b = BCAST(pj[0]); c00 += b * v0; c01 += b * v1; c02 += b * v2; c03 += b * v3;
+        b = BCAST(pj[1]); c10 += b * v0; c11 += b * v1; c12 += b * v2; c13 += b * v3;
+        b = BCAST(pj[2]); c20 += b * v0; c21 += b * v1; c22 += b * v2; c23 += b * v3;
+        b = BCAST(pj[3]); c30 += b * v0; c31 += b * v1; c32 += b * v2; c33 += b * v3;
+    }
+#define FA_PV4_STORE_ROW(r) \
+    STORE(acc + r * ldacc, c##r##0); STORE(acc + r * ldacc + VL, c##r##1); \
+    STORE(acc + r * ldacc + 2 * VL, c##r##2); STORE(acc + r * ldacc + 3 * VL, c##r##3);
+    FA_PV4_STORE_ROW(0) FA_PV4_STORE_ROW(1) FA_PV4_STORE_ROW(2) FA_PV4_STORE_ROW(3)
+#undef FA_PV4_STORE_ROW
 }

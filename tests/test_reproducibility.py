@@ -145,6 +145,23 @@ def test_decode_steps_match_prefill(rng, dtype, Hq, Hkv, L, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 12])
+@pytest.mark.parametrize("D, Dv", [(128, 128), (100, 72), (24, 40)])
+def test_decode_group_sizes_and_odd_dims(rng, dtype, group, D, Dv):
+    # Decode tiles run their own kernels (keys as lanes in passes of 8/4/2/1 rows, 4-row
+    # and whole-row output tiles, D and Dv not multiples of the vector width); every group
+    # size and head dimension must still reproduce the prefill row bit for bit.
+    L = 200
+    q, k, v = make_qkv(rng, (1, 2 * group, L, D), (1, 2, L, D), (1, 2, L, Dv), dtype)
+    prefill, prefill_lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    for t in (0, 1, 63, 64, 130, L - 1):
+        out, lse = fastattn.attention(q[..., t:t + 1, :], k[..., :t + 1, :], v[..., :t + 1, :],
+                                      causal=True, return_lse=True)
+        assert_bitwise(out, prefill[..., t:t + 1, :], f"decode step {t}")
+        assert_bitwise(lse, prefill_lse[..., t:t + 1], f"decode lse {t}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_with_padded_cache(rng, dtype):
     # A preallocated cache of capacity 1100 with kv_lengths = t + 1 agrees with the sliced
     # cache and with the prefill: padding beyond kv_lengths is never read into the result.
