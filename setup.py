@@ -10,6 +10,7 @@ Environment switches:
   FASTATTN_NO_OPENMP=1   build without OpenMP (single-threaded kernels).
   FASTATTN_ISAS=base,avx2  build only these variants (default: all the compiler targets).
 """
+import glob
 import os
 import platform
 import sys
@@ -98,6 +99,9 @@ def extensions():
             [f"src/_kernel_{isa}.pyx"],
             include_dirs=["src", np.get_include()],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
+            # The C headers are included by the generated .c: without this, an in-place
+            # rebuild after editing only a header silently keeps the old module.
+            depends=sorted(glob.glob("src/*.h")) + ["src/_kernel_impl.pxi"],
         )
         for isa in wanted_isas()
     ]

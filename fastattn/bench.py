@@ -20,10 +20,11 @@ once untimed (warm-up; its output is kept for the correctness check). A *sample*
 wall time of a batch of ``n`` back-to-back calls divided by ``n``, with ``n`` chosen so a
 batch lasts a few tens of milliseconds (one call for the big shapes), so that the microsecond
 shapes are not dominated by timer resolution. The libraries alternate batch by batch, and
-the order rotates each round, with a pause (50 ms) before every batch: OpenMP and OpenBLAS
-worker threads keep spinning for a while after a parallel region ends, and without the pause
-the idle workers of one library would compete for the two cores with the next one's. The
-reported time is the median of the samples.
+the order rotates each round, with a pause (50 ms) before every batch, extended until the
+process uses no CPU: OpenMP and OpenBLAS worker threads keep spinning for a while after a
+parallel region ends (an OpenBLAS worker for about 135 ms after each matrix product), and
+without the pause the idle workers of one library would compete for the two cores with the
+next one's. The reported time is the median of the samples.
 
 Throughput is reported against what this machine can do, measured at start-up with the same
 thread count: the best GFLOP/s of a few 2048 x 2048 NumPy matrix products (sgemm, and dgemm
@@ -68,8 +69,12 @@ EXIT_ENVIRONMENT = 3      # an output that was asked for could not be produced (
 
 SEED = 20240607
 # Pause before every timed batch so spinning OpenMP/OpenBLAS workers of the previous
-# library have gone to sleep (libgomp spins for well under 50 ms by default).
+# library have gone to sleep.  libgomp spins for well under 50 ms by default, but an
+# OpenBLAS worker spins for 2**28 TSC ticks after each BLAS call (about 135 ms measured
+# here), so after the pause _settle() also waits until this process stops using CPU.
 PAUSE_S = 0.05
+SETTLE_POLL_S = 0.02      # quiet = under 10% of one core used during a poll
+SETTLE_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,21 @@ def _import_torch():
 
 # --------------------------------------------------------------------------- timing
 
+def _settle():
+    """Pause, then wait (at most SETTLE_MAX_S) until no thread of ours burns CPU.
+
+    The reference's matrix products and the peak measurements leave OpenBLAS workers
+    spinning for ~135 ms; a batch started meanwhile would share the two cores with them.
+    """
+    time.sleep(PAUSE_S)
+    deadline = time.perf_counter() + SETTLE_MAX_S
+    while time.perf_counter() < deadline:
+        c0 = time.process_time()
+        time.sleep(SETTLE_POLL_S)
+        if time.process_time() - c0 < 0.1 * SETTLE_POLL_S:
+            return
+
+
 def _timed_batch(fn, n):
     t0 = time.perf_counter()
     for _ in range(n):
@@ -371,7 +391,7 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
     # duration sizes the batches.
     first = {}
     for name in list(libs):
-        time.sleep(PAUSE_S)
+        _settle()
         try:
             with context(name):
                 t0 = time.perf_counter()
@@ -400,7 +420,7 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
         for name in rotated:
             if len(samples[name]) >= plan[name][0]:
                 continue
-            time.sleep(PAUSE_S)
+            _settle()
             with context(name):
                 samples[name].append(_timed_batch(libs[name], plan[name][1]))
 
@@ -591,7 +611,8 @@ def format_header(report):
     lines.append(
         f"method: median of {s['repeat']} batches per library (reference: at most"
         f" {s['reference_repeat_max']}, 1 if a call takes > 2 s);\n        libraries alternate"
-        f" with a {int(PAUSE_S * 1000)} ms pause before each batch; fastattn writes into out="
+        f" with a {int(PAUSE_S * 1000)} ms pause before each batch (longer until spinning"
+        f" BLAS/OpenMP workers sleep); fastattn writes into out="
         + ("; --quick" if s["quick"] else ""))
     lines.append("columns: % peak = of measured sgemm (dgemm for float64), of read bandwidth"
                  " for decode;\n         bg load = CPU share used by other processes meanwhile")

@@ -81,7 +81,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #define MAX fa_max_f
 #define SELECT fa_select_f
 #define EXP2 fa_exp2_f
-#define TRANSPOSE fa_transpose_vf
+#define LOAD_TRANSPOSE fa_load_transpose_vf
 #include "fa_tile_impl.h"
 #undef T
 #undef V
@@ -93,7 +93,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #undef MAX
 #undef SELECT
 #undef EXP2
-#undef TRANSPOSE
+#undef LOAD_TRANSPOSE
 
 /* ---- micro-kernels, double ---- */
 #define T double
@@ -106,7 +106,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #define MAX fa_max_d
 #define SELECT fa_select_d
 #define EXP2 fa_exp2_d
-#define TRANSPOSE fa_transpose_vd
+#define LOAD_TRANSPOSE fa_load_transpose_vd
 #include "fa_tile_impl.h"
 #undef T
 #undef V
@@ -118,7 +118,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #undef MAX
 #undef SELECT
 #undef EXP2
-#undef TRANSPOSE
+#undef LOAD_TRANSPOSE
 
 /*
  * Prefetch rows [0, nrows) of a block (row r at base + r*stride bytes, row_bytes long).

@@ -80,60 +80,83 @@ FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return fa_select_d(a > b, a, b); }
 /*
  * 2^x, float lanes.  The kernel works in base 2: scores are scaled by scale*log2(e) inside
  * the score micro-kernel, so the softmax needs exp2 and no extra multiply.
- *   x = n + r, n = round(x), |r| <= 1/2;  2^r by its degree-7 Taylor polynomial in r
- *   (truncation < 7.1e-9 relative, below float's half-ulp);  2^n built in the exponent bits.
- * round(x) is the "magic number" trick (adding 1.5*2^23 leaves n in the low mantissa bits),
- * which needs no float->int instruction and so compiles to the same code on every ISA.
- * x is first clamped to -127: there n + 127 == 0, the exponent field is 0 and the result
- * is exactly 0 -- the online softmax relies on 2^-inf == 0 for hidden keys (and 2^0 == 1
- * exactly).  Results below 2^-126 are flushed to 0.  The clamp keeps NaN (max(c, NaN) is
- * NaN with vmaxps' operand order), and NaN propagates.  Domain: x <= 127 (the kernel only
+ *   x = n + r, n = round(x), |r| <= 1/2;  2^r by a degree-6 polynomial with p(0) = 1
+ *   exactly (near-minimax for relative error on [-1/2, 1/2]: 1.97e-9, below float's
+ *   half-ulp; fitted by Lawson iterations in 40-digit arithmetic);  then times 2^n.
+ * round(x) is the "magic number" trick (adding 1.5*2^23 rounds to an integer), which needs
+ * no float->int instruction and so compiles to the same code on every ISA.
+ * Results with n <= -127 are exactly 0 -- the online softmax relies on 2^-inf == 0 for
+ * hidden keys (and 2^0 == 1 exactly).  NaN propagates.  Domain: x <= 127 (the kernel only
  * takes 2^(score - running max) <= 1).  Accuracy vs. float64: tests/test_exp.py.
+ *   AVX-512: 2^n by vscalefps, zero-masked where n < -126.5 (an unordered compare, so NaN
+ *            is kept); -inf gives n = -inf, a NaN r, and a masked-off 0.
+ *   otherwise: x is clamped to -127 first and 2^n is built in the exponent bits, whose
+ *            field is then 0 for n = -127: the product is exactly 0.
  */
+#define FA_EXP2_POLY_F(p, r)                                \
+    fa_vf p = fa_bcast_f(1.5353360629289048927e-04f);       \
+    p = p * r + 1.3398874866602215750e-03f;                 \
+    p = p * r + 9.6184373664188744101e-03f;                 \
+    p = p * r + 5.5503324696938733559e-02f;                 \
+    p = p * r + 2.4022647913498998394e-01f;                 \
+    p = p * r + 6.9314720285597040077e-01f;                 \
+    p = p * r + 1.0f;
+/* 2^x, double lanes: the same scheme with a degree-11 polynomial (3.4e-18 relative) and
+ * the flush at n <= -1023. */
+#define FA_EXP2_POLY_D(p, r)                                \
+    fa_vd p = fa_bcast_d(4.434770725838830419e-10);         \
+    p = p * r + 7.0737832933895722769e-09;                  \
+    p = p * r + 1.0178199575928271726e-07;                  \
+    p = p * r + 1.3215435282016427242e-06;                  \
+    p = p * r + 1.5252733493116752112e-05;                  \
+    p = p * r + 1.5403530457112759331e-04;                  \
+    p = p * r + 1.3333558146774633100e-03;                  \
+    p = p * r + 9.6181291075941194663e-03;                  \
+    p = p * r + 5.5504108664820083165e-02;                  \
+    p = p * r + 2.4022650695910131262e-01;                  \
+    p = p * r + 6.9314718055994532581e-01;                  \
+    p = p * r + 1.0;
+
+#if FA_VBYTES == 64
+FA_INLINE fa_vf fa_exp2_f(fa_vf x)
+{
+    const fa_vf magic = fa_bcast_f(12582912.0f);            /* 1.5 * 2^23 */
+    const fa_vf n = (x + magic) - magic;
+    const fa_vf r = x - n;
+    FA_EXP2_POLY_F(p, r)
+    const __mmask16 keep = _mm512_cmp_ps_mask((__m512)n, _mm512_set1_ps(-126.5f), _CMP_NLT_UQ);
+    return (fa_vf)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
+}
+FA_INLINE fa_vd fa_exp2_d(fa_vd x)
+{
+    const fa_vd magic = fa_bcast_d(6755399441055744.0);      /* 1.5 * 2^52 */
+    const fa_vd n = (x + magic) - magic;
+    const fa_vd r = x - n;
+    FA_EXP2_POLY_D(p, r)
+    const __mmask8 keep = _mm512_cmp_pd_mask((__m512d)n, _mm512_set1_pd(-1022.5), _CMP_NLT_UQ);
+    return (fa_vd)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)n);
+}
+#else
 FA_INLINE fa_vf fa_exp2_f(fa_vf x)
 {
     const fa_vf magic = fa_bcast_f(12582912.0f);            /* 1.5 * 2^23 */
     x = fa_max_f(fa_bcast_f(-127.0f), x);
     const fa_vf t = x + magic;
     const fa_vf r = x - (t - magic);
-    fa_vf p = fa_bcast_f(1.5252733804059838e-05f);
-    p = p * r + 1.5403530393381606e-04f;
-    p = p * r + 1.3333558146428441e-03f;
-    p = p * r + 9.6181291076284770e-03f;
-    p = p * r + 5.5504108664821576e-02f;
-    p = p * r + 2.4022650695910071e-01f;
-    p = p * r + 6.9314718055994531e-01f;
-    p = p * r + 1.0f;
+    FA_EXP2_POLY_F(p, r)
     const fa_vf pow2n = (fa_vf)(((fa_vfi)t - (fa_vfi)magic + 127) << 23);
     return p * pow2n;
 }
-
-/*
- * 2^x, double lanes: the same scheme with a degree-13 Taylor polynomial (truncation
- * < 4e-18 relative) and the clamp at -1023.
- */
 FA_INLINE fa_vd fa_exp2_d(fa_vd x)
 {
     const fa_vd magic = fa_bcast_d(6755399441055744.0);      /* 1.5 * 2^52 */
     x = fa_max_d(fa_bcast_d(-1023.0), x);
     const fa_vd t = x + magic;
     const fa_vd r = x - (t - magic);
-    fa_vd p = fa_bcast_d(1.3691488853904124e-12);
-    p = p * r + 2.5678435993488196e-11;
-    p = p * r + 4.4455382718708100e-10;
-    p = p * r + 7.0549116208011210e-09;
-    p = p * r + 1.0178086009239696e-07;
-    p = p * r + 1.3215486790144305e-06;
-    p = p * r + 1.5252733804059838e-05;
-    p = p * r + 1.5403530393381606e-04;
-    p = p * r + 1.3333558146428441e-03;
-    p = p * r + 9.6181291076284770e-03;
-    p = p * r + 5.5504108664821576e-02;
-    p = p * r + 2.4022650695910071e-01;
-    p = p * r + 6.9314718055994531e-01;
-    p = p * r + 1.0;
+    FA_EXP2_POLY_D(p, r)
     const fa_vd pow2n = (fa_vd)(((fa_vdi)t - (fa_vdi)magic + 1023) << 52);
     return p * pow2n;
 }
+#endif
 
 #endif /* FA_SIMD_H */

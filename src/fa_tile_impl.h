@@ -1,7 +1,7 @@
 /*
  * fa_tile_impl.h -- the three micro-kernels of the fused attention loop, for one element
  * type.  Included twice by fa_kernels.h (float, double) with these macros defined:
- *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP2, TRANSPOSE
+ *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP2, LOAD_TRANSPOSE
  *
  * Layout (lanes = query rows; see fa_kernels.h for why):
  *   qt[d*ldqt + r]    the query tile, transposed and packed once per tile
@@ -196,10 +196,9 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, int nk, const T* qt, 
     ptrdiff_t d0 = 0;
     for (; d0 + VL <= D; d0 += VL) {
         V t[VL];
-        for (int i = 0; i < VL; i++) t[i] = LOAD(kr[i] + d0);
+        LOAD_TRANSPOSE(kr, d0, t);
         if (pf && (ptrdiff_t)(d0 * sizeof(T)) < pf_bytes)
             for (int i = 0; i < VL; i++) __builtin_prefetch(pf[i] + d0 * sizeof(T), 0, 2);
-        TRANSPOSE(t);
         for (int i = 0; i < VL; i++) {
             const T* qd = qt + (d0 + i) * ldqt;
             for (int r = 0; r < nr; r++) a[r] += BCAST(qd[r]) * t[i];

@@ -213,4 +213,17 @@ FA_INLINE void fa_transpose_vd(fa_vd* r)
       r[3] = __builtin_shufflevector(lo, hi, 1, 5, 3, 7); }
 }
 #endif
+/* Load and transpose VL rows: r[i] = {rows[0][d0+i], ..., rows[VL-1][d0+i]}.  (Doing the
+ * first two stages with 128-bit loads and vinsertf32x4 instead of shuffles was tried for
+ * AVX-512: decode got slower, cold and hot.) */
+FA_INLINE void fa_load_transpose_vf(const float* const* rows, ptrdiff_t d0, fa_vf* r)
+{
+    for (int t = 0; t < FA_VL_F; t++) r[t] = fa_load_f(rows[t] + d0);
+    fa_transpose_vf(r);
+}
+FA_INLINE void fa_load_transpose_vd(const double* const* rows, ptrdiff_t d0, fa_vd* r)
+{
+    for (int t = 0; t < FA_VL_D; t++) r[t] = fa_load_d(rows[t] + d0);
+    fa_transpose_vd(r);
+}
 #endif /* FA_TRANSPOSE_H */
