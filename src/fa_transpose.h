@@ -4,6 +4,60 @@
 #include "fa_simd.h"
 #if FA_VBYTES == 64
 /* In-register 16x16 transpose of float vectors (generated: swap off-diagonal b x b blocks for b = 8..1). */
+/* The last two stages (b = 2, 1) of fa_transpose_vf, also used by fa_load_transpose_vf. */
+FA_INLINE void fa_transpose_vf_last2(fa_vf* r)
+{
+    /* b = 2 */
+    { fa_vf lo = r[0], hi = r[2];
+      r[0] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[2] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    { fa_vf lo = r[1], hi = r[3];
+      r[1] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[3] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    { fa_vf lo = r[4], hi = r[6];
+      r[4] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[6] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    { fa_vf lo = r[5], hi = r[7];
+      r[5] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[7] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    { fa_vf lo = r[8], hi = r[10];
+      r[8] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[10] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    { fa_vf lo = r[9], hi = r[11];
+      r[9] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[11] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    { fa_vf lo = r[12], hi = r[14];
+      r[12] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[14] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    { fa_vf lo = r[13], hi = r[15];
+      r[13] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[15] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+    /* b = 1 */
+    { fa_vf lo = r[0], hi = r[1];
+      r[0] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[1] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    { fa_vf lo = r[2], hi = r[3];
+      r[2] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[3] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    { fa_vf lo = r[4], hi = r[5];
+      r[4] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[5] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    { fa_vf lo = r[6], hi = r[7];
+      r[6] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[7] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    { fa_vf lo = r[8], hi = r[9];
+      r[8] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[9] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    { fa_vf lo = r[10], hi = r[11];
+      r[10] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[11] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    { fa_vf lo = r[12], hi = r[13];
+      r[12] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[13] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    { fa_vf lo = r[14], hi = r[15];
+      r[14] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[15] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+}
 FA_INLINE void fa_transpose_vf(fa_vf* r)
 {
     /* b = 8 */
@@ -56,56 +110,7 @@ FA_INLINE void fa_transpose_vf(fa_vf* r)
     { fa_vf lo = r[11], hi = r[15];
       r[11] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
       r[15] = __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31); }
-    /* b = 2 */
-    { fa_vf lo = r[0], hi = r[2];
-      r[0] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[2] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    { fa_vf lo = r[1], hi = r[3];
-      r[1] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[3] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    { fa_vf lo = r[4], hi = r[6];
-      r[4] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[6] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    { fa_vf lo = r[5], hi = r[7];
-      r[5] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[7] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    { fa_vf lo = r[8], hi = r[10];
-      r[8] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[10] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    { fa_vf lo = r[9], hi = r[11];
-      r[9] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[11] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    { fa_vf lo = r[12], hi = r[14];
-      r[12] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[14] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    { fa_vf lo = r[13], hi = r[15];
-      r[13] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[15] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
-    /* b = 1 */
-    { fa_vf lo = r[0], hi = r[1];
-      r[0] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[1] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
-    { fa_vf lo = r[2], hi = r[3];
-      r[2] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[3] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
-    { fa_vf lo = r[4], hi = r[5];
-      r[4] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[5] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
-    { fa_vf lo = r[6], hi = r[7];
-      r[6] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[7] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
-    { fa_vf lo = r[8], hi = r[9];
-      r[8] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[9] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
-    { fa_vf lo = r[10], hi = r[11];
-      r[10] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[11] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
-    { fa_vf lo = r[12], hi = r[13];
-      r[12] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[13] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
-    { fa_vf lo = r[14], hi = r[15];
-      r[14] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-      r[15] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+    fa_transpose_vf_last2(r);
 }
 /* In-register 8x8 transpose of double vectors (generated: swap off-diagonal b x b blocks for b = 4..1). */
 FA_INLINE void fa_transpose_vd(fa_vd* r)
@@ -213,14 +218,35 @@ FA_INLINE void fa_transpose_vd(fa_vd* r)
       r[3] = __builtin_shufflevector(lo, hi, 1, 5, 3, 7); }
 }
 #endif
-/* Load and transpose VL rows: r[i] = {rows[0][d0+i], ..., rows[VL-1][d0+i]}.  (Doing the
- * first two stages with 128-bit loads and vinsertf32x4 instead of shuffles was tried for
- * AVX-512: decode got slower, cold and hot.) */
+/* Load and transpose VL rows: r[i] = {rows[0][d0+i], ..., rows[VL-1][d0+i]}. */
+#if FA_VBYTES == 64
+/* AVX-512 floats: the first two stages (swapping 8- and 4-wide blocks) are done by the
+ * loads: each vector is gathered as four 128-bit pieces (one xmm load, three vinsertf32x4
+ * from memory), which use the load ports and port 0 or 5, where the shuffles they replace
+ * all need port 5.  Then 128-bit chunk g of r[v] holds row 4g + (v & 3), columns
+ * 4(v >> 2) .. +4 -- the state fa_transpose_vf reaches after its b = 4 stage -- and
+ * fa_transpose_vf_last2 finishes. */
+FA_INLINE void fa_load_transpose_vf(const float* const* rows, ptrdiff_t d0, fa_vf* r)
+{
+#pragma GCC unroll 16
+    for (int v = 0; v < 16; v++) {
+        const int t = v & 3;
+        const ptrdiff_t c = d0 + 4 * (v >> 2);
+        __m512 x = _mm512_castps128_ps512(_mm_loadu_ps(rows[t] + c));
+        x = _mm512_insertf32x4(x, _mm_loadu_ps(rows[4 + t] + c), 1);
+        x = _mm512_insertf32x4(x, _mm_loadu_ps(rows[8 + t] + c), 2);
+        x = _mm512_insertf32x4(x, _mm_loadu_ps(rows[12 + t] + c), 3);
+        r[v] = (fa_vf)x;
+    }
+    fa_transpose_vf_last2(r);
+}
+#else
 FA_INLINE void fa_load_transpose_vf(const float* const* rows, ptrdiff_t d0, fa_vf* r)
 {
     for (int t = 0; t < FA_VL_F; t++) r[t] = fa_load_f(rows[t] + d0);
     fa_transpose_vf(r);
 }
+#endif
 FA_INLINE void fa_load_transpose_vd(const double* const* rows, ptrdiff_t d0, fa_vd* r)
 {
     for (int t = 0; t < FA_VL_D; t++) r[t] = fa_load_d(rows[t] + d0);
