@@ -94,7 +94,6 @@ cdef extern from "fa_kernels.h" nogil:
                        float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
                        double* acc, Py_ssize_t ldacc, const double* alpha)
-    void fa_prefetch_rows(const char* base, Py_ssize_t stride, Py_ssize_t nrows, Py_ssize_t row_bytes)
     void fa_pv_rows4_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
                        float* acc, Py_ssize_t ldacc, const float* alpha, const char* pf,
                        Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
@@ -150,10 +149,10 @@ cdef struct Problem:
     double scale
 
 
-# Tiles with at most this many rows prefetch the next key block and compute scores with
-# keys as the SIMD lanes (K transposed), see _attend_tile.  Above it, query rows fill the
-# lanes and the broadcast-FMA tiles win.
-cdef Py_ssize_t FA_PREFETCH_ROWS = 0
+# Tiles with at most this many rows (decode steps, small GQA groups) compute scores with
+# keys as the SIMD lanes (K transposed in registers) and prefetch V and the next K block
+# as they go, see _decode_scores.  Above it, query rows fill the lanes and the
+# broadcast-FMA tiles win.
 cdef Py_ssize_t FA_DECODE_ROWS = 8
 cdef double LOG2E = 1.4426950408889634074
 cdef double LN2 = 0.69314718055994530942
@@ -363,15 +362,6 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             j0 = max(blk, tile_lo)
             j1 = min(blk + FA_BK, tile_hi)
             nj = j1 - j0
-            if nrows <= FA_PREFETCH_ROWS and j1 < tile_hi:
-                # Few rows (decode): streaming K/V is the bottleneck, fetch the next block
-                # early.  Large tiles reuse each block from L2 and do not need it.
-                na = min(FA_BK, tile_hi - j1)
-                fa_prefetch_rows(<const char*> (kb + j1 * P.k_sj), P.k_sj * sizeof(floating), na,
-                                 D * sizeof(floating))
-                fa_prefetch_rows(<const char*> (vb + j1 * P.v_sj), P.v_sj * sizeof(floating), na,
-                                 Dv * sizeof(floating))
-
             if decode:
                 _decode_scores(kb, P.k_sj, j0, j1, D, zrow, krows, qt, s, vb, P.v_sj, Dv, vrows,
                                scale, nrows, nlanes, lo, hi)

@@ -120,21 +120,6 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 #undef EXP2
 #undef LOAD_TRANSPOSE
 
-/*
- * Prefetch rows [0, nrows) of a block (row r at base + r*stride bytes, row_bytes long).
- * Issued one key block ahead: decode steps and small tiles stream K and V from memory
- * with too little work per byte for the hardware prefetcher alone to keep enough cache
- * misses in flight on one core.
- */
-static inline void fa_prefetch_rows(const char* base, ptrdiff_t stride, ptrdiff_t nrows,
-                                    ptrdiff_t row_bytes)
-{
-    for (ptrdiff_t r = 0; r < nrows; r++) {
-        const char* row = base + r * stride;
-        for (ptrdiff_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
-    }
-}
-
 /* Whole-array 2^x, for measuring the vector exp2's accuracy from the tests. */
 static inline void fa_exp2_array_f(const float* x, float* y, ptrdiff_t n)
 {
