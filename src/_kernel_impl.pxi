@@ -210,11 +210,77 @@ cdef inline void _pv(const floating* p, Py_ssize_t nj, const floating* v, Py_ssi
             fa_pv_tile1_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
 
 
+cdef inline void _pv_columns(const floating* p, Py_ssize_t nj, const floating* vrow0,
+                             Py_ssize_t ldv, const floating* vtail, floating* acc_row,
+                             Py_ssize_t ldacc, const floating* alpha, Py_ssize_t nrows,
+                             Py_ssize_t c, Py_ssize_t dv_main, Py_ssize_t dv_tail,
+                             Py_ssize_t NL) noexcept nogil:
+    # Output micro-tiles (_pv) of value columns [c, dv_main) in strips of NL, then the
+    # zero-padded tail strip (vtail) when Dv is not a multiple of NL.
+    while c < dv_main:
+        _pv(p, nj, vrow0 + c, ldv, acc_row + c, ldacc, alpha, nrows)
+        c += NL
+    if dv_tail:
+        _pv(p, nj, vtail, NL, acc_row + dv_main, ldacc, alpha, nrows)
+
+
+cdef inline void _pv_wide(Py_ssize_t nr, const floating* p, Py_ssize_t nj, const floating* v,
+                          Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
+                          const floating* alpha, const char* pf, Py_ssize_t pf_stride,
+                          Py_ssize_t pf_rows, Py_ssize_t pf_bytes) noexcept nogil:
+    # The wide output tiles: 4 rows x 4 vectors (nr == 4) or 1 row x 8 vectors (nr == 1),
+    # prefetching pf_rows rows of pf as they go (see fa_tile_impl.h).
+    if floating is float:
+        if nr == 4:
+            fa_pv_rows4_f(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha, pf, pf_stride, pf_rows, pf_bytes)
+        else:
+            fa_pv_row8_f(p, FA_BQ, nj, v, ldv, acc, alpha, pf, pf_stride, pf_rows, pf_bytes)
+    else:
+        if nr == 4:
+            fa_pv_rows4_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha, pf, pf_stride, pf_rows, pf_bytes)
+        else:
+            fa_pv_row8_d(p, FA_BQ, nj, v, ldv, acc, alpha, pf, pf_stride, pf_rows, pf_bytes)
+
+
+cdef inline Py_ssize_t _keyrows_pass(Py_ssize_t left) noexcept nogil:
+    # Rows per fa_score_keyrows pass for `left` remaining rows: 8 (AVX-512) or 4 cover
+    # 3..8 rows at once (the extra rows read qt's zero padding), 2 and 1 exactly.
+    if left > 4 and FA_DEC_NR_MAX >= 8:
+        return 8
+    if left > 2:
+        return 4
+    return left
+
+
+cdef inline void _score_keyrows(Py_ssize_t nr, const floating** krows, int nk,
+                                const floating* qt, Py_ssize_t D, floating scale, floating* s,
+                                int nstore, const char** pf, Py_ssize_t pf_bytes) noexcept nogil:
+    # One fa_score_keyrows pass of nr (8, 4, 2 or 1) rows; see fa_tile_impl.h.
+    if floating is float:
+        if nr == 8:
+            fa_score_keyrows8_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+    else:
+        if nr == 8:
+            fa_score_keyrows8_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+
+
 cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t j0,
                                 Py_ssize_t j1, Py_ssize_t D, const floating* zrow,
                                 const floating** krows, const floating* qt, floating* s,
                                 const floating* vb, Py_ssize_t v_sj, Py_ssize_t Dv,
-                                const char** vrows, floating scale, Py_ssize_t nrows, Py_ssize_t nlanes,
+                                const char** vrows, floating scale, Py_ssize_t nrows,
                                 const Py_ssize_t* lo, const Py_ssize_t* hi) noexcept nogil:
     # Scores of a decode-sized tile, keys as the lanes: VL keys at a time (zero keys pad
     # the last group), each against the rows in passes of 8/4/2/1 (fa_score_keyrows);
@@ -225,7 +291,7 @@ cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t 
     # rows < nrows are stored.  The first pass prefetches the V rows of its keys.
     cdef Py_ssize_t VL = _lanes(s) // 2
     cdef Py_ssize_t nj = j1 - j0
-    cdef Py_ssize_t t, r, j, jb, ig, left, pf_bytes
+    cdef Py_ssize_t t, r, j, jb, ig, nr, pf_bytes
     cdef int nk
     cdef floating ninf = -INFINITY
     for ig in range((nj + VL - 1) // VL):
@@ -237,41 +303,10 @@ cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t 
         pf_bytes = Dv * sizeof(floating)
         r = 0
         while r < nrows:
-            left = nrows - r
-            if floating is float:
-                if left > 4 and FA_DEC_NR_MAX >= 8:
-                    fa_score_keyrows8_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, <int> left, vrows, pf_bytes)
-                    r += 8
-                elif left > 2:
-                    fa_score_keyrows4_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, <int> left, vrows, pf_bytes)
-                    r += 4
-                elif left == 2:
-                    fa_score_keyrows2_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, 2, vrows, pf_bytes)
-                    r += 2
-                else:
-                    fa_score_keyrows1_f(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, 1, vrows, pf_bytes)
-                    r += 1
-            else:
-                if left > 4 and FA_DEC_NR_MAX >= 8:
-                    fa_score_keyrows8_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, <int> left, vrows, pf_bytes)
-                    r += 8
-                elif left > 2:
-                    fa_score_keyrows4_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, <int> left, vrows, pf_bytes)
-                    r += 4
-                elif left == 2:
-                    fa_score_keyrows2_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, 2, vrows, pf_bytes)
-                    r += 2
-                else:
-                    fa_score_keyrows1_d(krows, nk, qt + r, FA_BQ, D, scale, s + jb * FA_BQ + r,
-                                        FA_BQ, 1, vrows, pf_bytes)
-                    r += 1
+            nr = _keyrows_pass(nrows - r)
+            _score_keyrows(nr, krows, nk, qt + r, D, scale, s + jb * FA_BQ + r,
+                           <int> (nrows - r), vrows, pf_bytes)
+            r += nr
             pf_bytes = 0
     for r in range(nrows):
         if lo[r] > j0 or hi[r] < j1:
@@ -308,7 +343,6 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef floating* zrow = vtail + FA_BK * NL
     cdef const floating* krows[16]      # FA_MR_K (6) or VL (<= 16) key rows
     cdef const char* vrows[16]          # decode: the V rows of krows, to prefetch
-    cdef const char* pf
 
     cdef Py_ssize_t kv_len = P.kv_len[b]
     cdef floating* qb = (<floating*> P.q) + P.q_boff[b]
@@ -320,7 +354,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef char* mrow
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
-    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows
+    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw
     cdef bint decode = nrows <= FA_DECODE_ROWS
     cdef int nvec
     cdef floating inv_l
@@ -364,7 +398,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             nj = j1 - j0
             if decode:
                 _decode_scores(kb, P.k_sj, j0, j1, D, zrow, krows, qt, s, vb, P.v_sj, Dv, vrows,
-                               scale, nrows, nlanes, lo, hi)
+                               scale, nrows, lo, hi)
             # Scores, one lane group (2 vectors of rows, or 1 for the last) at a time.
             for ic in range((nlanes + NL - 1) // NL if not decode else 0):
                 c = ic * NL
@@ -431,48 +465,16 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                     for t in range(NL):
                         vtail[j * NL + t] = vrow[t] if t < dv_tail else 0
 
+            # Output tiles: rows in 6-row tiles, then single rows; decode tiles of several
+            # rows (a GQA group) 4 rows at a time, each V vector loaded once for all of
+            # them (rows past nrows, up to nlanes, are zero-initialised padding and never
+            # written out).  A single row reads whole V rows, 8 vectors at a time.
             rg = 0
-            while decode and nrows >= 2 and rg < nrows:
-                # Decode tiles of several rows (a GQA group): 4 rows at a time, each V
-                # vector loaded once for all of them; rows past nrows (up to nlanes) are
-                # zero-initialised padding and never written out.
-                g_minlo = j1
-                g_maxhi = j0
-                for r in range(rg, rg + 4):
-                    if lo[r] < hi[r]:
-                        g_minlo = min(g_minlo, lo[r])
-                        g_maxhi = max(g_maxhi, hi[r])
-                ja = max(j0, g_minlo)
-                na = max(0, min(j1, g_maxhi) - ja)
-                pf_rows = max(0, min(na, tile_hi - (ja + FA_BK))) if rg == 0 else 0
-                c = 0
-                while c + 2 * NL <= dv_main:
-                    pf = <const char*> (kb + (ja + FA_BK) * P.k_sj + c)
-                    if c >= D:
-                        pf_rows = 0
-                    if floating is float:
-                        fa_pv_rows4_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                      P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg,
-                                      pf, P.k_sj * sizeof(floating), pf_rows,
-                                      min(2 * NL, D - c) * sizeof(floating))
-                    else:
-                        fa_pv_rows4_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                      P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg,
-                                      pf, P.k_sj * sizeof(floating), pf_rows,
-                                      min(2 * NL, D - c) * sizeof(floating))
-                    c += 2 * NL
-                for r in range(rg, min(rg + 4, nrows)):
-                    d = c
-                    while d < dv_main:
-                        _pv(s + (ja - j0) * FA_BQ + r, na, vb + ja * P.v_sj + d, P.v_sj,
-                            acc + r * dv_pad + d, dv_pad, alpha + r, 1)
-                        d += NL
-                    if dv_tail:
-                        _pv(s + (ja - j0) * FA_BQ + r, na, vtail + (ja - j0) * NL, NL,
-                            acc + r * dv_pad + dv_main, dv_pad, alpha + r, 1)
-                rg += 4
-            while not (decode and nrows >= 2) and rg < nrows:
-                nr = FA_MR_PV if rg < n6 else 1
+            while rg < nrows:
+                if decode and nrows >= 2:
+                    nr = 4
+                else:
+                    nr = FA_MR_PV if rg < n6 else 1
                 # Keys any of these rows can see; the rest have p == 0 exactly.
                 g_minlo = j1
                 g_maxhi = j0
@@ -482,36 +484,28 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                         g_maxhi = max(g_maxhi, hi[r])
                 ja = max(j0, g_minlo)
                 na = max(0, min(j1, g_maxhi) - ja)
+                # Decode: the first row group also prefetches the next block's K rows, row
+                # ja+j+FA_BK beside V row ja+j, the same columns as it reads of V.
+                pf_rows = max(0, min(na, tile_hi - (ja + FA_BK))) if decode and rg == 0 else 0
                 c = 0
-                if nr == 1:
-                    # A single row reads whole V rows, 8 vectors at a time (contiguous).
-                    # Decode: the first row also prefetches the next block's K rows
-                    # (columns c..c+8 vectors of row ja+j+FA_BK beside V row ja+j).
-                    pf_rows = 0
-                    if decode and rg == 0:
-                        pf_rows = max(0, min(na, tile_hi - (ja + FA_BK)))
-                    while c + 4 * NL <= dv_main:
-                        pf = <const char*> (kb + (ja + FA_BK) * P.k_sj + c)
-                        if c >= D:
-                            pf_rows = 0
-                        if floating is float:
-                            fa_pv_row8_f(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg,
-                                         pf, P.k_sj * sizeof(floating), pf_rows,
-                                         min(4 * NL, D - c) * sizeof(floating))
-                        else:
-                            fa_pv_row8_d(s + (ja - j0) * FA_BQ + rg, FA_BQ, na, vb + ja * P.v_sj + c,
-                                         P.v_sj, acc + rg * dv_pad + c, alpha + rg,
-                                         pf, P.k_sj * sizeof(floating), pf_rows,
-                                         min(4 * NL, D - c) * sizeof(floating))
-                        c += 4 * NL
-                while c < dv_main:
-                    _pv(s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c, P.v_sj,
-                        acc + rg * dv_pad + c, dv_pad, alpha + rg, nr)
-                    c += NL
-                if dv_tail:
-                    _pv(s + (ja - j0) * FA_BQ + rg, na, vtail + (ja - j0) * NL, NL,
-                        acc + rg * dv_pad + dv_main, dv_pad, alpha + rg, nr)
+                if nr == 4 or nr == 1:
+                    cw = 2 * NL if nr == 4 else 4 * NL      # columns per wide call
+                    while c + cw <= dv_main:
+                        _pv_wide(nr, s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c, P.v_sj,
+                                 acc + rg * dv_pad + c, dv_pad, alpha + rg,
+                                 <const char*> (kb + (ja + FA_BK) * P.k_sj + c),
+                                 P.k_sj * sizeof(floating), pf_rows if c < D else 0,
+                                 min(cw, D - c) * sizeof(floating))
+                        c += cw
+                if nr == 4:
+                    for r in range(rg, min(rg + 4, nrows)):
+                        _pv_columns(s + (ja - j0) * FA_BQ + r, na, vb + ja * P.v_sj, P.v_sj,
+                                    vtail + (ja - j0) * NL, acc + r * dv_pad, dv_pad, alpha + r,
+                                    1, c, dv_main, dv_tail, NL)
+                else:
+                    _pv_columns(s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj, P.v_sj,
+                                vtail + (ja - j0) * NL, acc + rg * dv_pad, dv_pad, alpha + rg,
+                                nr, c, dv_main, dv_tail, NL)
                 rg += nr
             # end: for rg
         # end: for blk

@@ -70,6 +70,12 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
     *hi = h;
 }
 
+/* Prefetch [p, p + bytes) into L2, a line at a time (the decode kernels' streams). */
+static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
+{
+    for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 /* ---- micro-kernels, float ---- */
 #define T float
 #define V fa_vf

@@ -250,9 +250,7 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
         const T* vj = v + j * ldv;
-        if (j < pf_rows)
-            for (ptrdiff_t off = 0; off < pf_bytes; off += 64)
-                __builtin_prefetch(pf + j * pf_stride + off, 0, 2);
+        if (j < pf_rows) fa_prefetch_l2(pf + j * pf_stride, pf_bytes);
         c0 += b * LOAD(vj);
         c1 += b * LOAD(vj + VL);
         c2 += b * LOAD(vj + 2 * VL);
@@ -283,9 +281,7 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     for (ptrdiff_t j = 0; j < nj; j++) {
         const T* vj = v + j * ldv;
         const T* pj = p + j * ldp;
-        if (j < pf_rows)
-            for (ptrdiff_t off = 0; off < pf_bytes; off += 64)
-                __builtin_prefetch(pf + j * pf_stride + off, 0, 2);
+        if (j < pf_rows) fa_prefetch_l2(pf + j * pf_stride, pf_bytes);
         const V v0 = LOAD(vj), v1 = LOAD(vj + VL), v2 = LOAD(vj + 2 * VL), v3 = LOAD(vj + 3 * VL);
         V b;
         b = BCAST(pj[0]); c00 += b * v0; c01 += b * v1; c02 += b * v2; c03 += b * v3;
