@@ -84,8 +84,10 @@ cdef extern from "fa_kernels.h" nogil:
                              const char** pf, Py_ssize_t pf_bytes)
     void fa_score_hidden_f(float* s, Py_ssize_t lds, int nvec)
     void fa_score_hidden_d(double* s, Py_ssize_t lds, int nvec)
-    void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, float* m, float* l, float* alpha)
-    void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, double* m, double* l, double* alpha)
+    void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
+                           float* m, float* l, float* alpha)
+    void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
+                           double* m, double* l, double* alpha)
     void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
                       float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
@@ -343,6 +345,8 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef floating* zrow = vtail + FA_BK * NL
     cdef const floating* krows[16]      # FA_MR_K (6) or VL (<= 16) key rows
     cdef const char* vrows[16]          # decode: the V rows of krows, to prefetch
+    cdef Py_ssize_t vec_lo[FA_BQ]       # per vector of rows: keys [vec_lo, vec_hi) visible
+    cdef Py_ssize_t vec_hi[FA_BQ]       # to some row of it (FA_BQ / VL <= 24 entries used)
 
     cdef Py_ssize_t kv_len = P.kv_len[b]
     cdef floating* qb = (<floating*> P.q) + P.q_boff[b]
@@ -354,7 +358,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef char* mrow
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
-    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw
+    cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw, vj0, vj1
     cdef bint decode = nrows <= FA_DECODE_ROWS
     cdef int nvec
     cdef floating inv_l
@@ -380,6 +384,15 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 qt[d * FA_BQ + r] = 0
         m[r] = ninf
         l[r] = 0
+    # Per vector of VL rows: the union of its rows' key intervals (rows that see nothing
+    # do not count), for the softmax step.
+    for ic in range(nlanes // VL):
+        vec_lo[ic] = kv_len
+        vec_hi[ic] = 0
+        for r in range(ic * VL, min(ic * VL + VL, nrows)):
+            if lo[r] < hi[r]:
+                vec_lo[ic] = min(vec_lo[ic], lo[r])
+                vec_hi[ic] = max(vec_hi[ic], hi[r])
     memset(acc, 0, nlanes * dv_pad * sizeof(floating))
     if decode:
         # Padding lanes of S^T hold finite values from here on (0, then the softmax's p):
@@ -452,10 +465,14 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
 
             for ic in range(nlanes // VL):
                 c = ic * VL
+                # Keys of this block that some row of the vector can see (the rest get
+                # p = 0 without an exp; an empty range leaves the rows' state unchanged).
+                vj0 = min(max(vec_lo[ic], j0), j1) - j0
+                vj1 = max(min(vec_hi[ic], j1) - j0, vj0)
                 if floating is float:
-                    fa_softmax_step_f(s + c, FA_BQ, nj, m + c, l + c, alpha + c)
+                    fa_softmax_step_f(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
                 else:
-                    fa_softmax_step_d(s + c, FA_BQ, nj, m + c, l + c, alpha + c)
+                    fa_softmax_step_d(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
 
             if dv_tail:
                 # The last partial chunk of value columns, zero-padded to NL lanes, so the

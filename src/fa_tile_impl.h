@@ -89,22 +89,28 @@ FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds, int nvec)
  * alpha is exactly 1 when the max did not move and exactly 0 when nothing was visible
  * before; a row that sees nothing keeps m = -inf, l = 0 and gets p = 0: a block hidden
  * from a row leaves its state bit-for-bit unchanged, so skipping it is equivalent.
+ * Keys outside [jlo, jhi) are hidden from every row of the vector (s_j = -inf, so p_j = 0
+ * and they add exactly nothing to the max and the sum): they get p = 0 without an exp --
+ * on causal diagonals and window edges whole runs of keys are hidden from a vector.
  */
-FA_NOINLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, T* m, T* l, T* alpha)
+FA_NOINLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t jlo,
+                                       ptrdiff_t jhi, T* m, T* l, T* alpha)
 {
     const V ninf = BCAST(-INFINITY), zero = BCAST(0), one = BCAST(1);
     V mb = ninf;
-    for (ptrdiff_t j = 0; j < nj; j++) mb = MAX(mb, LOAD(s + j * lds));
+    for (ptrdiff_t j = jlo; j < jhi; j++) mb = MAX(mb, LOAD(s + j * lds));
     const V m_old = LOAD(m);
     const V m_new = MAX(m_old, mb);
     const V a = SELECT(m_new == m_old, one, EXP2(m_old - m_new));
     const V m_sub = SELECT(m_new == ninf, zero, m_new);
     V sum = zero;
-    for (ptrdiff_t j = 0; j < nj; j++) {
+    for (ptrdiff_t j = 0; j < jlo; j++) STORE(s + j * lds, zero);
+    for (ptrdiff_t j = jlo; j < jhi; j++) {
         const V p = EXP2(LOAD(s + j * lds) - m_sub);
         STORE(s + j * lds, p);
         sum += p;
     }
+    for (ptrdiff_t j = jhi; j < nj; j++) STORE(s + j * lds, zero);
     const V l_scaled = LOAD(l) * a;
     STORE(l, l_scaled + sum);
     STORE(m, m_new);
