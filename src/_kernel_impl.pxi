@@ -7,18 +7,24 @@
 #   The query rows of a work item are the rows of all Hq/Hkv query heads that share the
 #   kv head g (row R -> head g*group + R // Lq, position R % Lq), so a GQA/MQA group reads
 #   its K/V once and decode steps of a group fill one tile.  Items are spread over OpenMP
-#   threads with a dynamic schedule (causal tiles have unequal work).
+#   threads with a dynamic schedule (causal tiles have unequal work).  When there are
+#   fewer items than threads and several key chunks (a decode step of batch 1 with few kv
+#   heads), every (item, key chunk) pair is a work item instead (flash-decoding).
 #
 # Per work item (flash-attention forward, online softmax):
 #   pack Q^T                                       qt   (D x FA_BQ)
-#   for each key block of FA_BK keys, in key order, from the first to the last block any
-#   row of the tile can see:
+#   for each chunk of FA_KCHUNK keys, in key order, that any row of the tile can see:
+#     m, l, acc = empty state
+#     for each key block of FA_BK keys in the chunk, in key order:
 #       S^T = scale * K_blk Q^T      score micro-tiles, hidden ones skipped   s (BK x BQ)
 #       hide keys outside each row's interval, apply the user mask
 #       online softmax step: m, l, alpha; S^T -> P^T (in place)
 #       acc = acc * alpha + P V_blk  output micro-tiles, only over keys the rows can see
-#   out = acc / l, lse = m + log(l); rows that saw nothing -> 0 and -inf.
+#     merge (m, l, acc) into the running (M, L, ACC)
+#   out = ACC / L, lse = M + log(L); rows that saw nothing -> 0 and -inf.
 # Extra memory: one workspace per thread, O(FA_BQ * (D + Dv + FA_BK)); never O(Lq * Lk).
+# Flash-decoding adds one chunk state per (item, chunk): O(items * Lk / FA_KCHUNK * rows
+# * Dv), with fewer items than threads.
 
 from cython.parallel cimport prange, parallel, threadid
 from libc.string cimport memset
@@ -37,6 +43,7 @@ ctypedef fused floating:
 cdef extern from "fa_kernels.h" nogil:
     enum:
         FA_BK
+        FA_KCHUNK
         FA_BQ
         FA_MR_K
         FA_MR_PV
@@ -88,6 +95,10 @@ cdef extern from "fa_kernels.h" nogil:
                            float* m, float* l, float* alpha)
     void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
                            double* m, double* l, double* alpha)
+    void fa_merge_stats_f(float* M, float* L, const float* m, const float* l, float* fa, float* fb)
+    void fa_merge_stats_d(double* M, double* L, const double* m, const double* l, double* fa, double* fb)
+    void fa_merge_acc_f(float* ACC, const float* acc, Py_ssize_t n, float a, float b)
+    void fa_merge_acc_d(double* ACC, const double* acc, Py_ssize_t n, double a, double b)
     void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v, Py_ssize_t ldv,
                       float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v, Py_ssize_t ldv,
@@ -175,8 +186,8 @@ cdef inline Py_ssize_t _lanes(floating* dummy) noexcept nogil:
 cdef Py_ssize_t _workspace_elems(Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_lanes) noexcept nogil:
     return (D * FA_BQ                         # qt
             + (FA_BK + FA_MR_K) * FA_BQ       # s (a score micro-tile may run past nj)
-            + FA_BQ * _round_up(Dv, n_lanes)  # acc (columns padded to whole tiles)
-            + 3 * FA_BQ                       # m, l, alpha
+            + 2 * FA_BQ * _round_up(Dv, n_lanes)  # acc, ACC (columns padded to whole tiles)
+            + 7 * FA_BQ                       # m, l, alpha; M, L, merge factors fa, fb
             + FA_BK * n_lanes                 # vtail
             + D + 1)                          # zero key row for micro-tiles past the end
 
@@ -317,8 +328,75 @@ cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t 
                     s[j * FA_BQ + r] = ninf
 
 
+cdef inline Py_ssize_t _rows_cap(const Problem* P, Py_ssize_t VL) noexcept nogil:
+    # Rows a work item's state can have (its lanes, padded to whole vectors).
+    return min(FA_BQ, _round_up(P.group * P.Lq, VL))
+
+
+cdef inline void _merge_chunk(floating* M, floating* L, floating* ACC, const floating* m,
+                              const floating* l, const floating* acc, floating* fa,
+                              floating* fb, Py_ssize_t nrows, Py_ssize_t nlanes,
+                              Py_ssize_t VL, Py_ssize_t dv_pad) noexcept nogil:
+    # Merge one key chunk's state (m, l, acc) into the running state (M, L, ACC) of the
+    # rows (fa_merge_stats / fa_merge_acc in fa_tile_impl.h: the one merge every path uses).
+    cdef Py_ssize_t c, r, iv
+    for iv in range(nlanes // VL):
+        c = iv * VL
+        if floating is float:
+            fa_merge_stats_f(M + c, L + c, m + c, l + c, fa + c, fb + c)
+        else:
+            fa_merge_stats_d(M + c, L + c, m + c, l + c, fa + c, fb + c)
+    for r in range(nrows):
+        if floating is float:
+            fa_merge_acc_f(ACC + r * dv_pad, acc + r * dv_pad, dv_pad, fa[r], fb[r])
+        else:
+            fa_merge_acc_d(ACC + r * dv_pad, acc + r * dv_pad, dv_pad, fa[r], fb[r])
+
+
+cdef inline void _reset_state(floating* m, floating* l, floating* acc, Py_ssize_t nlanes,
+                              Py_ssize_t dv_pad) noexcept nogil:
+    # The empty softmax state: m = -inf, l = 0, acc = 0.
+    cdef Py_ssize_t r
+    for r in range(nlanes):
+        m[r] = -INFINITY
+        l[r] = 0
+    memset(acc, 0, nlanes * dv_pad * sizeof(floating))
+
+
+cdef void _write_rows(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
+                      Py_ssize_t nrows, const floating* M, const floating* L,
+                      const floating* ACC, Py_ssize_t dv_pad) noexcept nogil:
+    # out = ACC / L and lse = M ln 2 + log L for the rows of a work item; rows that saw
+    # nothing (L == 0) get zeros and -inf.
+    cdef Py_ssize_t r, R, h, i, c
+    cdef floating inv_l
+    cdef floating* orow
+    for r in range(nrows):
+        R = r0 + r
+        h = g * P.group + R // P.Lq
+        i = R % P.Lq
+        orow = (<floating*> P.out) + P.o_boff[b] + h * P.o_sh + i * P.o_si
+        # L == 0 exactly iff no key was visible (the max key alone contributes p = 1);
+        # a NaN or +inf score makes L NaN, and the row NaN, as in the reference.
+        if L[r] != 0:
+            inv_l = 1 / L[r]
+            for c in range(P.Dv):
+                orow[c] = ACC[r * dv_pad + c] * inv_l
+        else:
+            for c in range(P.Dv):
+                orow[c] = 0
+        if P.lse != NULL:
+            (<floating*> P.lse)[P.lse_boff[b] + h * P.lse_sh + i * P.lse_si] = (
+                M[r] * LN2 + log(L[r]) if L[r] != 0 else -INFINITY)
+
+
 cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
+                       Py_ssize_t chunk, floating* partial,
                        floating* buf, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
+    # One work item: rows [r0, r0 + nrows) of kv head g of batch element b.
+    #   chunk < 0:  all key chunks, merged in order, and the rows written out;
+    #   chunk >= 0: only that chunk's keys; its state (m, l, acc) goes to partial, laid out
+    #               [m | l | acc] with _rows_cap rows (flash-decoding, see _forward).
     cdef Py_ssize_t NL = _lanes(buf)
     cdef Py_ssize_t VL = NL // 2
     cdef Py_ssize_t D = P.D, Dv = P.Dv, Lq = P.Lq
@@ -341,7 +419,12 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef floating* m = acc + FA_BQ * dv_pad
     cdef floating* l = m + FA_BQ
     cdef floating* alpha = l + FA_BQ
-    cdef floating* vtail = alpha + FA_BQ
+    cdef floating* ACC = alpha + FA_BQ           # running state over merged chunks
+    cdef floating* M = ACC + FA_BQ * dv_pad
+    cdef floating* L = M + FA_BQ
+    cdef floating* fa = L + FA_BQ
+    cdef floating* fb = fa + FA_BQ
+    cdef floating* vtail = fb + FA_BQ
     cdef floating* zrow = vtail + FA_BK * NL
     cdef const floating* krows[16]      # FA_MR_K (6) or VL (<= 16) key rows
     cdef const char* vrows[16]          # decode: the V rows of krows, to prefetch
@@ -354,14 +437,13 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef const floating* vb = (<floating*> P.v) + P.v_boff[b] + g * P.v_sh
     cdef const floating* qrow
     cdef const floating* vrow
-    cdef floating* orow
     cdef char* mrow
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
     cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw, vj0, vj1
+    cdef Py_ssize_t kc, kc0, kc1, c_lo, c_hi, cap
     cdef bint decode = nrows <= FA_DECODE_ROWS
     cdef int nvec
-    cdef floating inv_l
 
     # --- rows: visibility interval, packed Q^T, softmax state ---
     for r in range(nlanes):
@@ -382,8 +464,6 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             hi[r] = 0
             for d in range(D):
                 qt[d * FA_BQ + r] = 0
-        m[r] = ninf
-        l[r] = 0
     # Per vector of VL rows: the union of its rows' key intervals (rows that see nothing
     # do not count), for the softmax step.
     for ic in range(nlanes // VL):
@@ -393,7 +473,6 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             if lo[r] < hi[r]:
                 vec_lo[ic] = min(vec_lo[ic], lo[r])
                 vec_hi[ic] = max(vec_hi[ic], hi[r])
-    memset(acc, 0, nlanes * dv_pad * sizeof(floating))
     if decode:
         # Padding lanes of S^T hold finite values from here on (0, then the softmax's p):
         # their m, l, acc are never read, and no stale NaN or denormal reaches the exp.
@@ -402,9 +481,19 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 s[j * FA_BQ + r] = 0
     memset(zrow, 0, D * sizeof(floating))
 
-    # --- key blocks, in key order; blocks are aligned to multiples of FA_BK from key 0 ---
-    if tile_lo < tile_hi:
-        for ib in range(tile_lo // FA_BK, (tile_hi + FA_BK - 1) // FA_BK):
+    # --- key chunks in key order, each reduced from the empty state over its key blocks
+    #     (multiples of FA_BK from key 0), then merged into the running state ---
+    _reset_state(M, L, ACC, nlanes, dv_pad)
+    kc0 = tile_lo // FA_KCHUNK if tile_lo < tile_hi else 0
+    kc1 = (tile_hi + FA_KCHUNK - 1) // FA_KCHUNK if tile_lo < tile_hi else 0
+    if chunk >= 0:
+        kc0 = chunk
+        kc1 = chunk + 1
+    for kc in range(kc0, kc1):
+        _reset_state(m, l, acc, nlanes, dv_pad)
+        c_lo = max(tile_lo, kc * FA_KCHUNK)
+        c_hi = min(tile_hi, kc * FA_KCHUNK + FA_KCHUNK)
+        for ib in range(c_lo // FA_BK, (c_hi + FA_BK - 1) // FA_BK if c_lo < c_hi else 0):
             blk = ib * FA_BK
             j0 = max(blk, tile_lo)
             j1 = min(blk + FA_BK, tile_hi)
@@ -526,38 +615,79 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 rg += nr
             # end: for rg
         # end: for blk
+        if chunk >= 0:
+            cap = _rows_cap(P, VL)
+            for r in range(nlanes):
+                partial[r] = m[r]
+                partial[cap + r] = l[r]
+            for r in range(nrows):
+                for c in range(dv_pad):
+                    partial[2 * cap + r * dv_pad + c] = acc[r * dv_pad + c]
+            return
+        _merge_chunk(M, L, ACC, m, l, acc, fa, fb, nrows, nlanes, VL, dv_pad)
+    # end: for kc
 
-    # --- normalise and write out ---
-    for r in range(nrows):
-        R = r0 + r
-        h = g * P.group + R // Lq
-        i = R % Lq
-        orow = (<floating*> P.out) + P.o_boff[b] + h * P.o_sh + i * P.o_si
-        # l == 0 exactly iff no key was visible (the max key alone contributes p = 1);
-        # a NaN or +inf score makes l NaN, and the row NaN, as in the reference.
-        if l[r] != 0:
-            inv_l = 1 / l[r]
-            for c in range(Dv):
-                orow[c] = acc[r * dv_pad + c] * inv_l
-        else:
-            for c in range(Dv):
-                orow[c] = 0
-        if P.lse != NULL:
-            (<floating*> P.lse)[P.lse_boff[b] + h * P.lse_sh + i * P.lse_si] = (
-                m[r] * LN2 + log(l[r]) if l[r] != 0 else ninf)
+    _write_rows(P, b, g, r0, nrows, M, L, ACC, dv_pad)
+
+
+cdef void _merge_partials(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
+                          const floating* partial, Py_ssize_t nchunk,
+                          floating* buf) noexcept nogil:
+    # Flash-decoding, second phase: merge a work item's chunk states in key order, exactly
+    # as _attend_tile merges them when it walks all chunks itself, and write the rows.
+    cdef Py_ssize_t NL = _lanes(buf)
+    cdef Py_ssize_t VL = NL // 2
+    cdef Py_ssize_t nrows = min(FA_BQ, P.group * P.Lq - r0)
+    cdef Py_ssize_t nlanes = _round_up(nrows, VL)
+    cdef Py_ssize_t dv_pad = _round_up(P.Dv, NL)
+    cdef Py_ssize_t cap = _rows_cap(P, VL)
+    cdef Py_ssize_t pst = cap * (dv_pad + 2)
+    cdef floating* ACC = buf
+    cdef floating* M = ACC + FA_BQ * dv_pad
+    cdef floating* L = M + FA_BQ
+    cdef floating* fa = L + FA_BQ
+    cdef floating* fb = fa + FA_BQ
+    cdef Py_ssize_t kc
+    cdef const floating* pc
+    _reset_state(M, L, ACC, nlanes, dv_pad)
+    for kc in range(nchunk):
+        pc = partial + kc * pst
+        _merge_chunk(M, L, ACC, pc, pc + cap, pc + 2 * cap, fa, fb, nrows, nlanes, VL, dv_pad)
+    _write_rows(P, b, g, r0, nrows, M, L, ACC, dv_pad)
 
 
 cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
-                   Py_ssize_t* row_idx, int n_threads) noexcept nogil:
+                   Py_ssize_t* row_idx, floating* partial, Py_ssize_t nchunk,
+                   int n_threads) noexcept nogil:
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
     cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
-    cdef Py_ssize_t item, rb, bg, tid
+    cdef Py_ssize_t item, rb, bg, tid, w, pst
+    if partial != NULL:
+        # Flash-decoding (fewer work items than threads, several key chunks): every
+        # (item, chunk) pair is a work item whose chunk state goes to `partial`; then each
+        # item's chunks are merged in key order, the same merge _attend_tile does inline.
+        pst = _rows_cap(P, _lanes(workspace) // 2) * (_round_up(P.Dv, _lanes(workspace)) + 2)
+        with parallel(num_threads=n_threads):
+            for w in prange(n_items * nchunk, schedule='dynamic'):
+                tid = threadid()
+                item = w // nchunk
+                rb = item % n_rblk
+                bg = item // n_rblk
+                _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, w % nchunk, partial + w * pst,
+                             workspace + tid * ws_elems,
+                             row_idx + tid * 2 * FA_BQ, row_idx + tid * 2 * FA_BQ + FA_BQ)
+        for item in range(n_items):
+            rb = item % n_rblk
+            bg = item // n_rblk
+            _merge_partials(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, partial + item * nchunk * pst,
+                            nchunk, workspace)
+        return
     if n_threads == 1:
         # No OpenMP region at all: small calls skip the team start-up (~1 us).
         for item in range(n_items):
             rb = item % n_rblk
             bg = item // n_rblk
-            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ,
+            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
                          workspace, row_idx, row_idx + FA_BQ)
         return
     with parallel(num_threads=n_threads):
@@ -567,7 +697,7 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
             # dynamic schedule then ends on the cheap ones instead of waiting on a big one.
             rb = n_rblk - 1 - item % n_rblk
             bg = item // n_rblk
-            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ,
+            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
                          workspace + tid * ws_elems,
                          row_idx + tid * 2 * FA_BQ, row_idx + tid * 2 * FA_BQ + FA_BQ)
         # end: for item
@@ -580,27 +710,40 @@ cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
     cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
     if n_items == 0:
         return 0
+    cdef Py_ssize_t vl = FA_VL_F if is_float else FA_VL_D
+    cdef Py_ssize_t nchunk = (P.Lk + FA_KCHUNK - 1) // FA_KCHUNK
+    # Fewer work items than threads and several key chunks: split the keys (flash-decoding).
+    cdef bint split = n_threads > 1 and n_items < n_threads and nchunk >= 2
     # "Not using less, not using more": no idle threads on small problems.
-    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_items))
+    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_items * nchunk if split else n_items))
     cdef Py_ssize_t itemsize = sizeof(float) if is_float else sizeof(double)
-    cdef Py_ssize_t n_lanes = 2 * (FA_VL_F if is_float else FA_VL_D)
+    cdef Py_ssize_t n_lanes = 2 * vl
     # Rounded to 64 bytes so that threads' workspaces never share a cache line.
     cdef Py_ssize_t ws_elems = _round_up(_workspace_elems(P.D, P.Dv, n_lanes), 16)
     cdef size_t ws_bytes = n_threads * ws_elems * itemsize
     cdef size_t idx_bytes = n_threads * 2 * FA_BQ * sizeof(Py_ssize_t)
+    # Flash-decoding: one chunk state (m, l, acc of _rows_cap rows) per (item, chunk).
+    cdef size_t part_bytes = 0
+    if split:
+        part_bytes = (n_items * nchunk * min(FA_BQ, _round_up(P.group * P.Lq, vl))
+                      * (_round_up(P.Dv, n_lanes) + 2) * itemsize)
     # Allocated here, with the GIL, so that a failure is a MemoryError before any work.
-    cdef char* mem = <char*> PyMem_RawMalloc(ws_bytes + idx_bytes + 64)
+    cdef char* mem = <char*> PyMem_RawMalloc(ws_bytes + part_bytes + idx_bytes + 64)
     if mem == NULL:
-        raise MemoryError(f"fastattn: cannot allocate {ws_bytes + idx_bytes} bytes of workspace")
+        raise MemoryError(f"fastattn: cannot allocate {ws_bytes + part_bytes + idx_bytes} bytes"
+                          " of workspace")
     cdef char* aligned = <char*> ((<size_t> mem + 63) & ~(<size_t> 63))
+    cdef char* part = aligned + ws_bytes if split else NULL
     try:
         with nogil:
             if is_float:
                 _forward[float](P, <float*> aligned, ws_elems,
-                                <Py_ssize_t*> (aligned + ws_bytes), n_threads)
+                                <Py_ssize_t*> (aligned + ws_bytes + part_bytes),
+                                <float*> part, nchunk, n_threads)
             else:
                 _forward[double](P, <double*> aligned, ws_elems,
-                                 <Py_ssize_t*> (aligned + ws_bytes), n_threads)
+                                 <Py_ssize_t*> (aligned + ws_bytes + part_bytes),
+                                 <double*> part, nchunk, n_threads)
     finally:
         PyMem_RawFree(mem)
     return 0

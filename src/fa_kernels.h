@@ -32,6 +32,11 @@
  * FA_MR_K / FA_MR_PV: register-tile heights of the two micro-kernels (6 x 2 vectors = 12
  *   accumulators, the AVX2 sweet spot). */
 #define FA_BK 64
+/* FA_KCHUNK: keys per chunk of the softmax reduction (a multiple of FA_BK).  A row's keys
+ * are reduced chunk by chunk from an empty state and the chunks merged in key order, the
+ * same way whether one thread walks them all or a decode step with few (batch x kv head)
+ * work items spreads them over threads (flash-decoding), so both give the same bits. */
+#define FA_KCHUNK 1024
 #define FA_BQ 96
 #define FA_MR_K 6
 #define FA_MR_PV 6

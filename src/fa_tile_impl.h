@@ -118,6 +118,36 @@ FA_NOINLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, ptrdi
 }
 
 /*
+ * Merging a key chunk's softmax state (m, l, acc: one chunk of FA_KCHUNK keys processed
+ * from an empty state) into the running state (M, L, ACC) of the rows, chunks in key order:
+ *   M' = max(M, m);  a = 2^(M - M');  b = 2^(m - M');  L' = L a + l b;  ACC' = ACC a + acc b
+ * with a (b) exactly 1 when M (m) is the new max, so merging into the empty state
+ * (M = -inf, L = 0, ACC = 0) reproduces the chunk's state exactly.  Every path -- one
+ * thread walking all of a row's chunks, or threads each taking a chunk (flash-decoding)
+ * -- merges with these two functions in the same order, so results stay bitwise equal.
+ * fa_merge_stats: one vector of rows; leaves a, b in fa, fb for fa_merge_acc.
+ */
+FA_NOINLINE void FA_FN(fa_merge_stats)(T* M, T* L, const T* m, const T* l, T* fa, T* fb)
+{
+    const V one = BCAST(1);
+    const V M_old = LOAD(M), m_chunk = LOAD(m);
+    const V M_new = MAX(M_old, m_chunk);
+    const V a = SELECT(M_new == M_old, one, EXP2(M_old - M_new));
+    const V b = SELECT(M_new == m_chunk, one, EXP2(m_chunk - M_new));
+    STORE(L, LOAD(L) * a + LOAD(l) * b);
+    STORE(M, M_new);
+    STORE(fa, a);
+    STORE(fb, b);
+}
+
+/* ACC[c] = ACC[c] * a + acc[c] * b for c < n (n a multiple of VL): one row. */
+FA_NOINLINE void FA_FN(fa_merge_acc)(T* ACC, const T* acc, ptrdiff_t n, T a, T b)
+{
+    const V va = BCAST(a), vb = BCAST(b);
+    for (ptrdiff_t c = 0; c < n; c += VL) STORE(ACC + c, LOAD(ACC + c) * va + LOAD(acc + c) * vb);
+}
+
+/*
  * Output micro-tile: FA_MR_PV query rows x 2 vectors of value columns.
  *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j, r] * v[j, c]   (sequential in j)
  * Values are read in place (rows of V are contiguous in Dv), p is broadcast.  Keys with

@@ -250,3 +250,26 @@ def test_omp_num_threads_environment(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1"]
     assert_bitwise(np.load(tmp_path / "out.npy"), expected, "OMP_NUM_THREADS=1 process")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kwargs", [{}, {"causal": True}, {"window": (3000, 0)},
+                                    {"kv_lengths": np.array([2500])}])
+def test_flash_decoding_split_matches_one_thread_and_prefill(rng, dtype, kwargs):
+    # One (batch, kv head) work item and 4100 keys (5 chunks of FA_KCHUNK = 1024): with
+    # two threads the kernel splits the keys over threads and merges the chunk states
+    # afterwards; with one thread it walks the chunks itself.  Both merge the same chunk
+    # states in the same order, so the bits agree -- with each other and with the prefill.
+    q, k, v = make_qkv(rng, (1, 4, 40, 64), (1, 1, 4100, 64), (1, 1, 4100, 48), dtype)
+    with fastattn.num_threads(1):
+        one, one_lse = fastattn.attention(q[..., -1:, :], k, v, return_lse=True, **kwargs)
+        prefill, prefill_lse = fastattn.attention(q, k, v, return_lse=True, **kwargs)
+    with fastattn.num_threads(2):
+        split, split_lse = fastattn.attention(q[..., -1:, :], k, v, return_lse=True, **kwargs)
+    assert_bitwise(split, one, "split vs one thread")
+    assert_bitwise(split_lse, one_lse, "split lse vs one thread")
+    assert_bitwise(one, prefill[..., -1:, :], "decode vs prefill")
+    assert_bitwise(one_lse, prefill_lse[..., -1:], "decode lse vs prefill")
+    ref = fastattn.reference.attention(q[..., -1:, :], k, v, **kwargs)
+    np.testing.assert_allclose(split, ref, rtol=1e-4 if dtype == np.float32 else 1e-10,
+                               atol=1e-5 if dtype == np.float32 else 1e-12)
