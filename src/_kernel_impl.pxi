@@ -48,6 +48,8 @@ cdef extern from "fa_kernels.h" nogil:
         FA_MR_K
         FA_MR_PV
         FA_DEC_NR_MAX
+        FA_DEC_KEYS_F
+        FA_DEC_SCORES_PREFETCH_K_F
         FA_CAUSAL_NONE
         FA_CAUSAL_BOTTOM_RIGHT
         FA_CAUSAL_TOP_LEFT
@@ -65,28 +67,28 @@ cdef extern from "fa_kernels.h" nogil:
                           float scale, float* s, Py_ssize_t lds)
     void fa_score_tile1_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
                           double scale, double* s, Py_ssize_t lds)
-    void fa_score_keyrows1_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows1_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows2_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows2_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows4_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows4_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows8_f(const float** kr, int nk, const float* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows8_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows1_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows1_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows2_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows2_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows4_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows4_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows8_d(const double** kr, int nk, const double* qt, Py_ssize_t ldqt,
+    void fa_score_keyrows8_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
     void fa_score_hidden_f(float* s, Py_ssize_t lds, int nvec)
@@ -265,28 +267,28 @@ cdef inline Py_ssize_t _keyrows_pass(Py_ssize_t left) noexcept nogil:
     return left
 
 
-cdef inline void _score_keyrows(Py_ssize_t nr, const floating** krows, int nk,
+cdef inline void _score_keyrows(Py_ssize_t nr, const floating** krows, Py_ssize_t ldk, int nk,
                                 const floating* qt, Py_ssize_t D, floating scale, floating* s,
                                 int nstore, const char** pf, Py_ssize_t pf_bytes) noexcept nogil:
     # One fa_score_keyrows pass of nr (8, 4, 2 or 1) rows; see fa_tile_impl.h.
     if floating is float:
         if nr == 8:
-            fa_score_keyrows8_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows8_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 4:
-            fa_score_keyrows4_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows4_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 2:
-            fa_score_keyrows2_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows2_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         else:
-            fa_score_keyrows1_f(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows1_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
     else:
         if nr == 8:
-            fa_score_keyrows8_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows8_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 4:
-            fa_score_keyrows4_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows4_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 2:
-            fa_score_keyrows2_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows2_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         else:
-            fa_score_keyrows1_d(krows, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows1_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
 
 
 cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t j0,
@@ -295,29 +297,33 @@ cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t 
                                 const floating* vb, Py_ssize_t v_sj, Py_ssize_t Dv,
                                 const char** vrows, floating scale, Py_ssize_t nrows,
                                 const Py_ssize_t* lo, const Py_ssize_t* hi) noexcept nogil:
-    # Scores of a decode-sized tile, keys as the lanes: VL keys at a time (zero keys pad
-    # the last group), each against the rows in passes of 8/4/2/1 (fa_score_keyrows);
+    # Scores of a decode-sized tile, keys as the lanes: KC keys per call (zero keys pad
+    # the last call), each against the rows in passes of 8/4/2/1 (fa_score_keyrows);
     # written to S^T like the lane-group path, keys outside a row's interval hidden.
     # Padding lanes [nrows, nlanes) are not written: _attend_tile zeroes them once, like
     # the zero scores the lane-group path computes for its padding rows.
     # Passes may compute rows past nrows from qt's zero padding (up to nlanes); only
     # rows < nrows are stored.  The first pass prefetches the V rows of its keys.
-    cdef Py_ssize_t VL = _lanes(s) // 2
+    # KC, keys per fa_score_keyrows call: one vector of lanes, or 32 (4 groups of 8)
+    # with 32-byte float vectors (fa_score_keys32_f in fa_kernels.h).
+    cdef Py_ssize_t KC = FA_DEC_KEYS_F if floating is float else FA_VL_D
     cdef Py_ssize_t nj = j1 - j0
-    cdef Py_ssize_t t, r, j, jb, ig, nr, pf_bytes
+    cdef Py_ssize_t t, r, j, jb, ig, nr, pf_bytes, ldk
     cdef int nk
     cdef floating ninf = -INFINITY
-    for ig in range((nj + VL - 1) // VL):
-        jb = ig * VL
-        nk = <int> min(VL, nj - jb)
-        for t in range(VL):
+    for ig in range((nj + KC - 1) // KC):
+        jb = ig * KC
+        nk = <int> min(KC, nj - jb)
+        for t in range(KC):
             krows[t] = kb + (j0 + jb + t) * k_sj if jb + t < nj else zrow
             vrows[t] = <const char*> (vb + (j0 + jb + t) * v_sj if jb + t < nj else zrow)
+        # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
+        ldk = k_sj if nk == KC and k_sj != 0 else 0
         pf_bytes = Dv * sizeof(floating)
         r = 0
         while r < nrows:
             nr = _keyrows_pass(nrows - r)
-            _score_keyrows(nr, krows, nk, qt + r, D, scale, s + jb * FA_BQ + r,
+            _score_keyrows(nr, krows, ldk, nk, qt + r, D, scale, s + jb * FA_BQ + r,
                            <int> (nrows - r), vrows, pf_bytes)
             r += nr
             pf_bytes = 0
@@ -426,8 +432,8 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef floating* fb = fa + FA_BQ
     cdef floating* vtail = fb + FA_BQ
     cdef floating* zrow = vtail + FA_BK * NL
-    cdef const floating* krows[16]      # FA_MR_K (6) or VL (<= 16) key rows
-    cdef const char* vrows[16]          # decode: the V rows of krows, to prefetch
+    cdef const floating* krows[32]      # FA_MR_K (6) or FA_DEC_KEYS_F (<= 32) key rows
+    cdef const char* vrows[32]          # decode: the V rows of krows, to prefetch
     cdef Py_ssize_t vec_lo[FA_BQ]       # per vector of rows: keys [vec_lo, vec_hi) visible
     cdef Py_ssize_t vec_hi[FA_BQ]       # to some row of it (FA_BQ / VL <= 24 entries used)
 
@@ -591,8 +597,11 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 ja = max(j0, g_minlo)
                 na = max(0, min(j1, g_maxhi) - ja)
                 # Decode: the first row group also prefetches the next block's K rows, row
-                # ja+j+FA_BK beside V row ja+j, the same columns as it reads of V.
+                # ja+j+FA_BK beside V row ja+j, the same columns as it reads of V (unless
+                # the score kernel streams the next K rows itself: fa_score_keys32_f).
                 pf_rows = max(0, min(na, tile_hi - (ja + FA_BK))) if decode and rg == 0 else 0
+                if floating is float and FA_DEC_SCORES_PREFETCH_K_F:
+                    pf_rows = 0
                 c = 0
                 if nr == 4 or nr == 1:
                     cw = 2 * NL if nr == 4 else 4 * NL      # columns per wide call

@@ -81,6 +81,152 @@ static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
     for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+/* ---- decode score kernel for 32-byte float vectors (AVX2 and the SSE2 baseline) ----
+ * With 8 float lanes, transposing whole 8x8 blocks of K (fa_score_keyrows) leaves one
+ * query row a single FMA chain per 8 keys: latency-bound at one FMA per 4 cycles, about
+ * 20 GB/s of K per core even from L1.  Here a call takes 32 keys (4 groups of 8) and
+ * transposes 8 keys x 4 dims at a time -- two 128-bit loads per vector, one insert, two
+ * in-lane shuffles -- so that nr rows x ng groups = 4 independent chains are in flight.
+ * Per score it is still the chain acc += k[d] * q[d], d = 0, 1, ... then * scale: bit for
+ * bit the prefill score.  kr: 32 key rows (zero rows past nk); pf: the 32 V rows to
+ * prefetch (or NULL), as in fa_score_keyrows. */
+#if FA_VBYTES == 32
+#define FA_DEC_KEYS_F 32
+#define FA_DEC_SCORES_PREFETCH_K_F 1
+typedef float fa_v4f __attribute__((vector_size(16)));
+
+/* t[i][lane] = k[lane][d0 + i] for 8 key rows k, i < 4. */
+FA_INLINE void fa_load_transpose_8x4_f(const float* const* k, ptrdiff_t d0, fa_vf* t)
+{
+    /* y_i = [k_i | k_(i+4)]: keys 0-3 in the low 128-bit lane, 4-7 in the high one */
+#if defined(__AVX__)
+    /* two broadcast loads and a blend: no shuffle-port work (vinsertf128 would be one) */
+#define FA_Y(i) (fa_vf)_mm256_blend_ps(_mm256_broadcast_ps((const __m128*)(k[i] + d0)), \
+                                       _mm256_broadcast_ps((const __m128*)(k[i + 4] + d0)), 0xF0)
+    const fa_vf y0 = FA_Y(0), y1 = FA_Y(1), y2 = FA_Y(2), y3 = FA_Y(3);
+#undef FA_Y
+#else
+    fa_v4f h[8];
+    for (int i = 0; i < 8; i++) memcpy(&h[i], k[i] + d0, sizeof h[i]);
+    const fa_vf y0 = __builtin_shufflevector(h[0], h[4], 0, 1, 2, 3, 4, 5, 6, 7);
+    const fa_vf y1 = __builtin_shufflevector(h[1], h[5], 0, 1, 2, 3, 4, 5, 6, 7);
+    const fa_vf y2 = __builtin_shufflevector(h[2], h[6], 0, 1, 2, 3, 4, 5, 6, 7);
+    const fa_vf y3 = __builtin_shufflevector(h[3], h[7], 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+    /* then a 4x4 transpose inside each lane: unpack, then 64-bit shuffles */
+    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
+    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
+    t[0] = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13);
+    t[1] = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15);
+    t[2] = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13);
+    t[3] = __builtin_shufflevector(u1, u3, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+
+/* The same from 8 equally spaced rows k, k + ldk, ..., k + 7 ldk: with one base pointer
+ * and a stride the addresses come from addressing modes instead of 32 row pointers
+ * reloaded from memory every step (which made the loop load-port bound). */
+FA_INLINE void fa_load_transpose_8x4s_f(const float* k, ptrdiff_t ldk, ptrdiff_t d0, fa_vf* t)
+{
+    const float* rows[8];
+    for (int i = 0; i < 8; i++) rows[i] = k + i * ldk;
+    fa_load_transpose_8x4_f(rows, d0, t);
+}
+
+/* One step: 4 dims of the 8 keys of group g into the nr accumulators a[r]. */
+FA_INLINE void fa_keys32_step_f(const float* const* kr, ptrdiff_t ldk, int g, ptrdiff_t d0,
+                                const float* qt, ptrdiff_t ldqt, const int nr, fa_vf* a)
+{
+    fa_vf t[4];
+    if (ldk)
+        fa_load_transpose_8x4s_f(kr[0] + 8 * g * ldk, ldk, d0, t);
+    else
+        fa_load_transpose_8x4_f(kr + 8 * g, d0, t);
+    for (int i = 0; i < 4; i++) {
+        const float* qd = qt + (d0 + i) * ldqt;
+        for (int r = 0; r < nr; r++) a[r] += fa_bcast_f(qd[r]) * t[i];
+    }
+}
+
+FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int nk,
+                                      const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
+                                      float scale, float* s, ptrdiff_t lds, const int nr,
+                                      int nstore, const char* const* pf, ptrdiff_t pf_bytes)
+{
+    /* groups of 8 keys per sweep over d: nr * ng = 4 accumulator chains (nr <= 4) */
+    const int ng = nr >= 4 ? 1 : 4 / nr;
+    const fa_vf sc = fa_bcast_f(scale);
+    /* Prefetch, in the first row pass over these keys (pf_bytes > 0): the V rows of the
+     * keys (into L2, for the output kernel that follows) and the next 32 rows of K (into
+     * L1, for the next call), each spread evenly over the steps of all sweeps and issued
+     * line by line in address order.  Measured on a Zen 3 core streaming from DRAM, the
+     * row-ordered streams raise a decode step from 7 to 10-12 GB/s, where prefetching
+     * the same lines column by column (as the loads use them) gained nothing. */
+    const ptrdiff_t nsteps = (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng);
+    const ptrdiff_t v_row_lines = (pf_bytes + 63) / 64, v_lines = 32 * v_row_lines;
+    const ptrdiff_t k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
+    const ptrdiff_t k_lines = ldk ? 32 * k_row_lines : 0;   /* the next rows: kr[0] + (32 + i) ldk */
+    const char* k_next = (const char*)(kr[0] + 32 * ldk);
+    const ptrdiff_t k_stride = ldk * (ptrdiff_t)sizeof(float);
+    ptrdiff_t v_err = 0, v_row = 0, v_col = 0, k_err = 0, k_row = 0, k_col = 0;
+    for (int g0 = 0; g0 < 4 && 8 * g0 < nk; g0 += ng) {
+        fa_vf a[4][8];   /* nr <= 4 is called; 8 keeps the unused 8-row wrapper in bounds */
+        for (int g = 0; g < ng; g++)
+            for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f(0);
+        ptrdiff_t d0 = 0;
+        for (; d0 + 4 <= D; d0 += 4) {
+            if (pf_bytes > 0) {
+                /* this step's share of each prefetch stream (Bresenham: no division) */
+                for (v_err += v_lines; v_err >= nsteps; v_err -= nsteps) {
+                    __builtin_prefetch(pf[v_row] + 64 * v_col, 0, 2);
+                    if (++v_col == v_row_lines) { v_col = 0; v_row++; }
+                }
+                for (k_err += k_lines; k_err >= nsteps; k_err -= nsteps) {
+                    __builtin_prefetch(k_next + k_row * k_stride + 64 * k_col, 0, 3);
+                    if (++k_col == k_row_lines) { k_col = 0; k_row++; }
+                }
+            }
+            for (int g = 0; g < ng; g++)
+                fa_keys32_step_f(kr, ldk, g0 + g, d0, qt, ldqt, nr, a[g]);
+        }
+        for (; d0 < D; d0++) {   /* D % 4 leftover dimensions, lane-gathered */
+            const float* qd = qt + d0 * ldqt;
+            for (int g = 0; g < ng; g++) {
+                float col[8];
+                for (int i = 0; i < 8; i++) col[i] = kr[8 * (g0 + g) + i][d0];
+                const fa_vf kd = fa_load_f(col);
+                for (int r = 0; r < nr; r++) a[g][r] += fa_bcast_f(qd[r]) * kd;
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            const int kg = nk - 8 * (g0 + g) < 8 ? nk - 8 * (g0 + g) : 8;
+            for (int r = 0; r < nr && r < nstore; r++) {
+                float out[8];
+                fa_store_f(out, a[g][r] * sc);
+                for (int t = 0; t < kg; t++) s[(8 * (g0 + g) + t) * lds + r] = out[t];
+            }
+        }
+    }
+}
+/* ldk != 0: kr[t] = kr[0] + t * ldk for all 32 rows (a full call of evenly spaced keys),
+ * the common case; the body is instantiated for it and for arbitrary row pointers. */
+FA_INLINE void fa_score_keys32_f(const float* const* kr, ptrdiff_t ldk, int nk,
+                                 const float* qt, ptrdiff_t ldqt, ptrdiff_t D, float scale,
+                                 float* s, ptrdiff_t lds, const int nr, int nstore,
+                                 const char* const* pf, ptrdiff_t pf_bytes)
+{
+    if (ldk)
+        fa_score_keys32_body_f(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
+    else
+        fa_score_keys32_body_f(kr, 0, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
+}
+#define KEYROWS_IMPL fa_score_keys32_f
+#else
+#define FA_DEC_KEYS_F FA_VL_F
+#define FA_DEC_SCORES_PREFETCH_K_F 0
+#endif
+
 /* ---- micro-kernels, float ---- */
 #define T float
 #define V fa_vf

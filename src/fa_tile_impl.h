@@ -222,11 +222,12 @@ FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
  * loads (up to pf_bytes): the decode path passes the V rows of these keys, which the
  * output kernel reads next (see fa_pv_row8).
  */
-FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, int nk, const T* qt, ptrdiff_t ldqt,
+FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, ptrdiff_t ldk, int nk, const T* qt, ptrdiff_t ldqt,
                                        ptrdiff_t D, T scale, T* s, ptrdiff_t lds,
                                        const int nr, int nstore,
                                        const char* const* pf, ptrdiff_t pf_bytes)
 {
+    (void)ldk;
     V a[8];
     for (int r = 0; r < nr; r++) a[r] = BCAST(0);
     ptrdiff_t d0 = 0;
@@ -255,17 +256,23 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, int nk, const T* qt, 
     }
 }
 
+/* KEYROWS_IMPL (optional): an ISA-specific body for the wrappers below, with the same
+ * contract but FA_DEC_KEYS(T) keys per call instead of VL (see fa_score_keys32_f). */
+#ifndef KEYROWS_IMPL
+#define KEYROWS_IMPL FA_FN(fa_score_keyrows)
+#endif
 #define FA_SCORE_KEYROWS_NR(NR) \
-FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const T* const* kr, int nk, const T* qt, \
+FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const T* const* kr, ptrdiff_t ldk, int nk, const T* qt, \
                                             ptrdiff_t ldqt, ptrdiff_t D, T scale, T* s, \
                                             ptrdiff_t lds, int nstore, \
                                             const char* const* pf, ptrdiff_t pf_bytes) \
-{ FA_FN(fa_score_keyrows)(kr, nk, qt, ldqt, D, scale, s, lds, NR, nstore, pf, pf_bytes); }
+{ KEYROWS_IMPL(kr, ldk, nk, qt, ldqt, D, scale, s, lds, NR, nstore, pf, pf_bytes); }
 FA_SCORE_KEYROWS_NR(1)
 FA_SCORE_KEYROWS_NR(2)
 FA_SCORE_KEYROWS_NR(4)
 FA_SCORE_KEYROWS_NR(8)   /* called only when FA_DEC_NR_MAX >= 8 */
 #undef FA_SCORE_KEYROWS_NR
+#undef KEYROWS_IMPL
 
 /* The output of one query row over 8 vectors of value columns at once (decode tiles):
  * each V row is read as 8 contiguous vectors instead of in 2-vector strips, one pass per
