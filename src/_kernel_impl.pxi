@@ -97,6 +97,10 @@ cdef extern from "fa_kernels.h" nogil:
                            float* m, float* l, float* alpha)
     void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
                            double* m, double* l, double* alpha)
+    void fa_softmax_step2_f(float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
+                            float* m, float* l, float* alpha)
+    void fa_softmax_step2_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
+                            double* m, double* l, double* alpha)
     void fa_merge_stats_f(float* M, float* L, const float* m, const float* l, float* fa, float* fb)
     void fa_merge_stats_d(double* M, double* L, const double* m, const double* l, double* fa, double* fb)
     void fa_merge_acc_f(float* ACC, const float* acc, Py_ssize_t n, float a, float b)
@@ -558,16 +562,26 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                         else:
                             s[(j - j0) * FA_BQ + r] += (<const floating*> mrow)[j * P.m_sj] * log2e
 
-            for ic in range(nlanes // VL):
+            # Softmax step, two vectors of rows per call (one for an odd last vector).
+            ic = 0
+            while ic < nlanes // VL:
                 c = ic * VL
-                # Keys of this block that some row of the vector can see (the rest get
+                nvec = <int> min(2, nlanes // VL - ic)
+                # Keys of this block that some row of the vector(s) can see (the rest get
                 # p = 0 without an exp; an empty range leaves the rows' state unchanged).
-                vj0 = min(max(vec_lo[ic], j0), j1) - j0
-                vj1 = max(min(vec_hi[ic], j1) - j0, vj0)
+                vj0 = min(max(min(vec_lo[ic], vec_lo[ic + nvec - 1]), j0), j1) - j0
+                vj1 = max(min(max(vec_hi[ic], vec_hi[ic + nvec - 1]), j1) - j0, vj0)
                 if floating is float:
-                    fa_softmax_step_f(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
+                    if nvec == 2:
+                        fa_softmax_step2_f(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
+                    else:
+                        fa_softmax_step_f(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
                 else:
-                    fa_softmax_step_d(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
+                    if nvec == 2:
+                        fa_softmax_step2_d(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
+                    else:
+                        fa_softmax_step_d(s + c, FA_BQ, nj, vj0, vj1, m + c, l + c, alpha + c)
+                ic += nvec
 
             if dv_tail:
                 # The last partial chunk of value columns, zero-padded to NL lanes, so the

@@ -93,29 +93,48 @@ FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds, int nvec)
  * and they add exactly nothing to the max and the sum): they get p = 0 without an exp --
  * on causal diagonals and window edges whole runs of keys are hidden from a vector.
  */
-FA_NOINLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t jlo,
-                                       ptrdiff_t jhi, T* m, T* l, T* alpha)
+FA_INLINE void FA_FN(fa_softmax_body)(T* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t jlo,
+                                      ptrdiff_t jhi, T* m, T* l, T* alpha, const int nv)
 {
     const V ninf = BCAST(-INFINITY), zero = BCAST(0), one = BCAST(1);
-    V mb = ninf;
-    for (ptrdiff_t j = jlo; j < jhi; j++) mb = MAX(mb, LOAD(s + j * lds));
-    const V m_old = LOAD(m);
-    const V m_new = MAX(m_old, mb);
-    const V a = SELECT(m_new == m_old, one, EXP2(m_old - m_new));
-    const V m_sub = SELECT(m_new == ninf, zero, m_new);
-    V sum = zero;
-    for (ptrdiff_t j = 0; j < jlo; j++) STORE(s + j * lds, zero);
-    for (ptrdiff_t j = jlo; j < jhi; j++) {
-        const V p = EXP2(LOAD(s + j * lds) - m_sub);
-        STORE(s + j * lds, p);
-        sum += p;
+    V mb[2], m_sub[2], alpha_v[2], sum[2];
+    for (int v = 0; v < nv; v++) mb[v] = ninf;
+    for (ptrdiff_t j = jlo; j < jhi; j++)
+        for (int v = 0; v < nv; v++) mb[v] = MAX(mb[v], LOAD(s + j * lds + v * VL));
+    for (int v = 0; v < nv; v++) {
+        const V m_old = LOAD(m + v * VL);
+        const V m_new = MAX(m_old, mb[v]);
+        const V a = SELECT(m_new == m_old, one, EXP2(m_old - m_new));
+        m_sub[v] = SELECT(m_new == ninf, zero, m_new);
+        alpha_v[v] = a;
+        sum[v] = zero;
+        STORE(m + v * VL, m_new);
+        STORE(alpha + v * VL, a);
     }
-    for (ptrdiff_t j = jhi; j < nj; j++) STORE(s + j * lds, zero);
-    const V l_scaled = LOAD(l) * a;
-    STORE(l, l_scaled + sum);
-    STORE(m, m_new);
-    STORE(alpha, a);
+    for (ptrdiff_t j = 0; j < jlo; j++)
+        for (int v = 0; v < nv; v++) STORE(s + j * lds + v * VL, zero);
+    for (ptrdiff_t j = jlo; j < jhi; j++)
+        for (int v = 0; v < nv; v++) {
+            const V p = EXP2(LOAD(s + j * lds + v * VL) - m_sub[v]);
+            STORE(s + j * lds + v * VL, p);
+            sum[v] += p;
+        }
+    for (ptrdiff_t j = jhi; j < nj; j++)
+        for (int v = 0; v < nv; v++) STORE(s + j * lds + v * VL, zero);
+    /* one expression, so that it compiles to one FMA (l * alpha + sum) wherever it is used */
+    for (int v = 0; v < nv; v++) STORE(l + v * VL, LOAD(l + v * VL) * alpha_v[v] + sum[v]);
 }
+
+/* One vector of rows, and two adjacent ones (s, m, l, alpha + VL) at once: two
+ * independent max/sum chains in flight.  Per lane the same operations, so the same bits;
+ * a pair takes the union of the two vectors' [jlo, jhi) (see above: a key hidden from a
+ * whole vector gets exactly 0 either way). */
+FA_NOINLINE void FA_FN(fa_softmax_step)(T* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t jlo,
+                                       ptrdiff_t jhi, T* m, T* l, T* alpha)
+{ FA_FN(fa_softmax_body)(s, lds, nj, jlo, jhi, m, l, alpha, 1); }
+FA_NOINLINE void FA_FN(fa_softmax_step2)(T* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t jlo,
+                                        ptrdiff_t jhi, T* m, T* l, T* alpha)
+{ FA_FN(fa_softmax_body)(s, lds, nj, jlo, jhi, m, l, alpha, 2); }
 
 /*
  * Merging a key chunk's softmax state (m, l, acc: one chunk of FA_KCHUNK keys processed
