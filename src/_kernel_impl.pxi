@@ -91,8 +91,12 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_score_keyrows8_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt, Py_ssize_t ldqt,
                              Py_ssize_t D, double scale, double* s, Py_ssize_t lds, int nstore,
                              const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_hidden_f(float* s, Py_ssize_t lds, int nvec)
-    void fa_score_hidden_d(double* s, Py_ssize_t lds, int nvec)
+    void fa_score_hidden_f(float* s, Py_ssize_t lds, int nk, int nvec)
+    void fa_score_hidden_d(double* s, Py_ssize_t lds, int nk, int nvec)
+    void fa_score_tile4_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile4_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          double scale, double* s, Py_ssize_t lds)
     void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
                            float* m, float* l, float* alpha)
     void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
@@ -199,15 +203,20 @@ cdef Py_ssize_t _workspace_elems(Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_lanes
 
 
 cdef inline void _score(const floating** krows, const floating* qt, Py_ssize_t D,
-                        floating scale, floating* s, int nvec) noexcept nogil:
-    # One score micro-tile over 1 or 2 vectors of query rows (identical per-lane arithmetic).
+                        floating scale, floating* s, int nvec, Py_ssize_t mk) noexcept nogil:
+    # One score micro-tile of mk (6, or 4 with 2 vectors) keys over 1 or 2 vectors of query
+    # rows (identical per-lane arithmetic).
     if floating is float:
-        if nvec == 2:
+        if nvec == 2 and mk == 4:
+            fa_score_tile4_f(krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        elif nvec == 2:
             fa_score_tile_f(krows, qt, FA_BQ, D, scale, s, FA_BQ)
         else:
             fa_score_tile1_f(krows, qt, FA_BQ, D, scale, s, FA_BQ)
     else:
-        if nvec == 2:
+        if nvec == 2 and mk == 4:
+            fa_score_tile4_d(krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        elif nvec == 2:
             fa_score_tile_d(krows, qt, FA_BQ, D, scale, s, FA_BQ)
         else:
             fa_score_tile1_d(krows, qt, FA_BQ, D, scale, s, FA_BQ)
@@ -451,7 +460,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
     cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw, vj0, vj1
-    cdef Py_ssize_t kc, kc0, kc1, c_lo, c_hi, cap
+    cdef Py_ssize_t kc, kc0, kc1, c_lo, c_hi, cap, mk
     cdef bint decode = nrows <= FA_DECODE_ROWS
     cdef int nvec
 
@@ -526,26 +535,31 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                     if lo[r] < hi[r]:
                         g_minlo = min(g_minlo, lo[r])
                         g_maxhi = max(g_maxhi, hi[r])
-                for ij in range((nj + FA_MR_K - 1) // FA_MR_K):
-                    jj = ij * FA_MR_K
+                # Micro-tiles of FA_MR_K (6) keys; the last 4 or fewer keys of a block
+                # in a 4-key tile (64 = 10 x 6 + 4: no scores computed for padding keys).
+                jj = 0
+                while jj < nj:
+                    mk = FA_MR_K if nj - jj > 4 or nvec == 1 else 4
                     ja = j0 + jj
-                    if ja + FA_MR_K <= g_minlo or ja >= g_maxhi:
+                    if ja + mk <= g_minlo or ja >= g_maxhi:
                         # Hidden from every row of the group (causal / window skipping).
                         if floating is float:
-                            fa_score_hidden_f(s + jj * FA_BQ + c, FA_BQ, nvec)
+                            fa_score_hidden_f(s + jj * FA_BQ + c, FA_BQ, <int> mk, nvec)
                         else:
-                            fa_score_hidden_d(s + jj * FA_BQ + c, FA_BQ, nvec)
+                            fa_score_hidden_d(s + jj * FA_BQ + c, FA_BQ, <int> mk, nvec)
+                        jj += mk
                         continue
-                    for t in range(FA_MR_K):
+                    for t in range(mk):
                         krows[t] = kb + (ja + t) * P.k_sj if ja + t < j1 else zrow
-                    _score(krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec)
-                    if ja < g_maxlo or ja + FA_MR_K > g_minhi:
+                    _score(krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
+                    if ja < g_maxlo or ja + mk > g_minhi:
                         # The micro-tile straddles some row's interval edge: hide per key.
-                        for t in range(min(FA_MR_K, j1 - ja)):
+                        for t in range(min(mk, j1 - ja)):
                             for r in range(c, rend):
                                 if ja + t < lo[r] or ja + t >= hi[r]:
                                     s[(jj + t) * FA_BQ + r] = ninf
-                # end: for ij
+                    jj += mk
+                # end: while jj
             # end: for ic
 
             if P.mask_kind != 0:

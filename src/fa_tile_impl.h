@@ -73,11 +73,34 @@ FA_NOINLINE void FA_FN(fa_score_tile1)(const T* const* kr, const T* qt, ptrdiff_
     STORE(s + 5 * lds, a5 * sc);
 }
 
-/* A score micro-tile that no query of the lane group can see: -inf, nothing computed. */
-FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds, int nvec)
+/* The score micro-tile for the last 4 keys of a block (64 = 10 x 6 + 4), so that no
+ * padding keys are computed: 8 accumulators, per lane the identical FMA chain. */
+FA_NOINLINE void FA_FN(fa_score_tile4)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
+                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
+{
+    const T *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3];
+    V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+    for (ptrdiff_t d = 0; d < D; d++) {
+        const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
+        V b;
+        b = BCAST(k0[d]); a00 += b * q0; a01 += b * q1;
+        b = BCAST(k1[d]); a10 += b * q0; a11 += b * q1;
+        b = BCAST(k2[d]); a20 += b * q0; a21 += b * q1;
+        b = BCAST(k3[d]); a30 += b * q0; a31 += b * q1;
+    }
+    const V sc = BCAST(scale);
+    STORE(s + 0 * lds, a00 * sc); STORE(s + 0 * lds + VL, a01 * sc);
+    STORE(s + 1 * lds, a10 * sc); STORE(s + 1 * lds + VL, a11 * sc);
+    STORE(s + 2 * lds, a20 * sc); STORE(s + 2 * lds + VL, a21 * sc);
+    STORE(s + 3 * lds, a30 * sc); STORE(s + 3 * lds + VL, a31 * sc);
+}
+
+/* A score micro-tile (nk keys) that no query of the lane group can see: -inf, nothing
+ * computed. */
+FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds, int nk, int nvec)
 {
     const V ninf = BCAST(-INFINITY);
-    for (int jj = 0; jj < FA_MR_K; jj++)
+    for (int jj = 0; jj < nk; jj++)
         for (int t = 0; t < nvec; t++) STORE(s + jj * lds + t * VL, ninf);
 }
 
