@@ -49,7 +49,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_MR_PV
         FA_DEC_NR_MAX
         FA_DEC_KEYS_F
-        FA_DEC_SCORES_PREFETCH_K_F
+        FA_DEC_SCORES_PREFETCH_K_ROWS_F
         FA_CAUSAL_NONE
         FA_CAUSAL_BOTTOM_RIGHT
         FA_CAUSAL_TOP_LEFT
@@ -628,7 +628,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 # ja+j+FA_BK beside V row ja+j, the same columns as it reads of V (unless
                 # the score kernel streams the next K rows itself: fa_score_keys32_f).
                 pf_rows = max(0, min(na, tile_hi - (ja + FA_BK))) if decode and rg == 0 else 0
-                if floating is float and FA_DEC_SCORES_PREFETCH_K_F:
+                if floating is float and nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F:
                     pf_rows = 0
                 c = 0
                 if nr == 4 or nr == 1:

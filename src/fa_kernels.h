@@ -92,7 +92,13 @@ static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
  * prefetch (or NULL), as in fa_score_keyrows. */
 #if FA_VBYTES == 32
 #define FA_DEC_KEYS_F 32
-#define FA_DEC_SCORES_PREFETCH_K_F 1
+/* Decode tiles of at most this many rows prefetch the next K rows in the score kernel
+ * (fa_score_keys32_f's first pass); larger ones in the output kernel (fa_pv_row8/rows4). */
+#if defined(__AVX__)
+#define FA_DEC_SCORES_PREFETCH_K_ROWS_F 8
+#else
+#define FA_DEC_SCORES_PREFETCH_K_ROWS_F 2
+#endif
 typedef float fa_v4f __attribute__((vector_size(16)));
 
 /* t[i][lane] = k[lane][d0 + i] for 8 key rows k, i < 4. */
@@ -166,7 +172,7 @@ FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int
     const ptrdiff_t nsteps = (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng);
     const ptrdiff_t v_row_lines = (pf_bytes + 63) / 64, v_lines = 32 * v_row_lines;
     const ptrdiff_t k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
-    const ptrdiff_t k_lines = ldk ? 32 * k_row_lines : 0;   /* the next rows: kr[0] + (32 + i) ldk */
+    const ptrdiff_t k_lines = ldk ? 32 * k_row_lines : 0;   /* rows kr[0] + (32 + i) ldk */
     const char* k_next = (const char*)(kr[0] + 32 * ldk);
     const ptrdiff_t k_stride = ldk * (ptrdiff_t)sizeof(float);
     ptrdiff_t v_err = 0, v_row = 0, v_col = 0, k_err = 0, k_row = 0, k_col = 0;
@@ -221,10 +227,31 @@ FA_INLINE void fa_score_keys32_f(const float* const* kr, ptrdiff_t ldk, int nk,
     else
         fa_score_keys32_body_f(kr, 0, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
 }
+#if !defined(__AVX__)
+/* SSE2, 4 (or 8) rows: 4 rows x 8-lane accumulators and the 8x4 transposes do not fit 16
+ * xmm registers (measured 1.3x slower on a GQA decode), so these passes take the 32 keys
+ * as 4 groups of 8 with whole 8x8 blocks (fa_score_keyrows, fa_tile_impl.h); the output
+ * kernel prefetches the next K rows for such tiles (FA_DEC_SCORES_PREFETCH_K_ROWS_F). */
+static inline void fa_score_keyrows_f(const float* const* kr, ptrdiff_t ldk, int nk,
+                                      const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
+                                      float scale, float* s, ptrdiff_t lds, const int nr,
+                                      int nstore, const char* const* pf, ptrdiff_t pf_bytes);
+FA_INLINE void fa_score_keys32_by8_f(const float* const* kr, ptrdiff_t ldk, int nk,
+                                     const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
+                                     float scale, float* s, ptrdiff_t lds, const int nr,
+                                     int nstore, const char* const* pf, ptrdiff_t pf_bytes)
+{
+    (void)ldk;
+    for (int g = 0; 8 * g < nk; g++)
+        fa_score_keyrows_f(kr + 8 * g, 0, nk - 8 * g < 8 ? nk - 8 * g : 8, qt, ldqt, D, scale,
+                           s + 8 * g * lds, lds, nr, nstore, pf ? pf + 8 * g : NULL, pf_bytes);
+}
+#define KEYROWS_IMPL_WIDE fa_score_keys32_by8_f
+#endif
 #define KEYROWS_IMPL fa_score_keys32_f
 #else
 #define FA_DEC_KEYS_F FA_VL_F
-#define FA_DEC_SCORES_PREFETCH_K_F 0
+#define FA_DEC_SCORES_PREFETCH_K_ROWS_F 0
 #endif
 
 /* ---- micro-kernels, float ---- */

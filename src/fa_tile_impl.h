@@ -303,18 +303,22 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, ptrdiff_t ldk, int nk
 #ifndef KEYROWS_IMPL
 #define KEYROWS_IMPL FA_FN(fa_score_keyrows)
 #endif
-#define FA_SCORE_KEYROWS_NR(NR) \
+#ifndef KEYROWS_IMPL_WIDE   /* optional: another body for the 4- and 8-row passes */
+#define KEYROWS_IMPL_WIDE KEYROWS_IMPL
+#endif
+#define FA_SCORE_KEYROWS_NR(NR, IMPL) \
 FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const T* const* kr, ptrdiff_t ldk, int nk, const T* qt, \
                                             ptrdiff_t ldqt, ptrdiff_t D, T scale, T* s, \
                                             ptrdiff_t lds, int nstore, \
                                             const char* const* pf, ptrdiff_t pf_bytes) \
-{ KEYROWS_IMPL(kr, ldk, nk, qt, ldqt, D, scale, s, lds, NR, nstore, pf, pf_bytes); }
-FA_SCORE_KEYROWS_NR(1)
-FA_SCORE_KEYROWS_NR(2)
-FA_SCORE_KEYROWS_NR(4)
-FA_SCORE_KEYROWS_NR(8)   /* called only when FA_DEC_NR_MAX >= 8 */
+{ IMPL(kr, ldk, nk, qt, ldqt, D, scale, s, lds, NR, nstore, pf, pf_bytes); }
+FA_SCORE_KEYROWS_NR(1, KEYROWS_IMPL)
+FA_SCORE_KEYROWS_NR(2, KEYROWS_IMPL)
+FA_SCORE_KEYROWS_NR(4, KEYROWS_IMPL_WIDE)
+FA_SCORE_KEYROWS_NR(8, KEYROWS_IMPL_WIDE)   /* called only when FA_DEC_NR_MAX >= 8 */
 #undef FA_SCORE_KEYROWS_NR
 #undef KEYROWS_IMPL
+#undef KEYROWS_IMPL_WIDE
 
 /* The output of one query row over 8 vectors of value columns at once (decode tiles):
  * each V row is read as 8 contiguous vectors instead of in 2-vector strips, one pass per
