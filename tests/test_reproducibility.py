@@ -162,6 +162,32 @@ def test_decode_group_sizes_and_odd_dims(rng, dtype, group, D, Dv):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["every_other_row", "reversed", "broadcast", "column_major"])
+def test_decode_key_layouts(rng, dtype, group, layout):
+    # The decode score kernel addresses a whole call of keys (32 in float32 on AVX2/SSE2)
+    # by its first row and a stride when the rows are evenly spaced -- of either sign --
+    # and by row pointers otherwise (partial calls, stride 0).  Every layout of K read in
+    # place gives the bits of a prefill on a contiguous copy.
+    L, D = 300, 40
+    q, _, v = make_qkv(rng, (1, 2 * group, L, D), (1, 2, L, D), (1, 2, L, D), dtype)
+    base = rng.standard_normal((1, 2, 2 * L, D)).astype(dtype)
+    if layout == "every_other_row":
+        k = base[:, :, ::2, :]
+    elif layout == "reversed":
+        k = base[:, :, L - 1::-1, :]
+    elif layout == "broadcast":
+        k = np.broadcast_to(base[:, :, :1, :], (1, 2, L, D))
+    else:
+        k = np.ascontiguousarray(base[:, :, :L, :].transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    prefill = fastattn.attention(q, np.ascontiguousarray(k), v, causal=True)
+    for t in (0, 31, 32, 95, 100, L - 1):
+        out = fastattn.attention(q[..., t:t + 1, :], k[..., :t + 1, :], v[..., :t + 1, :],
+                                 causal=True)
+        assert_bitwise(out, prefill[..., t:t + 1, :], f"{layout} decode step {t}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_with_padded_cache(rng, dtype):
     # A preallocated cache of capacity 1100 with kv_lengths = t + 1 agrees with the sliced
     # cache and with the prefill: padding beyond kv_lengths is never read into the result.
