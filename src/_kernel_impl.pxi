@@ -457,7 +457,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef const floating* qrow
     cdef const floating* vrow
     cdef char* mrow
-    cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic, ij
+    cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
     cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw, vj0, vj1
     cdef Py_ssize_t kc, kc0, kc1, c_lo, c_hi, cap, mk
@@ -627,9 +627,10 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 # Decode: the first row group also prefetches the next block's K rows, row
                 # ja+j+FA_BK beside V row ja+j, the same columns as it reads of V (unless
                 # the score kernel streams the next K rows itself: fa_score_keys32_f).
-                pf_rows = max(0, min(na, tile_hi - (ja + FA_BK))) if decode and rg == 0 else 0
-                if floating is float and nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F:
-                    pf_rows = 0
+                pf_rows = 0
+                if decode and rg == 0 and not (floating is float
+                                               and nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F):
+                    pf_rows = max(0, min(na, tile_hi - (ja + FA_BK)))
                 c = 0
                 if nr == 4 or nr == 1:
                     cw = 2 * NL if nr == 4 else 4 * NL      # columns per wide call
