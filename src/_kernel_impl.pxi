@@ -281,32 +281,34 @@ cdef inline Py_ssize_t _keyrows_pass(Py_ssize_t left) noexcept nogil:
 
 
 cdef inline void _score_keyrows(Py_ssize_t nr, const floating** krows, Py_ssize_t ldk, int nk,
-                                const floating* qt, Py_ssize_t D, floating scale, floating* s,
-                                int nstore, const char** pf, Py_ssize_t pf_bytes) noexcept nogil:
+                                const floating* qt, Py_ssize_t ldqt, Py_ssize_t D, floating scale,
+                                floating* s, int nstore, const char** pf,
+                                Py_ssize_t pf_bytes) noexcept nogil:
     # One fa_score_keyrows pass of nr (8, 4, 2 or 1) rows; see fa_tile_impl.h.
     if floating is float:
         if nr == 8:
-            fa_score_keyrows8_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows8_f(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 4:
-            fa_score_keyrows4_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows4_f(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 2:
-            fa_score_keyrows2_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows2_f(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         else:
-            fa_score_keyrows1_f(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows1_f(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
     else:
         if nr == 8:
-            fa_score_keyrows8_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows8_d(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 4:
-            fa_score_keyrows4_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows4_d(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         elif nr == 2:
-            fa_score_keyrows2_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows2_d(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         else:
-            fa_score_keyrows1_d(krows, ldk, nk, qt, FA_BQ, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+            fa_score_keyrows1_d(krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
 
 
 cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t j0,
                                 Py_ssize_t j1, Py_ssize_t D, const floating* zrow,
-                                const floating** krows, const floating* qt, floating* s,
+                                const floating** krows, const floating* qt, Py_ssize_t ldqt,
+                                floating* s,
                                 const floating* vb, Py_ssize_t v_sj, Py_ssize_t Dv,
                                 const char** vrows, floating scale, Py_ssize_t nrows,
                                 const Py_ssize_t* lo, const Py_ssize_t* hi) noexcept nogil:
@@ -336,7 +338,7 @@ cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t 
         r = 0
         while r < nrows:
             nr = _keyrows_pass(nrows - r)
-            _score_keyrows(nr, krows, ldk, nk, qt + r, D, scale, s + jb * FA_BQ + r,
+            _score_keyrows(nr, krows, ldk, nk, qt + r, ldqt, D, scale, s + jb * FA_BQ + r,
                            <int> (nrows - r), vrows, pf_bytes)
             r += nr
             pf_bytes = 0
@@ -462,6 +464,11 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw, vj0, vj1
     cdef Py_ssize_t kc, kc0, kc1, c_lo, c_hi, cap, mk
     cdef bint decode = nrows <= FA_DECODE_ROWS
+    # Q^T's row stride: FA_BQ for the prefill's score tiles; the padded row count for a
+    # decode tile, so that its D x nlanes values take D/2 (8 lanes of floats) cache lines
+    # instead of D -- the decode score kernels read a line per dimension, beside 32 K
+    # rows and the prefetched V rows in L1.
+    cdef Py_ssize_t ldqt = nlanes if decode else FA_BQ
     cdef int nvec
 
     # --- rows: visibility interval, packed Q^T, softmax state ---
@@ -476,13 +483,13 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 tile_hi = max(tile_hi, hi[r])
             qrow = qb + h * P.q_sh + i * P.q_si
             for d in range(D):
-                qt[d * FA_BQ + r] = qrow[d]
+                qt[d * ldqt + r] = qrow[d]
         else:
             # Padding rows: zero queries that see nothing; never written out.
             lo[r] = 0
             hi[r] = 0
             for d in range(D):
-                qt[d * FA_BQ + r] = 0
+                qt[d * ldqt + r] = 0
     # Per vector of VL rows: the union of its rows' key intervals (rows that see nothing
     # do not count), for the softmax step.
     for ic in range(nlanes // VL):
@@ -518,7 +525,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             j1 = min(blk + FA_BK, tile_hi)
             nj = j1 - j0
             if decode:
-                _decode_scores(kb, P.k_sj, j0, j1, D, zrow, krows, qt, s, vb, P.v_sj, Dv, vrows,
+                _decode_scores(kb, P.k_sj, j0, j1, D, zrow, krows, qt, ldqt, s, vb, P.v_sj, Dv, vrows,
                                scale, nrows, lo, hi)
             # Scores, one lane group (2 vectors of rows, or 1 for the last) at a time.
             for ic in range((nlanes + NL - 1) // NL if not decode else 0):

@@ -249,6 +249,108 @@ FA_INLINE void fa_score_keys32_by8_f(const float* const* kr, ptrdiff_t ldk, int 
 }
 #define KEYROWS_IMPL_WIDE fa_score_keys32_by8_f
 #endif
+#if defined(__AVX__)
+/* AVX2, 4 rows (a GQA group of 4 query heads), 32 evenly spaced keys: two sweeps of 16
+ * keys, so that 4 rows x 2 groups = 8 accumulator chains are in flight -- as many as
+ * the FMA latency x throughput of a Zen 3 or Skylake core needs (4 chains left it at half
+ * the FMA rate) -- while the 8 accumulators, the 4 half-transposed vectors of one group
+ * and a broadcast still fit 16 ymm registers.  The 8 rows of a group are addressed from
+ * two base pointers and the stride (b, b + 3 ldk), so no row pointer lives in memory.
+ * Per score: the same chain acc += k[d] * q[d], d = 0, 1, ... then * scale. */
+FA_INLINE void fa_keys8x4s_r4_f(const float* b, const float* b3, ptrdiff_t ldk,
+                                const float* qt, ptrdiff_t ldqt, fa_vf* a)
+{
+    /* y_i = [k_i | k_(i+4)] over 4 dims: rows b, b+ldk, b+2ldk, b3 | b+4ldk, b3+2ldk, ... */
+#define FA_Y(lo, hi) (fa_vf)_mm256_blend_ps(_mm256_broadcast_ps((const __m128*)(lo)), \
+                                            _mm256_broadcast_ps((const __m128*)(hi)), 0xF0)
+    const fa_vf y0 = FA_Y(b, b + 4 * ldk), y1 = FA_Y(b + ldk, b3 + 2 * ldk);
+    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
+    const fa_vf y2 = FA_Y(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_Y(b3, b3 + 4 * ldk);
+#undef FA_Y
+    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
+    fa_vf t;
+#define FA_FMA4(i) \
+    a[0] += fa_bcast_f(qt[(i) * ldqt + 0]) * t; a[1] += fa_bcast_f(qt[(i) * ldqt + 1]) * t; \
+    a[2] += fa_bcast_f(qt[(i) * ldqt + 2]) * t; a[3] += fa_bcast_f(qt[(i) * ldqt + 3]) * t;
+    t = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13); FA_FMA4(0)
+    t = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15); FA_FMA4(1)
+    t = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13); FA_FMA4(2)
+    t = __builtin_shufflevector(u1, u3, 2, 3, 10, 11, 6, 7, 14, 15); FA_FMA4(3)
+#undef FA_FMA4
+}
+
+FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int nk,
+                                      const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
+                                      float scale, float* s, ptrdiff_t lds, const int nr,
+                                      int nstore, const char* const* pf, ptrdiff_t pf_bytes)
+{
+    if (nr != 4 || !ldk || nk != 32 || D % 4) {
+        fa_score_keys32_f(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
+        return;
+    }
+    /* prefetch streams as in fa_score_keys32_body_f, spread over the 2 x D/4 steps */
+    const ptrdiff_t nsteps = 2 * (D / 4);
+    const ptrdiff_t v_row_lines = (pf_bytes + 63) / 64, v_lines = 32 * v_row_lines;
+    const ptrdiff_t k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
+    const ptrdiff_t k_lines = 32 * k_row_lines;
+    const char* k_next = (const char*)(kr[0] + 32 * ldk);
+    const ptrdiff_t k_stride = ldk * (ptrdiff_t)sizeof(float);
+    ptrdiff_t v_err = 0, v_row = 0, v_col = 0, k_err = 0, k_row = 0, k_col = 0;
+    /* The common layout -- V rows of these keys one contiguous block, K rows too -- makes
+     * both streams linear: 4 lines of each per step, no bookkeeping (the general walk
+     * above costs more than the prefetches themselves). */
+    const ptrdiff_t row_bytes = D * (ptrdiff_t)sizeof(float);
+    const int linear = pf_bytes == row_bytes && D % 16 == 0 && k_stride == row_bytes
+                       && pf[1] - pf[0] == row_bytes && pf[31] - pf[0] == 31 * row_bytes;
+    const char* v_lin = linear ? pf[0] : NULL;
+    const char* k_lin = k_next;
+    const fa_vf sc = fa_bcast_f(scale);
+    for (int h = 0; h < 2; h++) {
+        const float* b = kr[0] + 16 * h * ldk;        /* group 0: keys 16h .. 16h+7 */
+        const float* c = b + 8 * ldk;                 /* group 1: the next 8 */
+        fa_vf a0[4], a1[4];
+        for (int r = 0; r < 4; r++) a0[r] = a1[r] = fa_bcast_f(0);
+        for (ptrdiff_t d0 = 0; d0 < D; d0 += 4) {
+            if (linear) {
+                /* 4 lines of each stream per step (32 rows x D/16 lines over 2 x D/4 steps) */
+                for (int i = 0; i < 4; i++) {
+                    __builtin_prefetch(v_lin + 64 * i, 0, 2);
+                    __builtin_prefetch(k_lin + 64 * i, 0, 3);
+                }
+                v_lin += 256;
+                k_lin += 256;
+            } else if (pf_bytes > 0) {
+                for (v_err += v_lines; v_err >= nsteps; v_err -= nsteps) {
+                    __builtin_prefetch(pf[v_row] + 64 * v_col, 0, 2);
+                    if (++v_col == v_row_lines) { v_col = 0; v_row++; }
+                }
+                for (k_err += k_lines; k_err >= nsteps; k_err -= nsteps) {
+                    __builtin_prefetch(k_next + k_row * k_stride + 64 * k_col, 0, 3);
+                    if (++k_col == k_row_lines) { k_col = 0; k_row++; }
+                }
+            }
+            const float* q = qt + d0 * ldqt;
+            fa_keys8x4s_r4_f(b + d0, b + 3 * ldk + d0, ldk, q, ldqt, a0);
+            /* an opaque copy of q: the second group broadcasts q again instead of the
+             * compiler keeping 16 broadcasts alive across both groups (they spilled) */
+            __asm__("" : "+r"(q));
+            fa_keys8x4s_r4_f(c + d0, c + 3 * ldk + d0, ldk, q, ldqt, a1);
+        }
+        /* all 4 rows out by constant indices (a runtime bound on r would keep the
+         * accumulator arrays in memory, a store and reload on every FMA chain step) */
+        float o[4][16];
+        for (int r = 0; r < 4; r++) {
+            fa_store_f(o[r], a0[r] * sc);
+            fa_store_f(o[r] + 8, a1[r] * sc);
+        }
+        for (int r = 0; r < nstore && r < 4; r++)
+            for (int t = 0; t < 16; t++) s[(16 * h + t) * lds + r] = o[r][t];
+    }
+}
+#define KEYROWS_IMPL_WIDE fa_score_keys32_wide_f
+#endif
 #define KEYROWS_IMPL fa_score_keys32_f
 #else
 #define FA_DEC_KEYS_F FA_VL_F

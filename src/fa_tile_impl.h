@@ -358,32 +358,47 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 
 /* The output of 4 query rows over 4 vectors of value columns (decode tiles of a GQA
  * group): each V vector loaded is used by all 4 rows.  Per element, the identical
- * sequence as fa_pv_tile.  pf, pf_stride, pf_rows, pf_bytes: as fa_pv_row8. */
+ * sequence as fa_pv_tile.  pf, pf_stride, pf_rows, pf_bytes: as fa_pv_row8.
+ * The 4 vectors go in FA_PV4_NV-vector passes over the keys so that the 4 x FA_PV4_NV
+ * accumulators, the V vectors and a broadcast fit the register file: all 4 at once with
+ * 32 zmm registers; 2 with 16 ymm (4 x 4 spilled accumulators there and ran at about
+ * half the FMA rate on a Zen 3 core); 1 with SSE2's 16 xmm (a vector is 2 of them). */
+#ifndef FA_PV4_NV
+#if FA_VBYTES == 64
+#define FA_PV4_NV 4
+#elif defined(__AVX__)
+#define FA_PV4_NV 2
+#else
+#define FA_PV4_NV 1
+#endif
+#endif
 FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                    const T* v, ptrdiff_t ldv, T* acc, ptrdiff_t ldacc,
                                    const T* alpha, const char* pf, ptrdiff_t pf_stride,
                                    ptrdiff_t pf_rows, ptrdiff_t pf_bytes)
 {
-#define FA_PV4_LOAD_ROW(r) \
-    const V a##r = BCAST(alpha[r]); \
-    V c##r##0 = LOAD(acc + r * ldacc) * a##r, c##r##1 = LOAD(acc + r * ldacc + VL) * a##r; \
-    V c##r##2 = LOAD(acc + r * ldacc + 2 * VL) * a##r, c##r##3 = LOAD(acc + r * ldacc + 3 * VL) * a##r;
-    FA_PV4_LOAD_ROW(0) FA_PV4_LOAD_ROW(1) FA_PV4_LOAD_ROW(2) FA_PV4_LOAD_ROW(3)
-#undef FA_PV4_LOAD_ROW
-    for (ptrdiff_t j = 0; j < nj; j++) {
-        const T* vj = v + j * ldv;
-        const T* pj = p + j * ldp;
-        if (j < pf_rows) fa_prefetch_l2(pf + j * pf_stride, pf_bytes);
-        const V v0 = LOAD(vj), v1 = LOAD(vj + VL), v2 = LOAD(vj + 2 * VL), v3 = LOAD(vj + 3 * VL);
-        V b;
-        b = BCAST(pj[0]); c00 += b * v0; c01 += b * v1; c02 += b * v2; c03 += b * v3;
-        b = BCAST(pj[1]); c10 += b * v0; c11 += b * v1; c12 += b * v2; c13 += b * v3;
-        b = BCAST(pj[2]); c20 += b * v0; c21 += b * v1; c22 += b * v2; c23 += b * v3;
-        b = BCAST(pj[3]); c30 += b * v0; c31 += b * v1; c32 += b * v2; c33 += b * v3;
+    for (int c0 = 0; c0 < 4; c0 += FA_PV4_NV) {
+        T* const acc_c = acc + c0 * VL;
+        const T* const v_c = v + c0 * VL;
+        V c[4][FA_PV4_NV];
+        for (int r = 0; r < 4; r++) {
+            const V a = BCAST(alpha[r]);
+            for (int i = 0; i < FA_PV4_NV; i++) c[r][i] = LOAD(acc_c + r * ldacc + i * VL) * a;
+        }
+        /* the first pass issues the prefetches (they cover all 4 vectors' columns) */
+        const ptrdiff_t pf_n = c0 == 0 ? pf_rows : 0;
+        for (ptrdiff_t j = 0; j < nj; j++) {
+            const T* vj = v_c + j * ldv;
+            const T* pj = p + j * ldp;
+            if (j < pf_n) fa_prefetch_l2(pf + j * pf_stride, pf_bytes);
+            V x[FA_PV4_NV];
+            for (int i = 0; i < FA_PV4_NV; i++) x[i] = LOAD(vj + i * VL);
+            for (int r = 0; r < 4; r++) {
+                const V b = BCAST(pj[r]);
+                for (int i = 0; i < FA_PV4_NV; i++) c[r][i] += b * x[i];
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < FA_PV4_NV; i++) STORE(acc_c + r * ldacc + i * VL, c[r][i]);
     }
-#define FA_PV4_STORE_ROW(r) \
-    STORE(acc + r * ldacc, c##r##0); STORE(acc + r * ldacc + VL, c##r##1); \
-    STORE(acc + r * ldacc + 2 * VL, c##r##2); STORE(acc + r * ldacc + 3 * VL, c##r##3);
-    FA_PV4_STORE_ROW(0) FA_PV4_STORE_ROW(1) FA_PV4_STORE_ROW(2) FA_PV4_STORE_ROW(3)
-#undef FA_PV4_STORE_ROW
 }
