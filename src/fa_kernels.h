@@ -156,6 +156,70 @@ FA_INLINE void fa_keys32_step_f(const float* const* kr, ptrdiff_t ldk, int g, pt
     }
 }
 
+/* The two prefetch streams of a decode score call (its first row pass, pf_bytes > 0):
+ * the V rows of its 32 keys (into L2, for the output kernel that follows) and the next 32
+ * rows of K (into L1, for the next call; only for evenly spaced rows, ldk != 0), each
+ * spread evenly over the call's nsteps steps and issued line by line in address order.
+ * Measured on a Zen 3 core streaming from DRAM, the row-ordered streams raise a decode
+ * step from 7 to 10-12 GB/s, where prefetching the same lines column by column (as the
+ * loads use them) gained nothing, and no software prefetch at all halves the rate (the
+ * hardware prefetchers do not follow the kernels' 8-rows-at-a-time reads).
+ * When the rows of each stream are one contiguous block that divides evenly over the
+ * steps (K and V rows of a contiguous cache), a step is a fixed run of lines from a
+ * moving pointer; otherwise a Bresenham walk over (row, line) pairs, which costs more
+ * scalar work than the prefetches themselves. */
+typedef struct {
+    const char* const* v_rows;
+    const char* v_lin;
+    const char* k_lin;
+    ptrdiff_t nsteps, v_row_lines, v_lines, k_row_lines, k_lines, k_stride;
+    ptrdiff_t v_err, v_row, v_col, k_err, k_row, k_col;
+    int on, lin;
+} fa_dec_pf;
+
+FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_bytes,
+                              const float* k0, ptrdiff_t ldk, ptrdiff_t D, ptrdiff_t nsteps)
+{
+    p->on = pf_bytes > 0 && nsteps > 0;
+    p->v_rows = pf;
+    p->nsteps = nsteps;
+    p->v_row_lines = (pf_bytes + 63) / 64;
+    p->v_lines = 32 * p->v_row_lines;
+    p->k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
+    p->k_lines = ldk ? 32 * p->k_row_lines : 0;          /* rows k0 + (32 + i) ldk */
+    p->k_stride = ldk * (ptrdiff_t)sizeof(float);
+    p->k_lin = (const char*)(k0 + 32 * ldk);
+    p->v_lin = p->on ? pf[0] : NULL;
+    p->v_err = p->v_row = p->v_col = p->k_err = p->k_row = p->k_col = 0;
+    const ptrdiff_t v_bytes = 64 * p->v_row_lines, k_bytes = 64 * p->k_row_lines;
+    p->lin = p->on && pf_bytes == v_bytes && p->v_lines % nsteps == 0
+             && p->k_lines % nsteps == 0 && (!ldk || p->k_stride == k_bytes)
+             && (uintptr_t)pf[1] - (uintptr_t)pf[0] == (uintptr_t)v_bytes
+             && (uintptr_t)pf[31] - (uintptr_t)pf[0] == (uintptr_t)(31 * v_bytes);
+}
+
+/* This step's share of each stream. */
+FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
+{
+    if (!p->on) return;
+    if (p->lin) {
+        const ptrdiff_t nv = p->v_lines / p->nsteps, nk = p->k_lines / p->nsteps;
+        for (ptrdiff_t i = 0; i < nv; i++) __builtin_prefetch(p->v_lin + 64 * i, 0, 2);
+        for (ptrdiff_t i = 0; i < nk; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 3);
+        p->v_lin += 64 * nv;
+        p->k_lin += 64 * nk;
+        return;
+    }
+    for (p->v_err += p->v_lines; p->v_err >= p->nsteps; p->v_err -= p->nsteps) {
+        __builtin_prefetch(p->v_rows[p->v_row] + 64 * p->v_col, 0, 2);
+        if (++p->v_col == p->v_row_lines) { p->v_col = 0; p->v_row++; }
+    }
+    for (p->k_err += p->k_lines; p->k_err >= p->nsteps; p->k_err -= p->nsteps) {
+        __builtin_prefetch(p->k_lin + p->k_row * p->k_stride + 64 * p->k_col, 0, 3);
+        if (++p->k_col == p->k_row_lines) { p->k_col = 0; p->k_row++; }
+    }
+}
+
 FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int nk,
                                       const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
                                       float scale, float* s, ptrdiff_t lds, const int nr,
@@ -164,36 +228,16 @@ FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int
     /* groups of 8 keys per sweep over d: nr * ng = 4 accumulator chains (nr <= 4) */
     const int ng = nr >= 4 ? 1 : 4 / nr;
     const fa_vf sc = fa_bcast_f(scale);
-    /* Prefetch, in the first row pass over these keys (pf_bytes > 0): the V rows of the
-     * keys (into L2, for the output kernel that follows) and the next 32 rows of K (into
-     * L1, for the next call), each spread evenly over the steps of all sweeps and issued
-     * line by line in address order.  Measured on a Zen 3 core streaming from DRAM, the
-     * row-ordered streams raise a decode step from 7 to 10-12 GB/s, where prefetching
-     * the same lines column by column (as the loads use them) gained nothing. */
-    const ptrdiff_t nsteps = (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng);
-    const ptrdiff_t v_row_lines = (pf_bytes + 63) / 64, v_lines = 32 * v_row_lines;
-    const ptrdiff_t k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
-    const ptrdiff_t k_lines = ldk ? 32 * k_row_lines : 0;   /* rows kr[0] + (32 + i) ldk */
-    const char* k_next = (const char*)(kr[0] + 32 * ldk);
-    const ptrdiff_t k_stride = ldk * (ptrdiff_t)sizeof(float);
-    ptrdiff_t v_err = 0, v_row = 0, v_col = 0, k_err = 0, k_row = 0, k_col = 0;
+    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
+    fa_dec_pf_init(&pfs, pf, pf_bytes, kr[0], ldk, D,
+                   (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng));
     for (int g0 = 0; g0 < 4 && 8 * g0 < nk; g0 += ng) {
         fa_vf a[4][8];   /* nr <= 4 is called; 8 keeps the unused 8-row wrapper in bounds */
         for (int g = 0; g < ng; g++)
             for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f(0);
         ptrdiff_t d0 = 0;
         for (; d0 + 4 <= D; d0 += 4) {
-            if (pf_bytes > 0) {
-                /* this step's share of each prefetch stream (Bresenham: no division) */
-                for (v_err += v_lines; v_err >= nsteps; v_err -= nsteps) {
-                    __builtin_prefetch(pf[v_row] + 64 * v_col, 0, 2);
-                    if (++v_col == v_row_lines) { v_col = 0; v_row++; }
-                }
-                for (k_err += k_lines; k_err >= nsteps; k_err -= nsteps) {
-                    __builtin_prefetch(k_next + k_row * k_stride + 64 * k_col, 0, 3);
-                    if (++k_col == k_row_lines) { k_col = 0; k_row++; }
-                }
-            }
+            fa_dec_pf_step(&pfs);
             for (int g = 0; g < ng; g++)
                 fa_keys32_step_f(kr, ldk, g0 + g, d0, qt, ldqt, nr, a[g]);
         }
@@ -290,22 +334,8 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
         fa_score_keys32_f(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
         return;
     }
-    /* prefetch streams as in fa_score_keys32_body_f, spread over the 2 x D/4 steps */
-    const ptrdiff_t nsteps = 2 * (D / 4);
-    const ptrdiff_t v_row_lines = (pf_bytes + 63) / 64, v_lines = 32 * v_row_lines;
-    const ptrdiff_t k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
-    const ptrdiff_t k_lines = 32 * k_row_lines;
-    const char* k_next = (const char*)(kr[0] + 32 * ldk);
-    const ptrdiff_t k_stride = ldk * (ptrdiff_t)sizeof(float);
-    ptrdiff_t v_err = 0, v_row = 0, v_col = 0, k_err = 0, k_row = 0, k_col = 0;
-    /* The common layout -- V rows of these keys one contiguous block, K rows too -- makes
-     * both streams linear: 4 lines of each per step, no bookkeeping (the general walk
-     * above costs more than the prefetches themselves). */
-    const ptrdiff_t row_bytes = D * (ptrdiff_t)sizeof(float);
-    const int linear = pf_bytes == row_bytes && D % 16 == 0 && k_stride == row_bytes
-                       && pf[1] - pf[0] == row_bytes && pf[31] - pf[0] == 31 * row_bytes;
-    const char* v_lin = linear ? pf[0] : NULL;
-    const char* k_lin = k_next;
+    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
+    fa_dec_pf_init(&pfs, pf, pf_bytes, kr[0], ldk, D, 2 * (D / 4));
     const fa_vf sc = fa_bcast_f(scale);
     for (int h = 0; h < 2; h++) {
         const float* b = kr[0] + 16 * h * ldk;        /* group 0: keys 16h .. 16h+7 */
@@ -313,24 +343,7 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
         fa_vf a0[4], a1[4];
         for (int r = 0; r < 4; r++) a0[r] = a1[r] = fa_bcast_f(0);
         for (ptrdiff_t d0 = 0; d0 < D; d0 += 4) {
-            if (linear) {
-                /* 4 lines of each stream per step (32 rows x D/16 lines over 2 x D/4 steps) */
-                for (int i = 0; i < 4; i++) {
-                    __builtin_prefetch(v_lin + 64 * i, 0, 2);
-                    __builtin_prefetch(k_lin + 64 * i, 0, 3);
-                }
-                v_lin += 256;
-                k_lin += 256;
-            } else if (pf_bytes > 0) {
-                for (v_err += v_lines; v_err >= nsteps; v_err -= nsteps) {
-                    __builtin_prefetch(pf[v_row] + 64 * v_col, 0, 2);
-                    if (++v_col == v_row_lines) { v_col = 0; v_row++; }
-                }
-                for (k_err += k_lines; k_err >= nsteps; k_err -= nsteps) {
-                    __builtin_prefetch(k_next + k_row * k_stride + 64 * k_col, 0, 3);
-                    if (++k_col == k_row_lines) { k_col = 0; k_row++; }
-                }
-            }
+            fa_dec_pf_step(&pfs);
             const float* q = qt + d0 * ldqt;
             fa_keys8x4s_r4_f(b + d0, b + 3 * ldk + d0, ldk, q, ldqt, a0);
             /* an opaque copy of q: the second group broadcasts q again instead of the
