@@ -502,8 +502,12 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     if decode:
         # Padding lanes of S^T hold finite values from here on (0, then the softmax's p):
         # their m, l, acc are never read, and no stale NaN or denormal reaches the exp.
-        for j in range(FA_BK):
-            for r in range(nrows, nlanes):
+        # Only the keys a block can hold for this tile (a block's scores start at s's first
+        # row, key max(blk, tile_lo)); rows outer: a short contiguous inner loop compiled
+        # to one memset call per key.
+        nj = min(FA_BK, tile_hi - tile_lo) if tile_lo < tile_hi else 0
+        for r in range(nrows, nlanes):
+            for j in range(nj):
                 s[j * FA_BQ + r] = 0
     memset(zrow, 0, D * sizeof(floating))
 
