@@ -162,17 +162,23 @@ def test_decode_group_sizes_and_odd_dims(rng, dtype, group, D, Dv):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("layout", ["every_other_row", "reversed", "broadcast", "column_major"])
-def test_decode_key_layouts(rng, dtype, group, layout):
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("layout", ["contiguous", "every_other_row", "reversed", "broadcast",
+                                    "column_major"])
+@pytest.mark.parametrize("D", [40, 64])
+def test_decode_key_layouts(rng, dtype, group, layout, D):
     # The decode score kernel addresses a whole call of keys (32 in float32 on AVX2/SSE2)
     # by its first row and a stride when the rows are evenly spaced -- of either sign --
-    # and by row pointers otherwise (partial calls, stride 0).  Every layout of K read in
-    # place gives the bits of a prefill on a contiguous copy.
-    L, D = 300, 40
+    # and by row pointers otherwise (partial calls, stride 0); groups of 3 to 6 query heads
+    # take the 4-row kernel (with rows past the group not stored), and D = 64 rows of whole
+    # cache lines its linear prefetch streams.  Every layout of K read in place gives the
+    # bits of a prefill on a contiguous copy.
+    L = 300
     q, _, v = make_qkv(rng, (1, 2 * group, L, D), (1, 2, L, D), (1, 2, L, D), dtype)
     base = rng.standard_normal((1, 2, 2 * L, D)).astype(dtype)
-    if layout == "every_other_row":
+    if layout == "contiguous":
+        k = base[:, :, :L, :]
+    elif layout == "every_other_row":
         k = base[:, :, ::2, :]
     elif layout == "reversed":
         k = base[:, :, L - 1::-1, :]
