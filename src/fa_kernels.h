@@ -174,6 +174,7 @@ typedef struct {
     const char* k_lin;
     ptrdiff_t nsteps, v_row_lines, v_lines, k_row_lines, k_lines, k_stride;
     ptrdiff_t v_err, v_row, v_col, k_err, k_row, k_col;
+    ptrdiff_t v_step, k_step;   /* linear: lines per step of each stream */
     int on, lin;
 } fa_dec_pf;
 
@@ -196,6 +197,8 @@ FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_
              && p->k_lines % nsteps == 0 && (!ldk || p->k_stride == k_bytes)
              && (uintptr_t)pf[1] - (uintptr_t)pf[0] == (uintptr_t)v_bytes
              && (uintptr_t)pf[31] - (uintptr_t)pf[0] == (uintptr_t)(31 * v_bytes);
+    p->v_step = p->lin ? p->v_lines / nsteps : 0;   /* divided once here, not per step */
+    p->k_step = p->lin ? p->k_lines / nsteps : 0;
 }
 
 /* This step's share of each stream. */
@@ -203,11 +206,10 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
 {
     if (!p->on) return;
     if (p->lin) {
-        const ptrdiff_t nv = p->v_lines / p->nsteps, nk = p->k_lines / p->nsteps;
-        for (ptrdiff_t i = 0; i < nv; i++) __builtin_prefetch(p->v_lin + 64 * i, 0, 2);
-        for (ptrdiff_t i = 0; i < nk; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 3);
-        p->v_lin += 64 * nv;
-        p->k_lin += 64 * nk;
+        for (ptrdiff_t i = 0; i < p->v_step; i++) __builtin_prefetch(p->v_lin + 64 * i, 0, 2);
+        for (ptrdiff_t i = 0; i < p->k_step; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 3);
+        p->v_lin += 64 * p->v_step;
+        p->k_lin += 64 * p->k_step;
         return;
     }
     for (p->v_err += p->v_lines; p->v_err >= p->nsteps; p->v_err -= p->nsteps) {
@@ -238,6 +240,9 @@ FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int
         ptrdiff_t d0 = 0;
         for (; d0 + 4 <= D; d0 += 4) {
             fa_dec_pf_step(&pfs);
+            /* unrolled, so that a[g] stays in registers (a loop over g kept the accumulator
+             * array in memory: a store and reload in every step of every FMA chain) */
+#pragma GCC unroll 4
             for (int g = 0; g < ng; g++)
                 fa_keys32_step_f(kr, ldk, g0 + g, d0, qt, ldqt, nr, a[g]);
         }
@@ -250,13 +255,15 @@ FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int
                 for (int r = 0; r < nr; r++) a[g][r] += fa_bcast_f(qd[r]) * kd;
             }
         }
+        /* Out through a buffer indexed by constants only: a runtime bound on r here (nstore)
+         * kept the accumulator array in memory, a store on every step of every FMA chain. */
+        float out[4][8][8];
+        for (int g = 0; g < ng; g++)
+            for (int r = 0; r < nr; r++) fa_store_f(out[g][r], a[g][r] * sc);
         for (int g = 0; g < ng; g++) {
             const int kg = nk - 8 * (g0 + g) < 8 ? nk - 8 * (g0 + g) : 8;
-            for (int r = 0; r < nr && r < nstore; r++) {
-                float out[8];
-                fa_store_f(out, a[g][r] * sc);
-                for (int t = 0; t < kg; t++) s[(8 * (g0 + g) + t) * lds + r] = out[t];
-            }
+            for (int r = 0; r < nr && r < nstore; r++)
+                for (int t = 0; t < kg; t++) s[(8 * (g0 + g) + t) * lds + r] = out[g][r][t];
         }
     }
 }
