@@ -308,8 +308,7 @@ cdef inline void _score_keyrows(Py_ssize_t nr, const floating** krows, Py_ssize_
 cdef inline void _decode_scores(const floating* kb, Py_ssize_t k_sj, Py_ssize_t j0,
                                 Py_ssize_t j1, Py_ssize_t D, const floating* zrow,
                                 const floating** krows, const floating* qt, Py_ssize_t ldqt,
-                                floating* s,
-                                const floating* vb, Py_ssize_t v_sj, Py_ssize_t Dv,
+                                floating* s, const floating* vb, Py_ssize_t v_sj, Py_ssize_t Dv,
                                 const char** vrows, floating scale, Py_ssize_t nrows,
                                 const Py_ssize_t* lo, const Py_ssize_t* hi) noexcept nogil:
     # Scores of a decode-sized tile, keys as the lanes: KC keys per call (zero keys pad
@@ -529,8 +528,8 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
             j1 = min(blk + FA_BK, tile_hi)
             nj = j1 - j0
             if decode:
-                _decode_scores(kb, P.k_sj, j0, j1, D, zrow, krows, qt, ldqt, s, vb, P.v_sj, Dv, vrows,
-                               scale, nrows, lo, hi)
+                _decode_scores(kb, P.k_sj, j0, j1, D, zrow, krows, qt, ldqt, s, vb, P.v_sj, Dv,
+                               vrows, scale, nrows, lo, hi)
             # Scores, one lane group (2 vectors of rows, or 1 for the last) at a time.
             for ic in range((nlanes + NL - 1) // NL if not decode else 0):
                 c = ic * NL

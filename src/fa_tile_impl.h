@@ -361,8 +361,9 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
  * sequence as fa_pv_tile.  pf, pf_stride, pf_rows, pf_bytes: as fa_pv_row8.
  * The 4 vectors go in FA_PV4_NV-vector passes over the keys so that the 4 x FA_PV4_NV
  * accumulators, the V vectors and a broadcast fit the register file: all 4 at once with
- * 32 zmm registers; 2 with 16 ymm (4 x 4 spilled accumulators there and ran at about
- * half the FMA rate on a Zen 3 core); 1 with SSE2's 16 xmm (a vector is 2 of them). */
+ * 32 zmm registers; 2 with 16 ymm (4 x 4 spilled accumulators there: about 73 cycles
+ * per key on a Zen 3 core where its 64 FMAs need 32); 1 with SSE2's 16 xmm (a vector is
+ * 2 of them). */
 #ifndef FA_PV4_NV
 #if FA_VBYTES == 64
 #define FA_PV4_NV 4
