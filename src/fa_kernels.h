@@ -157,8 +157,9 @@ FA_INLINE void fa_keys32_step_f(const float* const* kr, ptrdiff_t ldk, int g, pt
 }
 
 /* The two prefetch streams of a decode score call (its first row pass, pf_bytes > 0):
- * the V rows of its 32 keys (into L2, for the output kernel that follows) and the next 32
- * rows of K (into L1, for the next call; only for evenly spaced rows, ldk != 0), each
+ * the V rows of its 32 keys (into L2, for the output kernel that follows; not when pf is
+ * NULL, the output kernel then streams V itself) and the next 32 rows of K (into L1, for
+ * the next call; only for evenly spaced rows, ldk != 0), each
  * spread evenly over the call's nsteps steps and issued line by line in address order.
  * Measured on a Zen 3 core streaming from DRAM, the row-ordered streams raise a decode
  * step from 7 to 10-12 GB/s, where prefetching the same lines column by column (as the
@@ -185,18 +186,19 @@ FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_
     p->v_rows = pf;
     p->nsteps = nsteps;
     p->v_row_lines = (pf_bytes + 63) / 64;
-    p->v_lines = 32 * p->v_row_lines;
+    p->v_lines = pf ? 32 * p->v_row_lines : 0;          /* pf NULL: the K stream only */
     p->k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
     p->k_lines = ldk ? 32 * p->k_row_lines : 0;          /* rows k0 + (32 + i) ldk */
     p->k_stride = ldk * (ptrdiff_t)sizeof(float);
     p->k_lin = (const char*)(k0 + 32 * ldk);
-    p->v_lin = p->on ? pf[0] : NULL;
+    p->v_lin = p->on && pf ? pf[0] : NULL;
     p->v_err = p->v_row = p->v_col = p->k_err = p->k_row = p->k_col = 0;
     const ptrdiff_t v_bytes = 64 * p->v_row_lines, k_bytes = 64 * p->k_row_lines;
-    p->lin = p->on && pf_bytes == v_bytes && p->v_lines % nsteps == 0
-             && p->k_lines % nsteps == 0 && (!ldk || p->k_stride == k_bytes)
-             && (uintptr_t)pf[1] - (uintptr_t)pf[0] == (uintptr_t)v_bytes
-             && (uintptr_t)pf[31] - (uintptr_t)pf[0] == (uintptr_t)(31 * v_bytes);
+    p->lin = p->on && p->v_lines % nsteps == 0 && p->k_lines % nsteps == 0
+             && (!ldk || p->k_stride == k_bytes)
+             && (!pf || (pf_bytes == v_bytes
+                         && (uintptr_t)pf[1] - (uintptr_t)pf[0] == (uintptr_t)v_bytes
+                         && (uintptr_t)pf[31] - (uintptr_t)pf[0] == (uintptr_t)(31 * v_bytes)));
     p->v_step = p->lin ? p->v_lines / nsteps : 0;   /* divided once here, not per step */
     p->k_step = p->lin ? p->k_lines / nsteps : 0;
 }
