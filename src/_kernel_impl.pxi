@@ -462,7 +462,8 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef Py_ssize_t r, R, h, i, d, c, t, j, j0, j1, nj, blk, jj, ja, rg, na, ib, ic
     cdef Py_ssize_t tile_lo = kv_len, tile_hi = 0
     cdef Py_ssize_t g_minlo, g_maxhi, g_maxlo, g_minhi, rend, nr, pf_rows, cw, vj0, vj1
-    cdef Py_ssize_t kc, kc0, kc1, c_lo, c_hi, cap, mk
+    cdef Py_ssize_t kc, kc0, kc1, c_lo, c_hi, cap, mk, pf_stride, pf_cols
+    cdef const char* pf_base
     cdef bint decode = nrows <= FA_DECODE_ROWS
     # Q^T's row stride: FA_BQ for the prefill's score tiles; the padded row count for a
     # decode tile, so that its D x nlanes values take D/2 (8 lanes of floats) cache lines
@@ -656,22 +657,23 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
                 if decode and rg == 0 and (pv_next_v or not (
                         floating is float and nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F)):
                     pf_rows = max(0, min(na, tile_hi - (ja + FA_BK)))
+                if pv_next_v:
+                    pf_base = <const char*> (vb + (ja + FA_BK) * P.v_sj)
+                    pf_stride = P.v_sj * sizeof(floating)
+                    pf_cols = Dv
+                else:
+                    pf_base = <const char*> (kb + (ja + FA_BK) * P.k_sj)
+                    pf_stride = P.k_sj * sizeof(floating)
+                    pf_cols = D
                 c = 0
                 if nr == 4 or nr == 1:
                     cw = 2 * NL if nr == 4 else 4 * NL      # columns per wide call
                     while c + cw <= dv_main:
-                        if pv_next_v:
-                            _pv_wide(nr, s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c,
-                                     P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg,
-                                     <const char*> (vb + (ja + FA_BK) * P.v_sj + c),
-                                     P.v_sj * sizeof(floating), pf_rows,
-                                     min(cw, Dv - c) * sizeof(floating))
-                        else:
-                            _pv_wide(nr, s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c,
-                                     P.v_sj, acc + rg * dv_pad + c, dv_pad, alpha + rg,
-                                     <const char*> (kb + (ja + FA_BK) * P.k_sj + c),
-                                     P.k_sj * sizeof(floating), pf_rows if c < D else 0,
-                                     min(cw, D - c) * sizeof(floating))
+                        _pv_wide(nr, s + (ja - j0) * FA_BQ + rg, na, vb + ja * P.v_sj + c, P.v_sj,
+                                 acc + rg * dv_pad + c, dv_pad, alpha + rg,
+                                 pf_base + c * sizeof(floating), pf_stride,
+                                 pf_rows if c < pf_cols else 0,
+                                 min(cw, pf_cols - c) * sizeof(floating))
                         c += cw
                 if nr == 4:
                     for r in range(rg, min(rg + 4, nrows)):
