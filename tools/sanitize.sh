@@ -61,9 +61,14 @@ CFLAGS="$san" LDFLAGS="$san" FASTATTN_ISAS=base,avx2 \
 t1=$(date +%s)
 echo "   built in $((t1 - t0)) s"
 # Guard against a silently uninstrumented build (e.g. CFLAGS not reaching the compiler).
+# Whole outputs first: under pipefail, `ldd "$so" | grep -q libasan` fails when grep exits
+# at its first match while ldd is still writing (SIGPIPE) -- 39 times in 300 with both cores
+# busy, on a build linked with libasan; a CI run stopped here that way.
 for so in fastattn/_kernel_*.so; do
-    ldd "$so" | grep -q libasan || { echo "$so is not linked with libasan"; exit 1; }
-    nm -D "$so" | grep -q __ubsan_handle || { echo "$so has no UBSan checks"; exit 1; }
+    libs="$(ldd "$so")" || { echo "ldd $so failed"; exit 1; }
+    syms="$(nm -D "$so")" || { echo "nm -D $so failed"; exit 1; }
+    grep -q libasan <<< "$libs" || { echo "$so is not linked with libasan"; exit 1; }
+    grep -q __ubsan_handle <<< "$syms" || { echo "$so has no UBSan checks"; exit 1; }
 done
 
 status=0
