@@ -108,31 +108,9 @@ def _window(window):
     return sides[0], sides[1]
 
 
-def _batch_offsets(a, n_core, batch_shape):
-    """Element offset of every (flattened, broadcast) batch element of ``a``.
-
-    ``a``'s last ``n_core`` axes are the per-batch core; its leading axes broadcast against
-    ``batch_shape`` (missing or length-1 axes contribute stride 0).
-    """
-    nb = len(batch_shape)
-    own = a.shape[: a.ndim - n_core]
-    strides = a.strides[: a.ndim - n_core]
-    off = np.zeros(batch_shape, dtype=np.intp)
-    for ax, (n, st) in enumerate(zip(own, strides)):
-        if n == 1:
-            continue
-        shape = [1] * nb
-        shape[nb - len(own) + ax] = n
-        off = off + (np.arange(n, dtype=np.intp) * (st // a.itemsize)).reshape(shape)
-    return np.ascontiguousarray(off.reshape(-1))
-
-
 def _kernel_layout(a):
-    """Whether the kernel can address ``a`` in place: a contiguous last axis and strides
-    that are whole elements (any others, negative or zero included, are fine)."""
-    itemsize = a.itemsize
-    return (a.shape[-1] <= 1 or a.strides[-1] == itemsize) and not any(
-        s % itemsize for s in a.strides)
+    """Whether the kernel can address ``a`` in place (the kernel's own rule)."""
+    return _kernel.kernel_layout(a)
 
 
 def _kernel_ready(a, dtype):
@@ -353,12 +331,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
         mask = np.broadcast_to(mask, batch + (call.Hq, call.Lq, call.Lk))
 
     _kernel.forward(
-        q, k, v, res, lse, mask, call.mask_kind,
-        _batch_offsets(q, 3, batch), _batch_offsets(k, 3, batch), _batch_offsets(v, 3, batch),
-        _batch_offsets(res, 3, batch),
-        _batch_offsets(lse, 2, batch) if lse is not None else np.zeros(1, np.intp),
-        _batch_offsets(mask, 3, batch) if mask is not None else np.zeros(1, np.intp),
-        call.kv_len_flat(), call.nbatch,
+        q, k, v, res, lse, mask, call.mask_kind, batch, call.kv_len_flat(),
         call.causal, call.wl, call.wr, call.scale, _threads.get_num_threads(),
     )
 

@@ -4,7 +4,7 @@
  *
  *   - fa_key_interval: THE visibility rule (causal in both alignments, sliding window,
  *     kv_lengths).  Every kernel and attention_weights ask it; nothing else restates it.
- *   - the micro-kernels (fa_tile_impl.h) for float and double;
+ *   - the micro-kernels (fa_tile_impl.h) for float and double, K/V in the compute type;
  *   - build facts and the CPU feature probe used for import-time dispatch.
  *
  * Why the query rows are the SIMD lanes: the score tile is computed transposed,
@@ -83,11 +83,11 @@ static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
 
 /* ---- decode score kernel for 32-byte float vectors (AVX2 and the SSE2 baseline) ----
  * With 8 float lanes, transposing whole 8x8 blocks of K (fa_score_keyrows) leaves one
- * query row a single FMA chain per 8 keys: latency-bound at one FMA per 4 cycles, about
- * 20 GB/s of K per core even from L1.  Here a call takes 32 keys (4 groups of 8) and
+ * query row a single FMA chain per 8 keys: bound by the FMA latency, not by loads.
+ * Here a call takes 32 keys (4 groups of 8) and
  * transposes 8 keys x 4 dims at a time -- two 128-bit loads and a blend (or insert) per
  * vector, then two in-lane shuffles -- so that nr rows x ng groups = 4 independent chains
- * are in flight (hot K scoring on a Zen 3 core: 22 -> 32-40 GB/s for one query row).
+ * are in flight.
  * Per score it is still the chain acc += k[d] * q[d], d = 0, 1, ... then * scale: bit for
  * bit the prefill score.  kr: 32 key rows (zero rows past nk); pf: the 32 V rows to
  * prefetch (or NULL), as in fa_score_keyrows. */
@@ -161,10 +161,10 @@ FA_INLINE void fa_keys32_step_f(const float* const* kr, ptrdiff_t ldk, int g, pt
  * NULL, the output kernel then streams V itself) and the next 32 rows of K (into L1, for
  * the next call; only for evenly spaced rows, ldk != 0), each
  * spread evenly over the call's nsteps steps and issued line by line in address order.
- * Measured on a Zen 3 core streaming from DRAM, the row-ordered streams raise a decode
- * step from 7 to 10-12 GB/s, where prefetching the same lines column by column (as the
- * loads use them) gained nothing, and no software prefetch at all halves the rate (the
- * hardware prefetchers do not follow the kernels' 8-rows-at-a-time reads).
+ * Row-ordered streams are what the memory system serves fastest; the same lines
+ * prefetched column by column (as the loads use them) gain nothing, and without software
+ * prefetch the rate halves: the hardware prefetchers do not follow the kernels'
+ * 8-rows-at-a-time reads.
  * When the rows of each stream are one contiguous block that divides evenly over the
  * steps (K and V rows of a contiguous cache), a step is a fixed run of lines from a
  * moving pointer; otherwise a Bresenham walk over (row, line) pairs, which costs more
@@ -283,7 +283,7 @@ FA_INLINE void fa_score_keys32_f(const float* const* kr, ptrdiff_t ldk, int nk,
 }
 #if !defined(__AVX__)
 /* SSE2, 4 (or 8) rows: 4 rows x 8-lane accumulators and the 8x4 transposes do not fit 16
- * xmm registers (measured 1.3x slower on a GQA decode), so these passes take the 32 keys
+ * xmm registers (they spill), so these passes take the 32 keys
  * as 4 groups of 8 with whole 8x8 blocks (fa_score_keyrows, fa_tile_impl.h); the output
  * kernel prefetches the next K rows for such tiles (FA_DEC_SCORES_PREFETCH_K_ROWS_F). */
 static inline void fa_score_keyrows_f(const float* const* kr, ptrdiff_t ldk, int nk,
@@ -308,9 +308,9 @@ FA_INLINE void fa_score_keys32_by8_f(const float* const* kr, ptrdiff_t ldk, int 
  * the FMA latency x throughput of a Zen 3 or Skylake core needs -- while the 8
  * accumulators, the 4 half-transposed vectors of one group and a broadcast still fit 16
  * ymm registers.  The 8 rows of a group are addressed from two base pointers and the
- * stride (b, b + 3 ldk), so no row pointer lives in memory.  Measured alone with K in
- * L2 (Zen 3): 21.7 ns per key against 23.5 for the 4-chain body: both are bound by loads
- * more than by FMAs (16 broadcasts of q and 8 half-row loads per 16 FMAs).
+ * stride (b, b + 3 ldk), so no row pointer lives in memory.  It is bound by loads more
+ * than by FMAs (16 broadcasts of q and 8 half-row loads per 16 FMAs), like the 4-chain
+ * body it replaces, and slightly faster.
  * Per score: the same chain acc += k[d] * q[d], d = 0, 1, ... then * scale. */
 FA_INLINE void fa_keys8x4s_r4_f(const float* b, const float* b3, ptrdiff_t ldk,
                                 const float* qt, ptrdiff_t ldqt, fa_vf* a)
@@ -381,7 +381,11 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
 #define FA_DEC_SCORES_PREFETCH_K_ROWS_F 0
 #endif
 
-/* ---- micro-kernels, float ---- */
+/* ---- micro-kernels, float compute, float storage ----
+ * K and V are read through the storage-type macros (KV, LOAD_KV, KV_SCALAR,
+ * LOAD_TRANSPOSE_KV); here the storage type is the compute type.  Another storage type
+ * (say float16 K/V for float compute) is one more inclusion with FA_KV_KERNELS_ONLY
+ * defined, another FA_FN suffix and its widening loads. */
 #define T float
 #define V fa_vf
 #define VL FA_VL_F
@@ -393,7 +397,15 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
 #define SELECT fa_select_f
 #define EXP2 fa_exp2_f
 #define LOAD_TRANSPOSE fa_load_transpose_vf
+#define KV T
+#define LOAD_KV LOAD
+#define KV_SCALAR(x) (x)
+#define LOAD_TRANSPOSE_KV LOAD_TRANSPOSE
 #include "fa_tile_impl.h"
+#undef KV
+#undef LOAD_KV
+#undef KV_SCALAR
+#undef LOAD_TRANSPOSE_KV
 #undef T
 #undef V
 #undef VL
@@ -406,7 +418,7 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
 #undef EXP2
 #undef LOAD_TRANSPOSE
 
-/* ---- micro-kernels, double ---- */
+/* ---- micro-kernels, double compute, double storage ---- */
 #define T double
 #define V fa_vd
 #define VL FA_VL_D
@@ -418,7 +430,15 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
 #define SELECT fa_select_d
 #define EXP2 fa_exp2_d
 #define LOAD_TRANSPOSE fa_load_transpose_vd
+#define KV T
+#define LOAD_KV LOAD
+#define KV_SCALAR(x) (x)
+#define LOAD_TRANSPOSE_KV LOAD_TRANSPOSE
 #include "fa_tile_impl.h"
+#undef KV
+#undef LOAD_KV
+#undef KV_SCALAR
+#undef LOAD_TRANSPOSE_KV
 #undef T
 #undef V
 #undef VL
@@ -478,6 +498,15 @@ static inline int fa_omp_max_threads(void)
 #define FA_COMPILER "gcc " __VERSION__
 #else
 #define FA_COMPILER "unknown"
+#endif
+
+/* Whether a*b+c compiles to one fused multiply-add in this build (setup.py pins
+ * -ffp-contract=fast; the ISA decides whether an FMA instruction exists).  Tests check
+ * the kernel's rounding against it, so a build that loses contraction fails them. */
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__aarch64__)
+#define FA_HAS_FMA 1
+#else
+#define FA_HAS_FMA 0
 #endif
 
 #if defined(__AVX512F__)

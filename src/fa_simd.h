@@ -9,7 +9,7 @@
  *
  * Every floating-point operation on a lane depends only on that lane: results are
  * identical whichever lane a query row lands in, which is what makes fastattn's output
- * for a row independent of the other rows in the call (SPEC: reproducibility).
+ * for a row independent of the other rows in the call (bitwise reproducibility).
  */
 #ifndef FA_SIMD_H
 #define FA_SIMD_H

@@ -1,7 +1,11 @@
 /*
- * fa_tile_impl.h -- the three micro-kernels of the fused attention loop, for one element
- * type.  Included twice by fa_kernels.h (float, double) with these macros defined:
- *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP2, LOAD_TRANSPOSE
+ * fa_tile_impl.h -- the micro-kernels of the fused attention loop, for one compute type and
+ * one storage type of K and V.  Included by fa_kernels.h once per instantiation with these
+ * macros defined:
+ *   T, V, VL, FA_FN(name), LOAD, STORE, BCAST, MAX, SELECT, EXP2   the compute type
+ *   KV, LOAD_KV, KV_SCALAR, LOAD_TRANSPOSE_KV    how K and V are stored and widened to T
+ *   FA_KV_KERNELS_ONLY (optional)  only the kernels that read K or V (another storage type
+ *                                  for a compute type whose other kernels already exist)
  *
  * Layout (lanes = query rows; see fa_kernels.h for why):
  *   qt[d*ldqt + r]    the query tile, transposed and packed once per tile
@@ -10,8 +14,8 @@
  *
  * Each kernel has exactly one variant, used by every call path (prefill, decode, edge
  * tiles, padded rows), and is kept out of line (FA_NOINLINE): the arithmetic a row sees is
- * always the same machine code, which keeps results bitwise reproducible (SPEC §1), and
- * each kernel gets the whole register file instead of sharing it with the caller's loop.
+ * always the same machine code, which keeps results bitwise reproducible, and each kernel
+ * gets the whole register file instead of sharing it with the caller's loop.
  */
 
 /*
@@ -23,21 +27,21 @@
  * the 16 registers of AVX2.  The sum over d is a plain sequential chain per lane: the
  * canonical order of a score, whichever tile or call computes it.
  */
-FA_NOINLINE void FA_FN(fa_score_tile)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
+FA_NOINLINE void FA_FN(fa_score_tile)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
 {
-    const T *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
+    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
     V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
     V a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
     for (ptrdiff_t d = 0; d < D; d++) {
         const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
         V b;
-        b = BCAST(k0[d]); a00 += b * q0; a01 += b * q1;
-        b = BCAST(k1[d]); a10 += b * q0; a11 += b * q1;
-        b = BCAST(k2[d]); a20 += b * q0; a21 += b * q1;
-        b = BCAST(k3[d]); a30 += b * q0; a31 += b * q1;
-        b = BCAST(k4[d]); a40 += b * q0; a41 += b * q1;
-        b = BCAST(k5[d]); a50 += b * q0; a51 += b * q1;
+        b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
+        b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
+        b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
+        b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
+        b = BCAST(KV_SCALAR(k4[d])); a40 += b * q0; a41 += b * q1;
+        b = BCAST(KV_SCALAR(k5[d])); a50 += b * q0; a51 += b * q1;
     }
     const V sc = BCAST(scale);
     STORE(s + 0 * lds, a00 * sc); STORE(s + 0 * lds + VL, a01 * sc);
@@ -50,19 +54,19 @@ FA_NOINLINE void FA_FN(fa_score_tile)(const T* const* kr, const T* qt, ptrdiff_t
 
 /* The same score micro-tile for a single vector of query rows (decode steps and the last
  * lane group of a tile): per lane, the identical FMA chain as fa_score_tile. */
-FA_NOINLINE void FA_FN(fa_score_tile1)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
+FA_NOINLINE void FA_FN(fa_score_tile1)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
                                       ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
 {
-    const T *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
+    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
     V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
     for (ptrdiff_t d = 0; d < D; d++) {
         const V q0 = LOAD(qt + d * ldqt);
-        a0 += BCAST(k0[d]) * q0;
-        a1 += BCAST(k1[d]) * q0;
-        a2 += BCAST(k2[d]) * q0;
-        a3 += BCAST(k3[d]) * q0;
-        a4 += BCAST(k4[d]) * q0;
-        a5 += BCAST(k5[d]) * q0;
+        a0 += BCAST(KV_SCALAR(k0[d])) * q0;
+        a1 += BCAST(KV_SCALAR(k1[d])) * q0;
+        a2 += BCAST(KV_SCALAR(k2[d])) * q0;
+        a3 += BCAST(KV_SCALAR(k3[d])) * q0;
+        a4 += BCAST(KV_SCALAR(k4[d])) * q0;
+        a5 += BCAST(KV_SCALAR(k5[d])) * q0;
     }
     const V sc = BCAST(scale);
     STORE(s + 0 * lds, a0 * sc);
@@ -76,20 +80,19 @@ FA_NOINLINE void FA_FN(fa_score_tile1)(const T* const* kr, const T* qt, ptrdiff_
 /* The score micro-tile for the last 4 keys of a block (64 = 10 x 6 + 4), so that no
  * padding keys are computed: 8 accumulators, per lane the identical FMA chain.  Written
  * out like fa_score_tile rather than sharing a body over an accumulator array: that form
- * compiles to the same AVX2 loop but spills more in the SSE2 build (prefill-1k measured
- * 12% slower there). */
-FA_NOINLINE void FA_FN(fa_score_tile4)(const T* const* kr, const T* qt, ptrdiff_t ldqt,
+ * compiles to the same AVX2 loop but spills more in the SSE2 build. */
+FA_NOINLINE void FA_FN(fa_score_tile4)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
                                       ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
 {
-    const T *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3];
+    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3];
     V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
     for (ptrdiff_t d = 0; d < D; d++) {
         const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
         V b;
-        b = BCAST(k0[d]); a00 += b * q0; a01 += b * q1;
-        b = BCAST(k1[d]); a10 += b * q0; a11 += b * q1;
-        b = BCAST(k2[d]); a20 += b * q0; a21 += b * q1;
-        b = BCAST(k3[d]); a30 += b * q0; a31 += b * q1;
+        b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
+        b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
+        b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
+        b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
     }
     const V sc = BCAST(scale);
     STORE(s + 0 * lds, a00 * sc); STORE(s + 0 * lds + VL, a01 * sc);
@@ -98,12 +101,13 @@ FA_NOINLINE void FA_FN(fa_score_tile4)(const T* const* kr, const T* qt, ptrdiff_
     STORE(s + 3 * lds, a30 * sc); STORE(s + 3 * lds + VL, a31 * sc);
 }
 
-/* A score micro-tile (nk keys) that no query of the lane group can see: -inf, nothing
- * computed. */
-FA_INLINE void FA_FN(fa_score_hidden)(T* s, ptrdiff_t lds, int nk, int nvec)
+#ifndef FA_KV_KERNELS_ONLY
+/* -inf for nk keys of nvec whole vectors of rows: keys hidden from every row of a lane
+ * group, whose scores the score stage did not compute (the finish-scores stage's fill). */
+FA_INLINE void FA_FN(fa_hide_keys)(T* s, ptrdiff_t lds, ptrdiff_t nk, int nvec)
 {
     const V ninf = BCAST(-INFINITY);
-    for (int jj = 0; jj < nk; jj++)
+    for (ptrdiff_t jj = 0; jj < nk; jj++)
         for (int t = 0; t < nvec; t++) STORE(s + jj * lds + t * VL, ninf);
 }
 
@@ -192,6 +196,8 @@ FA_NOINLINE void FA_FN(fa_merge_acc)(T* ACC, const T* acc, ptrdiff_t n, T a, T b
     for (ptrdiff_t c = 0; c < n; c += VL) STORE(ACC + c, LOAD(ACC + c) * va + LOAD(acc + c) * vb);
 }
 
+#endif /* FA_KV_KERNELS_ONLY */
+
 /*
  * Output micro-tile: FA_MR_PV query rows x 2 vectors of value columns.
  *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j, r] * v[j, c]   (sequential in j)
@@ -200,7 +206,7 @@ FA_NOINLINE void FA_FN(fa_merge_acc)(T* ACC, const T* acc, ptrdiff_t n, T a, T b
  * to any of these rows.
  */
 FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                const T* v, ptrdiff_t ldv,
+                                const KV* v, ptrdiff_t ldv,
                                 T* acc, ptrdiff_t ldacc, const T* alpha)
 {
 #define FA_PV_LOAD_ROW(r) \
@@ -210,7 +216,7 @@ FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     FA_PV_LOAD_ROW(3) FA_PV_LOAD_ROW(4) FA_PV_LOAD_ROW(5)
 #undef FA_PV_LOAD_ROW
     for (ptrdiff_t j = 0; j < nj; j++) {
-        const V v0 = LOAD(v + j * ldv), v1 = LOAD(v + j * ldv + VL);
+        const V v0 = LOAD_KV(v + j * ldv), v1 = LOAD_KV(v + j * ldv + VL);
         const T* pj = p + j * ldp;
         V b;
         b = BCAST(pj[0]); c00 += b * v0; c01 += b * v1;
@@ -230,7 +236,7 @@ FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 /* The output micro-tile for one query row (decode steps, rows left over by the 6-row
  * tiles): per element, the identical sequence as fa_pv_tile. */
 FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                   const T* v, ptrdiff_t ldv,
+                                   const KV* v, ptrdiff_t ldv,
                                    T* acc, ptrdiff_t ldacc, const T* alpha)
 {
     (void)ldacc;
@@ -238,8 +244,8 @@ FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     V c1 = LOAD(acc + VL) * BCAST(alpha[0]);
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
-        c0 += b * LOAD(v + j * ldv);
-        c1 += b * LOAD(v + j * ldv + VL);
+        c0 += b * LOAD_KV(v + j * ldv);
+        c1 += b * LOAD_KV(v + j * ldv + VL);
     }
     STORE(acc, c0); STORE(acc + VL, c1);
 }
@@ -267,7 +273,7 @@ FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
  * loads (up to pf_bytes): the decode path passes the V rows of these keys, which the
  * output kernel reads next (see fa_pv_row8).
  */
-FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, ptrdiff_t ldk, int nk, const T* qt, ptrdiff_t ldqt,
+FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int nk, const T* qt, ptrdiff_t ldqt,
                                        ptrdiff_t D, T scale, T* s, ptrdiff_t lds,
                                        const int nr, int nstore,
                                        const char* const* pf, ptrdiff_t pf_bytes)
@@ -278,7 +284,7 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, ptrdiff_t ldk, int nk
     ptrdiff_t d0 = 0;
     for (; d0 + VL <= D; d0 += VL) {
         V t[VL];
-        LOAD_TRANSPOSE(kr, d0, t);
+        LOAD_TRANSPOSE_KV(kr, d0, t);
         if (pf && (ptrdiff_t)(d0 * sizeof(T)) < pf_bytes)
             for (int i = 0; i < VL; i++) __builtin_prefetch(pf[i] + d0 * sizeof(T), 0, 2);
         for (int i = 0; i < VL; i++) {
@@ -288,7 +294,7 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, ptrdiff_t ldk, int nk
     }
     for (; d0 < D; d0++) {   /* D % VL leftover dimensions, one lane-gathered vector each */
         T col[VL];
-        for (int i = 0; i < VL; i++) col[i] = kr[i][d0];
+        for (int i = 0; i < VL; i++) col[i] = KV_SCALAR(kr[i][d0]);
         const V kd = LOAD(col);
         const T* qd = qt + d0 * ldqt;
         for (int r = 0; r < nr; r++) a[r] += BCAST(qd[r]) * kd;
@@ -310,7 +316,7 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const T* const* kr, ptrdiff_t ldk, int nk
 #define KEYROWS_IMPL_WIDE KEYROWS_IMPL
 #endif
 #define FA_SCORE_KEYROWS_NR(NR, IMPL) \
-FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const T* const* kr, ptrdiff_t ldk, int nk, const T* qt, \
+FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const KV* const* kr, ptrdiff_t ldk, int nk, const T* qt, \
                                             ptrdiff_t ldqt, ptrdiff_t D, T scale, T* s, \
                                             ptrdiff_t lds, int nstore, \
                                             const char* const* pf, ptrdiff_t pf_bytes) \
@@ -331,7 +337,7 @@ FA_SCORE_KEYROWS_NR(8, KEYROWS_IMPL_WIDE)   /* called only when FA_DEC_NR_MAX >=
  * K and V stream from memory continuously, each kernel's loads hitting lines the other
  * kernel requested (one core alone keeps too few misses in flight otherwise). */
 FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                  const T* v, ptrdiff_t ldv, T* acc, const T* alpha,
+                                  const KV* v, ptrdiff_t ldv, T* acc, const T* alpha,
                                   const char* pf, ptrdiff_t pf_stride, ptrdiff_t pf_rows,
                                   ptrdiff_t pf_bytes)
 {
@@ -341,16 +347,16 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     V c6 = LOAD(acc + 6 * VL) * a, c7 = LOAD(acc + 7 * VL) * a;
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
-        const T* vj = v + j * ldv;
+        const KV* vj = v + j * ldv;
         if (j < pf_rows) fa_prefetch_l2(pf + j * pf_stride, pf_bytes);
-        c0 += b * LOAD(vj);
-        c1 += b * LOAD(vj + VL);
-        c2 += b * LOAD(vj + 2 * VL);
-        c3 += b * LOAD(vj + 3 * VL);
-        c4 += b * LOAD(vj + 4 * VL);
-        c5 += b * LOAD(vj + 5 * VL);
-        c6 += b * LOAD(vj + 6 * VL);
-        c7 += b * LOAD(vj + 7 * VL);
+        c0 += b * LOAD_KV(vj);
+        c1 += b * LOAD_KV(vj + VL);
+        c2 += b * LOAD_KV(vj + 2 * VL);
+        c3 += b * LOAD_KV(vj + 3 * VL);
+        c4 += b * LOAD_KV(vj + 4 * VL);
+        c5 += b * LOAD_KV(vj + 5 * VL);
+        c6 += b * LOAD_KV(vj + 6 * VL);
+        c7 += b * LOAD_KV(vj + 7 * VL);
     }
     STORE(acc, c0); STORE(acc + VL, c1); STORE(acc + 2 * VL, c2); STORE(acc + 3 * VL, c3);
     STORE(acc + 4 * VL, c4); STORE(acc + 5 * VL, c5); STORE(acc + 6 * VL, c6); STORE(acc + 7 * VL, c7);
@@ -361,9 +367,8 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
  * sequence as fa_pv_tile.  pf, pf_stride, pf_rows, pf_bytes: as fa_pv_row8.
  * The 4 vectors go in FA_PV4_NV-vector passes over the keys so that the 4 x FA_PV4_NV
  * accumulators, the V vectors and a broadcast fit the register file: all 4 at once with
- * 32 zmm registers; 2 with 16 ymm (4 x 4 spilled accumulators there: about 73 cycles
- * per key on a Zen 3 core where its 64 FMAs need 32); 1 with SSE2's 16 xmm (a vector is
- * 2 of them). */
+ * 32 zmm registers; 2 with 16 ymm (4 x 4 accumulators would spill there, doubling the
+ * time per key); 1 with SSE2's 16 xmm (a vector is 2 of them). */
 #ifndef FA_PV4_NV
 #if FA_VBYTES == 64
 #define FA_PV4_NV 4
@@ -374,13 +379,13 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 #endif
 #endif
 FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                   const T* v, ptrdiff_t ldv, T* acc, ptrdiff_t ldacc,
+                                   const KV* v, ptrdiff_t ldv, T* acc, ptrdiff_t ldacc,
                                    const T* alpha, const char* pf, ptrdiff_t pf_stride,
                                    ptrdiff_t pf_rows, ptrdiff_t pf_bytes)
 {
     for (int c0 = 0; c0 < 4; c0 += FA_PV4_NV) {
         T* const acc_c = acc + c0 * VL;
-        const T* const v_c = v + c0 * VL;
+        const KV* const v_c = v + c0 * VL;
         V c[4][FA_PV4_NV];
         for (int r = 0; r < 4; r++) {
             const V a = BCAST(alpha[r]);
@@ -389,11 +394,11 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         /* the first pass issues the prefetches (they cover all 4 vectors' columns) */
         const ptrdiff_t pf_n = c0 == 0 ? pf_rows : 0;
         for (ptrdiff_t j = 0; j < nj; j++) {
-            const T* vj = v_c + j * ldv;
+            const KV* vj = v_c + j * ldv;
             const T* pj = p + j * ldp;
             if (j < pf_n) fa_prefetch_l2(pf + j * pf_stride, pf_bytes);
             V x[FA_PV4_NV];
-            for (int i = 0; i < FA_PV4_NV; i++) x[i] = LOAD(vj + i * VL);
+            for (int i = 0; i < FA_PV4_NV; i++) x[i] = LOAD_KV(vj + i * VL);
             for (int r = 0; r < 4; r++) {
                 const V b = BCAST(pj[r]);
                 for (int i = 0; i < FA_PV4_NV; i++) c[r][i] += b * x[i];

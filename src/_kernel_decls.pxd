@@ -1,0 +1,284 @@
+# The C side of the kernel (fa_kernels.h) as Cython sees it, and one fused-type wrapper
+# per micro-kernel, so that the tile pipeline (_tile_pipeline.pxi) calls `score_tile(...)`
+# once instead of choosing between the _f and _d instantiations at every call site.
+#
+# K and V rows are passed as `const char*`: their element type is the storage type of the
+# call, which the wrappers map to the C instantiation.  Today the storage type is the
+# compute type (float or double); a reduced-precision storage type adds its own
+# instantiation of the K/V-reading kernels (fa_tile_impl.h, FA_KV_KERNELS_ONLY) and a
+# branch in the wrappers below that read K or V.
+
+ctypedef fused floating:
+    float
+    double
+
+cdef extern from "fa_kernels.h" nogil:
+    enum:
+        FA_BK
+        FA_KCHUNK
+        FA_BQ
+        FA_MR_K
+        FA_MR_PV
+        FA_DEC_NR_MAX
+        FA_DEC_KEYS_F
+        FA_DEC_SCORES_PREFETCH_K_ROWS_F
+        FA_CAUSAL_NONE
+        FA_CAUSAL_BOTTOM_RIGHT
+        FA_CAUSAL_TOP_LEFT
+    const Py_ssize_t FA_VL_F
+    const Py_ssize_t FA_VL_D
+    const char* FA_COMPILER
+    const char* FA_ISA
+    const int FA_HAS_FMA
+    void fa_key_interval(Py_ssize_t i, Py_ssize_t Lq, Py_ssize_t kv_len, int causal,
+                         Py_ssize_t wl, Py_ssize_t wr, Py_ssize_t* lo, Py_ssize_t* hi)
+
+    # score micro-tiles: 6 keys x 2 vectors, 6 x 1, 4 x 2 (query rows as lanes)
+    void fa_score_tile_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                         float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                         double scale, double* s, Py_ssize_t lds)
+    void fa_score_tile1_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile1_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          double scale, double* s, Py_ssize_t lds)
+    void fa_score_tile4_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile4_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          double scale, double* s, Py_ssize_t lds)
+
+    # decode score kernels (keys as lanes), 1/2/4/8 query rows per pass
+    void fa_score_keyrows1_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows1_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+
+    void fa_hide_keys_f(float* s, Py_ssize_t lds, Py_ssize_t nk, int nvec)
+    void fa_hide_keys_d(double* s, Py_ssize_t lds, Py_ssize_t nk, int nvec)
+
+    void fa_softmax_step_f(float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
+                           Py_ssize_t jhi, float* m, float* l, float* alpha)
+    void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
+                           Py_ssize_t jhi, double* m, double* l, double* alpha)
+    void fa_softmax_step2_f(float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
+                            Py_ssize_t jhi, float* m, float* l, float* alpha)
+    void fa_softmax_step2_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
+                            Py_ssize_t jhi, double* m, double* l, double* alpha)
+    void fa_merge_stats_f(float* M, float* L, const float* m, const float* l, float* fa,
+                          float* fb)
+    void fa_merge_stats_d(double* M, double* L, const double* m, const double* l, double* fa,
+                          double* fb)
+    void fa_merge_acc_f(float* ACC, const float* acc, Py_ssize_t n, float a, float b)
+    void fa_merge_acc_d(double* ACC, const double* acc, Py_ssize_t n, double a, double b)
+
+    # output micro-tiles: 6 rows x 2 vectors, 1 x 2, 4 rows x 4 vectors, 1 row x 8 vectors
+    void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                      Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                      Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha)
+    void fa_pv_tile1_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                       Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha)
+    void fa_pv_rows4_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
+                       const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                       Py_ssize_t pf_bytes)
+    void fa_pv_rows4_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                       Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha,
+                       const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                       Py_ssize_t pf_bytes)
+    void fa_pv_row8_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                      Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
+                      Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+    void fa_pv_row8_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                      Py_ssize_t ldv, double* acc, const double* alpha, const char* pf,
+                      Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+
+    void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
+    void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
+    int fa_have_openmp()
+    int fa_omp_max_threads()
+    int fa_cpu_supports(const char* isa)
+
+
+# ---- fused-type wrappers (scores are S^T: s[j * FA_BQ + r]) ----
+
+cdef inline Py_ssize_t vec_lanes(floating* like) noexcept nogil:
+    # Lanes of one SIMD vector of the compute type.
+    if floating is float:
+        return FA_VL_F
+    else:
+        return FA_VL_D
+
+
+cdef inline void score_tile(const char** krows, const floating* qt, Py_ssize_t D,
+                            floating scale, floating* s, int nvec, Py_ssize_t mk) noexcept nogil:
+    # One score micro-tile of mk (6, or 4 with 2 vectors) keys over 1 or 2 vectors of query
+    # rows (identical per-lane arithmetic).
+    if floating is float:
+        if nvec == 2 and mk == 4:
+            fa_score_tile4_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        elif nvec == 2:
+            fa_score_tile_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        else:
+            fa_score_tile1_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+    else:
+        if nvec == 2 and mk == 4:
+            fa_score_tile4_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        elif nvec == 2:
+            fa_score_tile_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        else:
+            fa_score_tile1_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+
+
+cdef inline void score_keyrows(Py_ssize_t nr, const char** krows, Py_ssize_t ldk, int nk,
+                               const floating* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                               floating scale, floating* s, int nstore, const char** pf,
+                               Py_ssize_t pf_bytes) noexcept nogil:
+    # One decode score pass of nr (8, 4, 2 or 1) query rows over a call of keys (lanes).
+    if floating is float:
+        if nr == 8:
+            fa_score_keyrows8_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+    else:
+        if nr == 8:
+            fa_score_keyrows8_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+
+
+cdef inline void hide_keys(floating* s, Py_ssize_t nk, int nvec) noexcept nogil:
+    # -inf for nk keys of 1 or 2 whole vectors of rows.
+    if floating is float:
+        fa_hide_keys_f(s, FA_BQ, nk, nvec)
+    else:
+        fa_hide_keys_d(s, FA_BQ, nk, nvec)
+
+
+cdef inline void softmax_step(floating* s, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,
+                              floating* m, floating* l, floating* alpha,
+                              int nvec) noexcept nogil:
+    # The online-softmax step of 1 or 2 vectors of rows over a block's nj keys.
+    if floating is float:
+        if nvec == 2:
+            fa_softmax_step2_f(s, FA_BQ, nj, jlo, jhi, m, l, alpha)
+        else:
+            fa_softmax_step_f(s, FA_BQ, nj, jlo, jhi, m, l, alpha)
+    else:
+        if nvec == 2:
+            fa_softmax_step2_d(s, FA_BQ, nj, jlo, jhi, m, l, alpha)
+        else:
+            fa_softmax_step_d(s, FA_BQ, nj, jlo, jhi, m, l, alpha)
+
+
+cdef inline void merge_stats(floating* M, floating* L, const floating* m, const floating* l,
+                             floating* fa, floating* fb) noexcept nogil:
+    if floating is float:
+        fa_merge_stats_f(M, L, m, l, fa, fb)
+    else:
+        fa_merge_stats_d(M, L, m, l, fa, fb)
+
+
+cdef inline void merge_acc(floating* ACC, const floating* acc, Py_ssize_t n, floating a,
+                           floating b) noexcept nogil:
+    if floating is float:
+        fa_merge_acc_f(ACC, acc, n, a, b)
+    else:
+        fa_merge_acc_d(ACC, acc, n, a, b)
+
+
+cdef inline void pv_tile(const floating* p, Py_ssize_t nj, const char* v, Py_ssize_t ldv,
+                         floating* acc, Py_ssize_t ldacc, const floating* alpha,
+                         Py_ssize_t nrows) noexcept nogil:
+    # One output micro-tile of FA_MR_PV rows or of a single row, 2 vectors of columns.
+    if floating is float:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
+    else:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha)
+
+
+cdef inline void pv_tile_widened(const floating* p, Py_ssize_t nj, const floating* v,
+                                 Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
+                                 const floating* alpha, Py_ssize_t nrows) noexcept nogil:
+    # pv_tile on values already in the compute type (V's zero-padded tail strip).
+    if floating is float:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_f(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_f(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+    else:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+
+
+cdef inline void pv_wide(Py_ssize_t nr, const floating* p, Py_ssize_t nj, const char* v,
+                         Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
+                         const floating* alpha, const char* pf, Py_ssize_t pf_stride,
+                         Py_ssize_t pf_rows, Py_ssize_t pf_bytes) noexcept nogil:
+    # The wide output tiles: 4 rows x 4 vectors (nr == 4) or 1 row x 8 vectors (nr == 1),
+    # prefetching pf_rows rows of pf as they go.
+    if floating is float:
+        if nr == 4:
+            fa_pv_rows4_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        else:
+            fa_pv_row8_f(p, FA_BQ, nj, <const float*> v, ldv, acc, alpha,
+                         pf, pf_stride, pf_rows, pf_bytes)
+    else:
+        if nr == 4:
+            fa_pv_rows4_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        else:
+            fa_pv_row8_d(p, FA_BQ, nj, <const double*> v, ldv, acc, alpha,
+                         pf, pf_stride, pf_rows, pf_bytes)
+
+
+cdef inline floating load_kv(const char* row, Py_ssize_t c, floating* like) noexcept nogil:
+    # Element c of a K or V row, widened to the compute type (scalar paths only).
+    return (<const floating*> row)[c]

@@ -1,0 +1,596 @@
+# The tile pipeline: one work item (a block of query rows of one kv head) through the
+# fused attention loop, one named stage per concern.  Included by _kernel_impl.pxi.
+#
+#   _setup            geometry, each row's visible key interval, Q^T packed, empty state
+#   for each key chunk (FA_KCHUNK keys) the rows can see, in key order:
+#     for each key block (FA_BK keys) of the chunk, in key order:
+#       _scores_prefill   S^T = scale K Q^T, query rows as lanes (score micro-tiles)
+#       _scores_decode    the same with keys as lanes (decode-sized tiles)
+#       _finish_scores    score modifiers, then the visibility rule: the only code that
+#                         reads the mask or writes -inf
+#       _softmax          online-softmax step: m, l, alpha; S^T -> P^T in place
+#       _pv_prefill / _pv_decode   acc = acc * alpha + P V
+#     _merge_chunk (or _store_partial for flash-decoding) into the running state
+#   _write_rows       out = ACC / L, lse
+#
+# A stage is a function of the Problem, the Tile (the work item and the key block being
+# processed) and the thread's workspace, whose layout _carve alone knows.
+
+cdef Py_ssize_t FA_DECODE_ROWS = 8
+cdef double LOG2E = 1.4426950408889634074
+cdef double LN2 = 0.69314718055994530942
+
+
+cdef struct Problem:
+    # Base pointers of element [0, ..., 0] of each array: q, out, lse in the compute type;
+    # k and v in their storage type (kv_isz bytes per element); mask in its own.
+    char* q
+    char* k
+    char* v
+    char* out
+    char* lse
+    char* mask
+    # Per flattened batch element: element offsets into each array, and kv length.
+    const Py_ssize_t* q_boff
+    const Py_ssize_t* k_boff
+    const Py_ssize_t* v_boff
+    const Py_ssize_t* o_boff
+    const Py_ssize_t* lse_boff
+    const Py_ssize_t* m_boff
+    const Py_ssize_t* kv_len
+    Py_ssize_t nbatch, Hq, Hkv, group, Lq, Lk, D, Dv, kv_isz
+    # Element strides (the last axis of q, k, v, out is contiguous).
+    Py_ssize_t q_sh, q_si, k_sh, k_sj, v_sh, v_sj, o_sh, o_si, lse_sh, lse_si
+    Py_ssize_t m_sh, m_si, m_sj
+    int mask_kind
+    int causal
+    Py_ssize_t wl, wr
+    double scale
+
+
+cdef struct Workspace:
+    # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
+    Py_ssize_t qt, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, zrow, elems
+
+
+cdef struct Tile:
+    # The work item: rows [r0, r0 + nrows) of kv head g of batch element b (row R is
+    # query head g * group + R // Lq at position R % Lq).
+    Py_ssize_t b, g, r0, nrows
+    Py_ssize_t nlanes             # rows padded to whole vectors of VL lanes
+    Py_ssize_t VL, NL             # lanes of a vector; of a score micro-tile's 2 vectors
+    Py_ssize_t n6                 # rows in 6-row output tiles
+    Py_ssize_t dv_pad, dv_main, dv_tail, ldqt
+    bint decode                   # few rows: keys are the lanes of the score kernels
+    bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
+    double scale_log2             # scale * log2 e: scores are kept in base 2
+    Py_ssize_t kv_len, tile_lo, tile_hi   # keys [tile_lo, tile_hi) are seen by some row
+    # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.
+    const char* kb
+    const char* vb
+    Py_ssize_t kv_isz, k_sj, v_sj, k_row, v_row
+    # The key block being processed: keys [j0, j1).
+    Py_ssize_t j0, j1, nj
+    # Per row: visible keys [lo, hi); per vector of rows: the union of its rows' intervals.
+    Py_ssize_t* lo
+    Py_ssize_t* hi
+    Py_ssize_t vec_lo[FA_BQ]
+    Py_ssize_t vec_hi[FA_BQ]
+    const char* krows[32]         # key rows of one score call (FA_MR_K or FA_DEC_KEYS_F)
+    const char* vrows[32]         # decode: the V rows of krows, to prefetch
+
+
+cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
+    return ((x + m - 1) // m) * m
+
+
+# ---------------------------------------------------------------------------- workspace
+
+cdef void _carve(Workspace* w, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t VL) noexcept nogil:
+    # The layout of one thread's workspace, in elements of the compute type.
+    cdef Py_ssize_t dv_pad = _round_up(Dv, 2 * VL), o = 0
+    w.qt = o; o += D * FA_BQ                    # Q^T
+    w.s = o; o += (FA_BK + FA_MR_K) * FA_BQ     # S^T (a score micro-tile may run past nj)
+    w.acc = o; o += FA_BQ * dv_pad              # the chunk's output rows
+    w.m = o; o += FA_BQ
+    w.l = o; o += FA_BQ
+    w.alpha = o; o += FA_BQ
+    w.ACC = o; o += FA_BQ * dv_pad              # the running state over merged chunks
+    w.M = o; o += FA_BQ
+    w.L = o; o += FA_BQ
+    w.fa = o; o += FA_BQ                        # merge factors
+    w.fb = o; o += FA_BQ
+    w.vtail = o; o += FA_BK * 2 * VL            # V's last columns, zero-padded
+    w.zrow = o; o += D + 1                      # a zero key row for padding keys
+    w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
+
+
+cdef inline Py_ssize_t _partial_rows(const Problem* P, Py_ssize_t VL) noexcept nogil:
+    # Rows of a flash-decoding chunk state: a work item's lanes, padded to whole vectors.
+    return min(FA_BQ, _round_up(P.group * P.Lq, VL))
+
+
+cdef inline Py_ssize_t _partial_elems(const Problem* P, Py_ssize_t VL) noexcept nogil:
+    # One chunk state, laid out [m | l | acc] with _partial_rows rows.
+    return _partial_rows(P, VL) * (_round_up(P.Dv, 2 * VL) + 2)
+
+
+# ---------------------------------------------------------------------------- setup
+
+cdef inline void _row_position(const Problem* P, const Tile* t, Py_ssize_t r, Py_ssize_t* h,
+                               Py_ssize_t* i) noexcept nogil:
+    # Query head and position of row r of the tile.
+    cdef Py_ssize_t R = t.r0 + r
+    h[0] = t.g * P.group + R // P.Lq
+    i[0] = R % P.Lq
+
+
+cdef inline void _keys_seen(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
+                            Py_ssize_t* a, Py_ssize_t* z) noexcept nogil:
+    # Union [a, z) of the visible intervals of rows [r_begin, r_end) (rows that see
+    # nothing do not count); a >= z when none sees anything.
+    cdef Py_ssize_t r
+    a[0] = t.kv_len
+    z[0] = 0
+    for r in range(r_begin, r_end):
+        if t.lo[r] < t.hi[r]:
+            a[0] = min(a[0], t.lo[r])
+            z[0] = max(z[0], t.hi[r])
+
+
+cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
+                 Py_ssize_t* lo, Py_ssize_t* hi, floating* ws) noexcept nogil:
+    # The work item's geometry and the pointers to its K and V rows.
+    t.VL = vec_lanes(ws)
+    t.NL = 2 * t.VL
+    t.b, t.g, t.r0 = b, g, r0
+    t.nrows = min(FA_BQ, P.group * P.Lq - r0)
+    t.nlanes = _round_up(t.nrows, t.VL)
+    t.n6 = (t.nrows // FA_MR_PV) * FA_MR_PV
+    t.dv_pad = _round_up(P.Dv, t.NL)
+    t.dv_main = (P.Dv // t.NL) * t.NL
+    t.dv_tail = P.Dv - t.dv_main
+    t.decode = t.nrows <= FA_DECODE_ROWS
+    # Q^T's row stride: FA_BQ for the prefill's score tiles; the padded row count for a
+    # decode tile, so that its D x nlanes values take D/2 (8 lanes of floats) cache lines
+    # instead of D -- the decode score kernels read a line per dimension, beside 32 K rows
+    # and the prefetched V rows in L1.
+    t.ldqt = t.nlanes if t.decode else FA_BQ
+    t.pv_next_v = t.decode and floating is float and t.nrows == 1
+    t.first_blk = True
+    t.scale_log2 = P.scale * LOG2E
+    t.kv_len = P.kv_len[b]
+    t.kv_isz, t.k_sj, t.v_sj = P.kv_isz, P.k_sj, P.v_sj
+    t.k_row, t.v_row = P.k_sj * P.kv_isz, P.v_sj * P.kv_isz
+    t.kb = P.k + (P.k_boff[b] + g * P.k_sh) * P.kv_isz
+    t.vb = P.v + (P.v_boff[b] + g * P.v_sh) * P.kv_isz
+    t.lo, t.hi = lo, hi
+
+
+cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
+                      floating* ws) noexcept nogil:
+    # Each row's visible key interval (fa_key_interval: the visibility rule), Q^T packed,
+    # and the padding lanes: zero queries that see nothing and are never written out.
+    cdef floating* qt = ws + w.qt
+    cdef floating* s = ws + w.s
+    cdef const floating* qrow
+    cdef Py_ssize_t r, d, h, i, ic, j, nj, ldqt = t.ldqt, D = P.D
+    t.tile_lo = t.kv_len
+    t.tile_hi = 0
+    for r in range(t.nlanes):
+        if r < t.nrows:
+            _row_position(P, t, r, &h, &i)
+            fa_key_interval(i, P.Lq, t.kv_len, P.causal, P.wl, P.wr, &t.lo[r], &t.hi[r])
+            if t.lo[r] < t.hi[r]:
+                t.tile_lo = min(t.tile_lo, t.lo[r])
+                t.tile_hi = max(t.tile_hi, t.hi[r])
+            qrow = (<const floating*> P.q) + P.q_boff[t.b] + h * P.q_sh + i * P.q_si
+            for d in range(D):
+                qt[d * ldqt + r] = qrow[d]
+        else:
+            for d in range(D):
+                qt[d * ldqt + r] = 0
+    # Rows a 4-row output tile may cover past the last vector see nothing too.
+    for r in range(t.nrows, min(FA_BQ, max(t.nlanes, _round_up(t.nrows, 4)))):
+        t.lo[r] = 0
+        t.hi[r] = 0
+    for ic in range(t.nlanes // t.VL):
+        _keys_seen(t, ic * t.VL, min(ic * t.VL + t.VL, t.nrows), &t.vec_lo[ic], &t.vec_hi[ic])
+    if t.decode:
+        # Decode score kernels store real rows only: the padding lanes of S^T hold finite
+        # values from here on (0, then the softmax's p), so no stale NaN or denormal reaches
+        # the exp.  Only the keys a block can hold for this tile; rows outer, so that the
+        # inner loop is one memset per key.
+        nj = min(FA_BK, t.tile_hi - t.tile_lo) if t.tile_lo < t.tile_hi else 0
+        for r in range(t.nrows, t.nlanes):
+            for j in range(nj):
+                s[j * FA_BQ + r] = 0
+    memset(ws + w.zrow, 0, D * sizeof(floating))
+
+
+# ---------------------------------------------------------------------------- scores
+
+cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
+                          floating* ws) noexcept nogil:
+    # S^T of the block, one lane group (2 vectors of rows, or 1 for the last) at a time,
+    # in micro-tiles of FA_MR_K (6) keys; the last 4 or fewer keys of a block in a 4-key
+    # tile (64 = 10 x 6 + 4: no scores computed for padding keys).  Micro-tiles no row of
+    # the group can see are not computed (_finish_scores hides them).
+    cdef floating* s = ws + w.s
+    cdef const floating* qt = ws + w.qt
+    cdef const char* zrow = <const char*> (ws + w.zrow)
+    cdef floating scale = <floating> t.scale_log2
+    cdef Py_ssize_t VL = t.VL, NL = t.NL, nlanes = t.nlanes, j0 = t.j0, j1 = t.j1
+    cdef Py_ssize_t nj = t.nj, k_row = t.k_row, c, ic, jj, ja, mk, g_lo, g_hi, u
+    cdef const char* kb = t.kb
+    cdef int nvec
+    for ic in range((nlanes + NL - 1) // NL):
+        c = ic * NL
+        nvec = <int> min(2, (nlanes - c) // VL)
+        _keys_seen(t, c, min(c + nvec * VL, t.nrows), &g_lo, &g_hi)
+        jj = 0
+        while jj < nj:
+            mk = FA_MR_K if nj - jj > 4 or nvec == 1 else 4
+            ja = j0 + jj
+            if ja + mk > g_lo and ja < g_hi:
+                for u in range(mk):
+                    t.krows[u] = kb + (ja + u) * k_row if ja + u < j1 else zrow
+                score_tile(t.krows, qt + c, P.D, scale, s + jj * FA_BQ + c, nvec, mk)
+            jj += mk
+
+
+cdef inline Py_ssize_t _keyrows_pass(Py_ssize_t left) noexcept nogil:
+    # Rows per decode score pass for `left` remaining rows: 8 (AVX-512) or 4 cover 3..8
+    # rows at once (the extra rows read qt's zero padding), 2 and 1 exactly.
+    if left > 4 and FA_DEC_NR_MAX >= 8:
+        return 8
+    if left > 2:
+        return 4
+    return left
+
+
+cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
+                         floating* ws) noexcept nogil:
+    # S^T of a decode-sized tile, keys as the lanes: KC keys per call (zero keys pad the
+    # last call), each against the rows in passes of 8/4/2/1; only rows < nrows are
+    # stored.  The first pass prefetches the V rows of its keys, unless the output kernel
+    # streams the next block's V instead (pv_next_v; then only for the first block).
+    # KC: one vector of lanes, or 32 (4 groups of 8) with 32-byte float vectors.
+    cdef floating* s = ws + w.s
+    cdef const floating* qt = ws + w.qt
+    cdef const char* zrow = <const char*> (ws + w.zrow)
+    cdef floating scale = <floating> t.scale_log2
+    cdef Py_ssize_t KC = FA_DEC_KEYS_F if floating is float else FA_VL_D
+    cdef Py_ssize_t nj = t.nj, nrows = t.nrows, ja, u, r, ig, jb, nr, pf_bytes, ldk
+    cdef bint pf_v = not t.pv_next_v or t.first_blk
+    cdef int nk
+    for ig in range((nj + KC - 1) // KC):
+        jb = ig * KC
+        ja = t.j0 + jb
+        nk = <int> min(KC, nj - jb)
+        for u in range(KC):
+            t.krows[u] = t.kb + (ja + u) * t.k_row if jb + u < nj else zrow
+            t.vrows[u] = t.vb + (ja + u) * t.v_row if jb + u < nj else zrow
+        # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
+        ldk = t.k_sj if nk == KC and t.k_sj != 0 else 0
+        pf_bytes = P.Dv * t.kv_isz
+        r = 0
+        while r < nrows:
+            nr = _keyrows_pass(nrows - r)
+            score_keyrows(nr, t.krows, ldk, nk, qt + r, t.ldqt, P.D, scale,
+                          s + jb * FA_BQ + r, <int> (nrows - r),
+                          t.vrows if pf_v else NULL, pf_bytes)
+            r += nr
+            pf_bytes = 0
+    t.first_blk = False
+
+
+# ---------------------------------------------------------------------------- finish scores
+
+cdef void _finish_scores(const Problem* P, const Tile* t, const Workspace* w,
+                         floating* ws) noexcept nogil:
+    # Every score modifier, then the visibility rule, for the block's keys [j0, j1): the
+    # only code that reads the mask or writes -inf.  Per lane group (as the score stage
+    # computed it): keys no row of the group sees become -inf as whole vectors (the score
+    # stage skipped them), then each row's own modifiers and hidden keys.
+    cdef floating* s = ws + w.s
+    cdef Py_ssize_t width = t.nlanes if t.decode else t.NL
+    cdef Py_ssize_t j0 = t.j0, j1 = t.j1, c, ig, r, rend, g_lo, g_hi
+    cdef int nvec
+    for ig in range((t.nlanes + width - 1) // width):
+        c = ig * width
+        nvec = <int> (min(width, t.nlanes - c) // t.VL)
+        rend = min(c + nvec * t.VL, t.nrows)
+        _keys_seen(t, c, rend, &g_lo, &g_hi)
+        g_lo = min(max(g_lo, j0), j1)
+        g_hi = min(max(g_hi, g_lo), j1)
+        hide_keys(s + c, g_lo - j0, nvec)
+        hide_keys(s + (g_hi - j0) * FA_BQ + c, j1 - g_hi, nvec)
+        for r in range(c, rend):
+            _finish_row(P, t, s + r, r, g_lo, g_hi)
+
+
+cdef inline void _finish_row(const Problem* P, const Tile* t, floating* sr, Py_ssize_t r,
+                             Py_ssize_t g_lo, Py_ssize_t g_hi) noexcept nogil:
+    # Row r's scores sr[(j - j0) * FA_BQ], keys [g_lo, g_hi) of the block: the modifiers on
+    # the keys it may see, [a, z), and -inf on the others.
+    cdef Py_ssize_t j0 = t.j0, j
+    cdef Py_ssize_t a = max(j0, t.lo[r]), z = min(t.j1, t.hi[r])
+    cdef floating ninf = -INFINITY
+    if a < z and P.mask_kind != 0:
+        _apply_mask(P, t, sr, r, a, z)
+    for j in range(g_lo, min(a, g_hi)):
+        sr[(j - j0) * FA_BQ] = ninf
+    for j in range(max(z, g_lo), g_hi):
+        sr[(j - j0) * FA_BQ] = ninf
+
+
+cdef inline void _apply_mask(const Problem* P, const Tile* t, floating* sr, Py_ssize_t r,
+                             Py_ssize_t a, Py_ssize_t z) noexcept nogil:
+    # The user's mask on keys [a, z) of row r: a bool mask hides keys, a float mask is added
+    # (in base 2, like the scores).
+    cdef Py_ssize_t h, i, j, j0 = t.j0
+    cdef floating log2e = <floating> LOG2E
+    cdef floating ninf = -INFINITY
+    cdef const char* mrow
+    _row_position(P, t, r, &h, &i)
+    if P.mask_kind == 1:
+        mrow = P.mask + P.m_boff[t.b] + h * P.m_sh + i * P.m_si
+        for j in range(a, z):
+            if not (<const unsigned char*> mrow)[j * P.m_sj]:
+                sr[(j - j0) * FA_BQ] = ninf
+    else:
+        mrow = P.mask + (P.m_boff[t.b] + h * P.m_sh + i * P.m_si) * <Py_ssize_t> sizeof(floating)
+        for j in range(a, z):
+            sr[(j - j0) * FA_BQ] += (<const floating*> mrow)[j * P.m_sj] * log2e
+
+
+# ---------------------------------------------------------------------------- softmax
+
+cdef void _softmax(const Tile* t, const Workspace* w, floating* ws) noexcept nogil:
+    # The online-softmax step, two vectors of rows per call (one for an odd last vector).
+    # Keys of the block that no row of the vector(s) sees get p = 0 without an exp; an
+    # empty range leaves the rows' state unchanged.
+    cdef floating* s = ws + w.s
+    cdef floating* m = ws + w.m
+    cdef floating* l = ws + w.l
+    cdef floating* alpha = ws + w.alpha
+    cdef Py_ssize_t nv = t.nlanes // t.VL, j0 = t.j0, j1 = t.j1, ic = 0, c, vj0, vj1
+    cdef int nvec
+    while ic < nv:
+        c = ic * t.VL
+        nvec = <int> min(2, nv - ic)
+        vj0 = min(max(min(t.vec_lo[ic], t.vec_lo[ic + nvec - 1]), j0), j1) - j0
+        vj1 = max(min(max(t.vec_hi[ic], t.vec_hi[ic + nvec - 1]), j1) - j0, vj0)
+        softmax_step(s + c, t.nj, vj0, vj1, m + c, l + c, alpha + c, nvec)
+        ic += nvec
+
+
+# ---------------------------------------------------------------------------- P V
+
+cdef void _load_vtail(const Tile* t, const Workspace* w, floating* ws) noexcept nogil:
+    # V's last partial strip of columns, zero-padded to NL lanes, so that the output kernel
+    # has a single variant (and never reads past a row of V).
+    cdef floating* vtail = ws + w.vtail
+    cdef const char* vrow
+    cdef Py_ssize_t j, u, NL = t.NL
+    for j in range(t.nj):
+        vrow = t.vb + (t.j0 + j) * t.v_row
+        for u in range(NL):
+            vtail[j * NL + u] = load_kv(vrow, t.dv_main + u, ws) if u < t.dv_tail else 0
+
+
+cdef inline void _pv_strips(const Tile* t, const Workspace* w, floating* ws,
+                            const floating* p, Py_ssize_t na, const char* v, Py_ssize_t ja,
+                            Py_ssize_t r, Py_ssize_t nr, Py_ssize_t c) noexcept nogil:
+    # Output micro-tiles of nr (6 or 1) rows from row r over value columns [c, dv_main) in
+    # 2-vector strips, then the zero-padded tail strip.
+    cdef floating* acc = ws + w.acc + r * t.dv_pad
+    cdef const floating* alpha = ws + w.alpha + r
+    while c < t.dv_main:
+        pv_tile(p, na, v + c * t.kv_isz, t.v_sj, acc + c, t.dv_pad, alpha, nr)
+        c += t.NL
+    if t.dv_tail:
+        pv_tile_widened(p, na, ws + w.vtail + (ja - t.j0) * t.NL, t.NL, acc + t.dv_main,
+                        t.dv_pad, alpha, nr)
+
+
+cdef void _pv_rows(const Tile* t, const Workspace* w, floating* ws, Py_ssize_t rg,
+                   Py_ssize_t nr, const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                   Py_ssize_t pf_cols) noexcept nogil:
+    # acc = acc * alpha + P V for rows [rg, rg + nr) over the keys any of them sees (the
+    # others have p == 0 exactly): wide tiles first (4 rows x 4 vectors, 1 row x 8
+    # vectors), then 2-vector strips, row by row for a 4-row group.  pf: pf_rows rows of
+    # another block (pf_stride bytes apart) to prefetch beside the first pf_cols columns.
+    cdef Py_ssize_t isz = t.kv_isz, dv_pad = t.dv_pad, ja, z, na, c = 0, cw, r
+    _keys_seen(t, rg, rg + nr, &ja, &z)
+    ja = min(max(t.j0, ja), t.j1)
+    na = max(0, min(t.j1, z) - ja)
+    cdef const floating* p = ws + w.s + (ja - t.j0) * FA_BQ
+    cdef const char* v = t.vb + ja * t.v_row
+    if nr == 4 or nr == 1:
+        cw = 2 * t.NL if nr == 4 else 4 * t.NL
+        while c + cw <= t.dv_main:
+            pv_wide(nr, p + rg, na, v + c * isz, t.v_sj, ws + w.acc + rg * dv_pad + c, dv_pad,
+                    ws + w.alpha + rg, pf + c * isz if pf != NULL else NULL, pf_stride,
+                    pf_rows if c < pf_cols else 0, min(cw, pf_cols - c) * isz)
+            c += cw
+    if nr == 4:
+        for r in range(rg, min(rg + 4, t.nrows)):
+            _pv_strips(t, w, ws, p + r, na, v, ja, r, 1, c)
+    else:
+        _pv_strips(t, w, ws, p + rg, na, v, ja, rg, nr, c)
+
+
+cdef void _pv_prefill(const Tile* t, const Workspace* w, floating* ws) noexcept nogil:
+    # Rows in 6-row output tiles, then single rows.
+    cdef Py_ssize_t rg = 0, nr
+    while rg < t.nrows:
+        nr = FA_MR_PV if rg < t.n6 else 1
+        _pv_rows(t, w, ws, rg, nr, NULL, 0, 0, 0)
+        rg += nr
+
+
+cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
+                     floating* ws) noexcept nogil:
+    # A GQA group 4 rows at a time (each V vector loaded once for all 4; rows past nrows
+    # are zero-initialised padding, never written out); a single row whole V rows, 8
+    # vectors at a time.  K and V are read a few rows at a time, which the hardware
+    # prefetchers do not follow, so the first row group also prefetches: the next block's
+    # V rows for a single float row (pv_next_v: requests then go out during both kernels),
+    # else the next block's K rows unless the score kernel streams them itself.  GQA groups
+    # keep their V prefetch in the score kernel: their output kernel is too short to carry
+    # a stream.
+    cdef Py_ssize_t nr = 4 if t.nrows >= 2 else 1, rg, pf_rows = 0, ja, z
+    cdef Py_ssize_t pf_stride, pf_cols
+    cdef const char* pf
+    _keys_seen(t, 0, nr, &ja, &z)
+    ja = min(max(t.j0, ja), t.j1)
+    if t.pv_next_v or not (floating is float and t.nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F):
+        pf_rows = max(0, min(max(0, min(t.j1, z) - ja), t.tile_hi - (ja + FA_BK)))
+    if t.pv_next_v:
+        pf, pf_stride, pf_cols = t.vb + (ja + FA_BK) * t.v_row, t.v_row, P.Dv
+    else:
+        pf, pf_stride, pf_cols = t.kb + (ja + FA_BK) * t.k_row, t.k_row, P.D
+    _pv_rows(t, w, ws, 0, nr, pf, pf_stride, pf_rows, pf_cols)
+    rg = nr
+    while rg < t.nrows:
+        _pv_rows(t, w, ws, rg, nr, pf, pf_stride, 0, pf_cols)
+        rg += nr
+
+
+# ---------------------------------------------------------------------------- chunks, merge
+
+cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating* ws,
+                        Py_ssize_t kc) noexcept nogil:
+    # The chunk's key blocks (multiples of FA_BK from key 0) that some row sees, in key
+    # order, from the empty state: scores, finish, softmax step, P V.
+    cdef Py_ssize_t c_lo = max(t.tile_lo, kc * FA_KCHUNK)
+    cdef Py_ssize_t c_hi = min(t.tile_hi, kc * FA_KCHUNK + FA_KCHUNK), ib
+    _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad)
+    for ib in range(c_lo // FA_BK, (c_hi + FA_BK - 1) // FA_BK if c_lo < c_hi else 0):
+        t.j0 = max(ib * FA_BK, t.tile_lo)
+        t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
+        t.nj = t.j1 - t.j0
+        if t.decode:
+            _scores_decode(P, t, w, ws)
+        else:
+            _scores_prefill(P, t, w, ws)
+        _finish_scores(P, t, w, ws)
+        _softmax(t, w, ws)
+        if t.dv_tail:
+            _load_vtail(t, w, ws)
+        if t.decode:
+            _pv_decode(P, t, w, ws)
+        else:
+            _pv_prefill(t, w, ws)
+
+
+cdef inline void _reset_state(floating* m, floating* l, floating* acc, Py_ssize_t nlanes,
+                              Py_ssize_t dv_pad) noexcept nogil:
+    # The empty softmax state: m = -inf, l = 0, acc = 0.
+    cdef Py_ssize_t r
+    for r in range(nlanes):
+        m[r] = -INFINITY
+        l[r] = 0
+    memset(acc, 0, nlanes * dv_pad * sizeof(floating))
+
+
+cdef void _merge_chunk(const Tile* t, const Workspace* w, floating* ws, const floating* m,
+                       const floating* l, const floating* acc) noexcept nogil:
+    # Merge one key chunk's state (m, l, acc) into the running state (M, L, ACC) of the
+    # rows: fa_merge_stats / fa_merge_acc, the one merge every path uses.
+    cdef Py_ssize_t c, iv, r, dv_pad = t.dv_pad
+    cdef floating* fa = ws + w.fa
+    cdef floating* fb = ws + w.fb
+    for iv in range(t.nlanes // t.VL):
+        c = iv * t.VL
+        merge_stats(ws + w.M + c, ws + w.L + c, m + c, l + c, fa + c, fb + c)
+    for r in range(t.nrows):
+        merge_acc(ws + w.ACC + r * dv_pad, acc + r * dv_pad, dv_pad, fa[r], fb[r])
+
+
+cdef void _store_partial(const Problem* P, const Tile* t, const Workspace* w, floating* ws,
+                         floating* partial) noexcept nogil:
+    # Flash-decoding: the chunk's state to its slot, laid out as _partial_elems says.
+    cdef Py_ssize_t cap = _partial_rows(P, t.VL), r
+    for r in range(t.nlanes):
+        partial[r] = ws[w.m + r]
+        partial[cap + r] = ws[w.l + r]
+    memcpy(partial + 2 * cap, ws + w.acc, t.nrows * t.dv_pad * sizeof(floating))
+
+
+cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
+                      floating* ws) noexcept nogil:
+    # out = ACC / L and lse = M ln 2 + log L for the rows of a work item; rows that saw
+    # nothing (L == 0) get zeros and -inf.
+    cdef const floating* M = ws + w.M
+    cdef const floating* L = ws + w.L
+    cdef const floating* ACC
+    cdef Py_ssize_t r, h, i, c
+    cdef floating inv_l
+    cdef floating* orow
+    for r in range(t.nrows):
+        _row_position(P, t, r, &h, &i)
+        orow = (<floating*> P.out) + P.o_boff[t.b] + h * P.o_sh + i * P.o_si
+        ACC = ws + w.ACC + r * t.dv_pad
+        # L == 0 exactly iff no key was visible (the max key alone contributes p = 1);
+        # a NaN or +inf score makes L NaN, and the row NaN, as in the reference.
+        if L[r] != 0:
+            inv_l = 1 / L[r]
+            for c in range(P.Dv):
+                orow[c] = ACC[c] * inv_l
+        else:
+            for c in range(P.Dv):
+                orow[c] = 0
+        if P.lse != NULL:
+            (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = (
+                M[r] * LN2 + log(L[r]) if L[r] != 0 else -INFINITY)
+
+
+# ---------------------------------------------------------------------------- work items
+
+cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
+                       Py_ssize_t chunk, floating* partial,
+                       floating* ws, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
+    # One work item: rows [r0, r0 + nrows) of kv head g of batch element b.
+    #   chunk < 0:  all key chunks the rows see, merged in key order, rows written out;
+    #   chunk >= 0: only that chunk; its state goes to `partial` (flash-decoding).
+    cdef Workspace w
+    cdef Tile t
+    cdef Py_ssize_t kc, kc0 = 0, kc1 = 0
+    _carve(&w, P.D, P.Dv, vec_lanes(ws))
+    _setup(P, &t, b, g, r0, lo, hi, ws)
+    _setup_rows(P, &t, &w, ws)
+    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
+    if t.tile_lo < t.tile_hi:
+        kc0 = t.tile_lo // FA_KCHUNK
+        kc1 = (t.tile_hi + FA_KCHUNK - 1) // FA_KCHUNK
+    if chunk >= 0:
+        kc0, kc1 = chunk, chunk + 1
+    for kc in range(kc0, kc1):
+        _reduce_chunk(P, &t, &w, ws, kc)
+        if chunk >= 0:
+            _store_partial(P, &t, &w, ws, partial)
+            return
+        _merge_chunk(&t, &w, ws, ws + w.m, ws + w.l, ws + w.acc)
+    _write_rows(P, &t, &w, ws)
+
+
+cdef void _merge_partials(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
+                          const floating* partial, Py_ssize_t nchunk,
+                          floating* ws) noexcept nogil:
+    # Flash-decoding, second phase: merge a work item's chunk states in key order, exactly
+    # as _attend_tile merges them when it walks all chunks itself, and write the rows.
+    cdef Workspace w
+    cdef Tile t
+    cdef Py_ssize_t kc, VL = vec_lanes(ws)
+    cdef Py_ssize_t cap = _partial_rows(P, VL), pst = _partial_elems(P, VL)
+    cdef const floating* pc
+    _carve(&w, P.D, P.Dv, VL)
+    _setup(P, &t, b, g, r0, NULL, NULL, ws)
+    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
+    for kc in range(nchunk):
+        pc = partial + kc * pst
+        _merge_chunk(&t, &w, ws, pc, pc + cap, pc + 2 * cap)
+    _write_rows(P, &t, &w, ws)
