@@ -1,6 +1,6 @@
 """Build fastattn's compiled kernels.
 
-The fused kernel (src/_kernel_impl.pxi + src/fa_*.h) is compiled once per instruction set,
+The fused kernel (src/_kernel_impl.pxi, _tile_pipeline.pxi, _kernel_decls.pxd + src/fa_*.h) is compiled once per instruction set,
 RapidFuzz-style: each src/_kernel_<isa>.pyx only includes the shared source, and its
 extension gets that ISA's flags.  fastattn/_dispatch.py checks the running CPU and imports
 the best variant that loads, falling back to the portable baseline.  Nothing here reads the
@@ -83,7 +83,14 @@ class BuildExt(build_ext):
         ctype = self.compiler.compiler_type
         omp_c, omp_l = self.openmp_flags()
         # -Wno-psabi: the vector helpers are always inlined, so no vector crosses an ABI boundary.
-        opt = ["/O2"] if ctype == "msvc" else ["-O3", "-fno-math-errno", "-Wno-psabi"]
+        # Contraction of a*b+c into one FMA is pinned: every score and output chain is
+        # written as `acc += x * y` and must round the same way in every micro-kernel, and
+        # compilers differ in their defaults (GCC: fast outside ISO mode; Clang: within an
+        # expression only; GCC < 14 treats "on" as "off").  MSVC and clang-cl: /fp:contract.
+        if ctype == "msvc":
+            opt = ["/O2", "/fp:contract"]
+        else:
+            opt = ["-O3", "-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
         for ext in self.extensions:
             isa = ext.name.rsplit("_", 1)[-1]
             isa_flags = ISA_FLAGS[isa]["msvc" if ctype == "msvc" else "unix"]
@@ -101,7 +108,7 @@ def extensions():
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
             # The C headers are included by the generated .c: without this, an in-place
             # rebuild after editing only a header silently keeps the old module.
-            depends=sorted(glob.glob("src/*.h")) + ["src/_kernel_impl.pxi"],
+            depends=sorted(glob.glob("src/*.h") + glob.glob("src/*.pxi") + glob.glob("src/*.pxd")),
         )
         for isa in wanted_isas()
     ]

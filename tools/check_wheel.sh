@@ -73,7 +73,8 @@ WHEEL=$(ls "$WORK"/dist/*.whl)
 missing=$("$TOOLS/python" - "$SDIST" <<'EOF'
 import sys, tarfile
 names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
-need = ["setup.py", "pyproject.toml", "src/_kernel_impl.pxi", "src/fa_kernels.h",
+need = ["setup.py", "pyproject.toml", "src/_kernel_impl.pxi", "src/_tile_pipeline.pxi",
+        "src/_kernel_decls.pxd", "src/fa_kernels.h", "src/fa_transpose.h",
         "src/fa_simd.h", "src/fa_tile_impl.h", "src/_kernel_base.pyx", "src/_kernel_avx2.pyx",
         "src/_kernel_avx512.pyx", "fastattn/py.typed", "fastattn/__init__.pyi",
         "tests/conftest.py", "CHANGELOG.md"]
