@@ -138,6 +138,16 @@ cdef inline void _keys_seen(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
             z[0] = max(z[0], t.hi[r])
 
 
+cdef inline bint _all_see(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
+                          Py_ssize_t j0, Py_ssize_t j1) noexcept nogil:
+    # Whether every row of [r_begin, r_end) sees all keys [j0, j1).
+    cdef Py_ssize_t r
+    for r in range(r_begin, r_end):
+        if t.lo[r] > j0 or t.hi[r] < j1:
+            return False
+    return True
+
+
 cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
                  Py_ssize_t* lo, Py_ssize_t* hi, floating* ws) noexcept nogil:
     # The work item's geometry and the pointers to its K and V rows.
@@ -306,6 +316,8 @@ cdef void _finish_scores(const Problem* P, const Tile* t, const Workspace* w,
         g_hi = min(max(g_hi, g_lo), j1)
         hide_keys(s + c, g_lo - j0, nvec)
         hide_keys(s + (g_hi - j0) * FA_BQ + c, j1 - g_hi, nvec)
+        if P.mask_kind == 0 and _all_see(t, c, rend, j0, j1):
+            continue
         for r in range(c, rend):
             _finish_row(P, t, s + r, r, g_lo, g_hi)
 
