@@ -19,6 +19,11 @@
 
 #include "fa_simd.h"
 #include "fa_transpose.h"
+/* The chunk sums of a score (part[] in the decode kernels) are read only when D spans more
+ * than one chunk, after the first chunk has written them; GCC cannot see that. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -32,6 +37,9 @@
  * FA_MR_K / FA_MR_PV: register-tile heights of the two micro-kernels (6 x 2 vectors = 12
  *   accumulators, the AVX2 sweet spot). */
 #define FA_BK 64
+/* FA_DCHUNK: dimensions per chunk of a score's FMA chain (see fa_score_tile).  A multiple
+ * of every vector width, so that the decode kernels' steps never straddle a chunk. */
+#define FA_DCHUNK 32
 /* FA_KCHUNK: keys per chunk of the softmax reduction (a multiple of FA_BK).  A row's keys
  * are reduced chunk by chunk from an empty state and the chunks merged in key order, the
  * same way whether one thread walks them all or a decode step with few (batch x kv head)
@@ -237,10 +245,20 @@ FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int
                    (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng));
     for (int g0 = 0; g0 < 4 && 8 * g0 < nk; g0 += ng) {
         fa_vf a[4][8];   /* nr <= 4 is called; 8 keeps the unused 8-row wrapper in bounds */
+        float part[4][8][8];   /* the sums of the chunks before the current one */
         for (int g = 0; g < ng; g++)
             for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f(0);
+#define FA_FOLD(d) \
+        if ((d) && (d) % FA_DCHUNK == 0) \
+            for (int g = 0; g < ng; g++) \
+                for (int r = 0; r < nr; r++) { \
+                    fa_store_f(part[g][r], (d) == FA_DCHUNK ? a[g][r] \
+                                                            : fa_load_f(part[g][r]) + a[g][r]); \
+                    a[g][r] = fa_bcast_f(0); \
+                }
         ptrdiff_t d0 = 0;
         for (; d0 + 4 <= D; d0 += 4) {
+            FA_FOLD(d0)
             fa_dec_pf_step(&pfs);
             /* unrolled, so that a[g] stays in registers (a loop over g kept the accumulator
              * array in memory: a store and reload in every step of every FMA chain) */
@@ -249,6 +267,7 @@ FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int
                 fa_keys32_step_f(kr, ldk, g0 + g, d0, qt, ldqt, nr, a[g]);
         }
         for (; d0 < D; d0++) {   /* D % 4 leftover dimensions, lane-gathered */
+            FA_FOLD(d0)
             const float* qd = qt + d0 * ldqt;
             for (int g = 0; g < ng; g++) {
                 float col[8];
@@ -259,9 +278,12 @@ FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int
         }
         /* Out through a buffer indexed by constants only: a runtime bound on r here (nstore)
          * kept the accumulator array in memory, a store on every step of every FMA chain. */
+#undef FA_FOLD
         float out[4][8][8];
         for (int g = 0; g < ng; g++)
-            for (int r = 0; r < nr; r++) fa_store_f(out[g][r], a[g][r] * sc);
+            for (int r = 0; r < nr; r++)
+                fa_store_f(out[g][r], (D > FA_DCHUNK ? fa_load_f(part[g][r]) + a[g][r]
+                                                     : a[g][r]) * sc);
         for (int g = 0; g < ng; g++) {
             const int kg = nk - 8 * (g0 + g) < 8 ? nk - 8 * (g0 + g) : 8;
             for (int r = 0; r < nr && r < nstore; r++)
@@ -352,8 +374,16 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
         const float* b = kr[0] + 16 * h * ldk;        /* group 0: keys 16h .. 16h+7 */
         const float* c = b + 8 * ldk;                 /* group 1: the next 8 */
         fa_vf a0[4], a1[4];
+        float part[4][16];   /* the sums of the chunks before the current one */
         for (int r = 0; r < 4; r++) a0[r] = a1[r] = fa_bcast_f(0);
         for (ptrdiff_t d0 = 0; d0 < D; d0 += 4) {
+            if (d0 && d0 % FA_DCHUNK == 0)
+                for (int r = 0; r < 4; r++) {
+                    const int first = d0 == FA_DCHUNK;
+                    fa_store_f(part[r], first ? a0[r] : fa_load_f(part[r]) + a0[r]);
+                    fa_store_f(part[r] + 8, first ? a1[r] : fa_load_f(part[r] + 8) + a1[r]);
+                    a0[r] = a1[r] = fa_bcast_f(0);
+                }
             fa_dec_pf_step(&pfs);
             const float* q = qt + d0 * ldqt;
             fa_keys8x4s_r4_f(b + d0, b + 3 * ldk + d0, ldk, q, ldqt, a0);
@@ -366,6 +396,10 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
          * accumulator arrays in memory, a store and reload on every FMA chain step) */
         float o[4][16];
         for (int r = 0; r < 4; r++) {
+            if (D > FA_DCHUNK) {
+                a0[r] += fa_load_f(part[r]);
+                a1[r] += fa_load_f(part[r] + 8);
+            }
             fa_store_f(o[r], a0[r] * sc);
             fa_store_f(o[r] + 8, a1[r] * sc);
         }

@@ -24,81 +24,110 @@
  * (the caller passes scale * log2 e: scores leave here in base 2)
  * Broadcast-FMA: one key element broadcast (straight from K's rows, any row stride), times a
  * contiguous vector of packed queries; 12 accumulators + 2 query vectors + 1 broadcast fit
- * the 16 registers of AVX2.  The sum over d is a plain sequential chain per lane: the
- * canonical order of a score, whichever tile or call computes it.
+ * the 16 registers of AVX2.
+ * The canonical order of a score, whichever kernel computes it: a sequential FMA chain
+ * over each chunk of FA_DCHUNK dimensions (d = 0..31, 32..63, ...), the chunks' sums
+ * added in order, then one multiply by scale.  Chunking bounds the rounding error of a
+ * score by about (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D, which
+ * matters for float32 at D = 128-256; for D <= FA_DCHUNK it is the plain chain.
  */
+/* One chunk's sums a into the scores at p: the first chunk stores, later ones add to what
+ * is there; the last one also applies the scale. */
+FA_INLINE void FA_FN(fa_chunk_out)(T* p, V a, int first, int last, V sc)
+{
+    if (!first) a = LOAD(p) + a;
+    STORE(p, last ? a * sc : a);
+}
+
 FA_NOINLINE void FA_FN(fa_score_tile)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
 {
     const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
-    V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
-    V a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
-    for (ptrdiff_t d = 0; d < D; d++) {
-        const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
-        V b;
-        b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
-        b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
-        b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
-        b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
-        b = BCAST(KV_SCALAR(k4[d])); a40 += b * q0; a41 += b * q1;
-        b = BCAST(KV_SCALAR(k5[d])); a50 += b * q0; a51 += b * q1;
-    }
     const V sc = BCAST(scale);
-    STORE(s + 0 * lds, a00 * sc); STORE(s + 0 * lds + VL, a01 * sc);
-    STORE(s + 1 * lds, a10 * sc); STORE(s + 1 * lds + VL, a11 * sc);
-    STORE(s + 2 * lds, a20 * sc); STORE(s + 2 * lds + VL, a21 * sc);
-    STORE(s + 3 * lds, a30 * sc); STORE(s + 3 * lds + VL, a31 * sc);
-    STORE(s + 4 * lds, a40 * sc); STORE(s + 4 * lds + VL, a41 * sc);
-    STORE(s + 5 * lds, a50 * sc); STORE(s + 5 * lds + VL, a51 * sc);
+    ptrdiff_t d0 = 0;
+    do {
+        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
+        const int first = d0 == 0, last = d1 == D;
+        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
+        V a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
+        for (ptrdiff_t d = d0; d < d1; d++) {
+            const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
+            V b;
+            b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
+            b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
+            b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
+            b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
+            b = BCAST(KV_SCALAR(k4[d])); a40 += b * q0; a41 += b * q1;
+            b = BCAST(KV_SCALAR(k5[d])); a50 += b * q0; a51 += b * q1;
+        }
+#define OUT(j, a0, a1) FA_FN(fa_chunk_out)(s + j * lds, a0, first, last, sc); \
+                       FA_FN(fa_chunk_out)(s + j * lds + VL, a1, first, last, sc);
+        OUT(0, a00, a01) OUT(1, a10, a11) OUT(2, a20, a21)
+        OUT(3, a30, a31) OUT(4, a40, a41) OUT(5, a50, a51)
+#undef OUT
+        d0 = d1;
+    } while (d0 < D);
 }
 
-/* The same score micro-tile for a single vector of query rows (decode steps and the last
- * lane group of a tile): per lane, the identical FMA chain as fa_score_tile. */
+/* The same score micro-tile for a single vector of query rows (the last lane group of a
+ * tile): per lane, the identical chains as fa_score_tile. */
 FA_NOINLINE void FA_FN(fa_score_tile1)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
                                       ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
 {
     const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
-    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
-    for (ptrdiff_t d = 0; d < D; d++) {
-        const V q0 = LOAD(qt + d * ldqt);
-        a0 += BCAST(KV_SCALAR(k0[d])) * q0;
-        a1 += BCAST(KV_SCALAR(k1[d])) * q0;
-        a2 += BCAST(KV_SCALAR(k2[d])) * q0;
-        a3 += BCAST(KV_SCALAR(k3[d])) * q0;
-        a4 += BCAST(KV_SCALAR(k4[d])) * q0;
-        a5 += BCAST(KV_SCALAR(k5[d])) * q0;
-    }
     const V sc = BCAST(scale);
-    STORE(s + 0 * lds, a0 * sc);
-    STORE(s + 1 * lds, a1 * sc);
-    STORE(s + 2 * lds, a2 * sc);
-    STORE(s + 3 * lds, a3 * sc);
-    STORE(s + 4 * lds, a4 * sc);
-    STORE(s + 5 * lds, a5 * sc);
+    ptrdiff_t d0 = 0;
+    do {
+        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
+        const int first = d0 == 0, last = d1 == D;
+        V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
+        for (ptrdiff_t d = d0; d < d1; d++) {
+            const V q0 = LOAD(qt + d * ldqt);
+            a0 += BCAST(KV_SCALAR(k0[d])) * q0;
+            a1 += BCAST(KV_SCALAR(k1[d])) * q0;
+            a2 += BCAST(KV_SCALAR(k2[d])) * q0;
+            a3 += BCAST(KV_SCALAR(k3[d])) * q0;
+            a4 += BCAST(KV_SCALAR(k4[d])) * q0;
+            a5 += BCAST(KV_SCALAR(k5[d])) * q0;
+        }
+        FA_FN(fa_chunk_out)(s + 0 * lds, a0, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 1 * lds, a1, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 2 * lds, a2, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 3 * lds, a3, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 4 * lds, a4, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 5 * lds, a5, first, last, sc);
+        d0 = d1;
+    } while (d0 < D);
 }
 
 /* The score micro-tile for the last 4 keys of a block (64 = 10 x 6 + 4), so that no
- * padding keys are computed: 8 accumulators, per lane the identical FMA chain.  Written
+ * padding keys are computed: 8 accumulators, per lane the identical chains.  Written
  * out like fa_score_tile rather than sharing a body over an accumulator array: that form
  * compiles to the same AVX2 loop but spills more in the SSE2 build. */
 FA_NOINLINE void FA_FN(fa_score_tile4)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
                                       ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
 {
     const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3];
-    V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
-    for (ptrdiff_t d = 0; d < D; d++) {
-        const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
-        V b;
-        b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
-        b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
-        b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
-        b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
-    }
     const V sc = BCAST(scale);
-    STORE(s + 0 * lds, a00 * sc); STORE(s + 0 * lds + VL, a01 * sc);
-    STORE(s + 1 * lds, a10 * sc); STORE(s + 1 * lds + VL, a11 * sc);
-    STORE(s + 2 * lds, a20 * sc); STORE(s + 2 * lds + VL, a21 * sc);
-    STORE(s + 3 * lds, a30 * sc); STORE(s + 3 * lds + VL, a31 * sc);
+    ptrdiff_t d0 = 0;
+    do {
+        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
+        const int first = d0 == 0, last = d1 == D;
+        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+        for (ptrdiff_t d = d0; d < d1; d++) {
+            const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
+            V b;
+            b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
+            b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
+            b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
+            b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
+        }
+#define OUT(j, a0, a1) FA_FN(fa_chunk_out)(s + j * lds, a0, first, last, sc); \
+                       FA_FN(fa_chunk_out)(s + j * lds + VL, a1, first, last, sc);
+        OUT(0, a00, a01) OUT(1, a10, a11) OUT(2, a20, a21) OUT(3, a30, a31)
+#undef OUT
+        d0 = d1;
+    } while (d0 < D);
 }
 
 #ifndef FA_KV_KERNELS_ONLY
@@ -280,9 +309,17 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int n
 {
     (void)ldk;
     V a[8];
+    T part[8][VL];   /* the sums of the chunks before the current one (see fa_score_tile) */
     for (int r = 0; r < nr; r++) a[r] = BCAST(0);
+#define FA_FOLD(d) \
+    if ((d) && (d) % FA_DCHUNK == 0) \
+        for (int r = 0; r < nr; r++) { \
+            STORE(part[r], (d) == FA_DCHUNK ? a[r] : LOAD(part[r]) + a[r]); \
+            a[r] = BCAST(0); \
+        }
     ptrdiff_t d0 = 0;
     for (; d0 + VL <= D; d0 += VL) {
+        FA_FOLD(d0)
         V t[VL];
         LOAD_TRANSPOSE_KV(kr, d0, t);
         if (pf && (ptrdiff_t)(d0 * sizeof(T)) < pf_bytes)
@@ -293,16 +330,18 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int n
         }
     }
     for (; d0 < D; d0++) {   /* D % VL leftover dimensions, one lane-gathered vector each */
+        FA_FOLD(d0)
         T col[VL];
         for (int i = 0; i < VL; i++) col[i] = KV_SCALAR(kr[i][d0]);
         const V kd = LOAD(col);
         const T* qd = qt + d0 * ldqt;
         for (int r = 0; r < nr; r++) a[r] += BCAST(qd[r]) * kd;
     }
+#undef FA_FOLD
     const V sc = BCAST(scale);
     for (int r = 0; r < nr && r < nstore; r++) {
         T out[VL];
-        STORE(out, a[r] * sc);
+        STORE(out, (D > FA_DCHUNK ? LOAD(part[r]) + a[r] : a[r]) * sc);
         for (int t = 0; t < nk; t++) s[t * lds + r] = out[t];
     }
 }
