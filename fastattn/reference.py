@@ -29,8 +29,8 @@ the score modifiers of today's models applied in FlashAttention's order:
 
        P[i, j] = exp(S[i, j]) / (exp(sink[h]) + sum_j' exp(S[i, j']))
 
-   (without sinks, ``exp(sink)`` is 0: the plain softmax; the rows then sum to
-   ``1 - p_sink`` instead of 1).
+   Without sinks ``exp(sink)`` is 0: the plain softmax. With them a row of ``P`` sums to
+   ``1 - p_sink``, the weight the sink takes.
 
 7. **weighted sum** of the values -- the context vectors::
 
@@ -70,9 +70,9 @@ float64; the float64 result is rounded once to it. ``lse`` is in the compute dty
 for float16/bfloat16/float32, float64 otherwise). bfloat16 is ``ml_dtypes.bfloat16``;
 without the ``ml_dtypes`` package no array has that dtype, and nothing here imports it.
 
-Arguments are validated by :mod:`fastattn._variants` (the same rules as the compiled
-kernels' front end) and by the few checks below, each failing with a clear
-``ValueError``/``TypeError`` that names the argument before any work starts.
+Arguments are validated by :mod:`fastattn._variants` (the variants, dtypes and lengths) and
+by the few checks below, each failing with a clear ``ValueError``/``TypeError`` that names
+the argument before any work starts.
 """
 import math
 import numbers
