@@ -1,75 +1,106 @@
 """Plain NumPy attention: the oracle the fast kernels are checked against.
 
-This module is the seed notebooks' math, written once for arrays of any batch shape:
+This module is the seed notebooks' math, written once for arrays of any batch shape, with
+the score modifiers of today's models applied in FlashAttention's order:
 
 1. **scores** -- every query is compared with every key by a scaled dot product::
 
        S[i, j] = scale * q_i . k_j          (scale = 1/sqrt(D) unless given)
 
-2. **visibility** -- some keys may not be seen by query ``i`` (causal masking, a sliding
-   window, right padding given by ``kv_lengths``, a boolean ``mask``); a floating ``mask``
-   is added to the scores instead. Hidden keys get the score ``-inf``.
+2. **softcap** (Gemma 2, Grok), when given -- the scores are squashed into
+   ``(-softcap, softcap)``::
 
-3. **softmax** over the keys of each row, shifted by the row maximum so ``exp`` never
-   overflows (seed 002's "Jiraiya" scores of 43074 are fine)::
+       S[i, j] <- softcap * tanh(S[i, j] / softcap)
 
-       P[i, j] = exp(S[i, j] - m_i) / sum_j' exp(S[i, j'] - m_i),   m_i = max_j S[i, j]
+3. **ALiBi** (BLOOM, MPT), when ``alibi_slopes`` are given -- a penalty that grows with the
+   distance between the query's position and the key's, both aligned bottom-right::
 
-4. **weighted sum** of the values -- the context vectors::
+       S[i, j] <- S[i, j] - slope[h] * |i + (kv_len - q_len) - j|
+
+4. **float mask**, when ``mask`` is floating -- added to the scores (``-inf`` hides a key).
+
+5. **visibility** -- some keys may not be seen by query ``i`` (causal masking, a sliding
+   window, right padding given by ``kv_lengths`` and ``q_lengths``, a boolean ``mask``).
+   Hidden keys get the score ``-inf``.
+
+6. **softmax** over the keys of each row, shifted by the row maximum so ``exp`` never
+   overflows (seed 002's "Jiraiya" scores of 43074 are fine). With ``sinks`` (gpt-oss),
+   one extra logit per head joins the denominator and has no value::
+
+       P[i, j] = exp(S[i, j]) / (exp(sink[h]) + sum_j' exp(S[i, j']))
+
+   Without sinks ``exp(sink)`` is 0: the plain softmax. With them a row of ``P`` sums to
+   ``1 - p_sink``, the weight the sink takes.
+
+7. **weighted sum** of the values -- the context vectors::
 
        out_i = sum_j P[i, j] v_j
 
-   and, on request, the log-sum-exp of each row ``lse_i = m_i + log sum_j exp(S[i, j] - m_i)``,
-   which lets partial results over disjoint key sets be merged exactly.
+   and, on request, the log of the denominator actually used,
+   ``lse_i = log(exp(sink[h]) + sum_j exp(S[i, j]))``, which lets partial results over
+   disjoint key sets be merged exactly.
 
 A row that sees no key at all has no distribution to normalise: its output is zeros and its
-``lse`` is ``-inf`` (never NaN, never a warning).
+``lse`` is the sink (``-inf`` without sinks) -- never NaN, never a warning. Padding query
+rows (``i >= q_lengths[b]``) are not rows at all: zeros and ``lse = -inf``, sinks or not.
+
+Visibility, in the notation of the contract (``Lq`` queries, ``Lk`` keys; for batch element
+``b``, ``kv_len = kv_lengths[b]`` (default ``Lk``) and ``q_len = q_lengths[b]`` (default
+``Lq``), and ``offset = kv_len - q_len``)::
+
+    query i exists        iff  i < q_len
+    key j exists          iff  j < kv_len
+    causal=True           iff  j <= i + offset                 (bottom-right aligned;
+                                                                also causal="bottom-right")
+    causal="top-left"     iff  j <= i                          (PyTorch's is_causal)
+    window=(left, right)  iff  i + offset - left <= j <= i + offset + right   (-1: unbounded)
+    boolean mask          iff  mask[..., h, i, j] is True
+
+ALiBi uses the same ``offset`` whatever ``causal`` says.
+
+:func:`attention_varlen` runs packed sequences (FlashAttention's ``cu_seqlens``) by calling
+:func:`attention` on each sequence alone, which is the definition of its result.
 
 Unlike the kernels, everything here materialises the full ``(..., Hq, Lq, Lk)`` score matrix
-and computes in float64 whatever the input dtype, so that it is a better oracle than the code
-it checks. Only the returned dtype follows the public contract (float16 in -> float16 out,
-integers and bool -> float64, ``lse`` in the compute dtype: float32 for float16/float32,
-float64 otherwise). Arguments are checked only as far as needed to fail with a clear
-``ValueError``/``TypeError``; the public front-end in :mod:`fastattn._api` is the strict one.
+and computes in float64 whatever the input dtype (from the values as given: float16 and
+bfloat16 inputs are already rounded), so that it is a better oracle than the code it checks.
+Only the returned dtype follows the public contract: float16 or bfloat16 out only when q, k
+and v all have that dtype, float32 for any other mix involving them, integers and bool ->
+float64; the float64 result is rounded once to it. ``lse`` is in the compute dtype (float32
+for float16/bfloat16/float32, float64 otherwise). bfloat16 is ``ml_dtypes.bfloat16``;
+without the ``ml_dtypes`` package no array has that dtype, and nothing here imports it.
 
-Visibility, in the notation of the contract (``Lq`` queries, ``Lk`` keys, ``Lk`` replaced by
-``kv_lengths[b]`` for batch element ``b`` when given)::
-
-    key j exists          iff  j < Lk
-    causal=True           iff  j <= i + (Lk - Lq)            (bottom-right aligned;
-                                                              also causal="bottom-right")
-    causal="top-left"     iff  j <= i                        (PyTorch's is_causal)
-    window=(left, right)  iff  i + (Lk-Lq) - left <= j <= i + (Lk-Lq) + right   (-1: unbounded)
-    boolean mask          iff  mask[..., h, i, j] is True
+Arguments are validated by :mod:`fastattn._variants` (the variants, dtypes and lengths) and
+by the few checks below, each failing with a clear ``ValueError``/``TypeError`` that names
+the argument before any work starts.
 """
+import math
+import numbers
+from types import SimpleNamespace
 
 import numpy as np
 
-__all__ = ["attention", "attention_weights", "softmax", "visible_keys"]
+from . import _variants
+
+__all__ = ["attention", "attention_varlen", "attention_weights", "softmax", "visible_keys"]
 
 
 # --------------------------------------------------------------------------- dtypes
 
-def _dtypes(*arrays):
-    """Return ``(result_dtype, compute_dtype)`` of the contract for these inputs.
-
-    The kernels compute float16 in float32 and integers/bool in float64; the reference
-    computes everything in float64 but reports the kernels' compute dtype for ``lse``.
-    """
-    for name, a in arrays:
-        if a.dtype.kind not in "biuf":
-            raise TypeError(
-                f"{name} must be a real numeric array, got dtype {a.dtype} "
-                "(complex and object arrays are not supported)"
-            )
-    dt = np.result_type(*[a for _, a in arrays])
-    if dt.kind in "biu":
-        return np.dtype(np.float64), np.dtype(np.float64)
-    if dt == np.float16:
-        return np.dtype(np.float16), np.dtype(np.float32)
-    if dt in (np.float32, np.float64):
-        return dt, dt
-    raise TypeError(f"unsupported floating dtype {dt} (use float16, float32 or float64)")
+def _round(x, dtype):
+    """The float64 array ``x`` rounded once, to nearest (ties to even), to ``dtype``."""
+    dtype = np.dtype(dtype)
+    if not _variants.is_bfloat16(dtype):
+        return x.astype(dtype)
+    # ml_dtypes converts float64 through float32, rounding twice (1 + 2**-8 + 2**-30 becomes
+    # 1, not 1 + 2**-7). Round the significand to bfloat16's 8 bits here instead; the result
+    # is exact in float32 (or overflows to inf, as it should) and in bfloat16.
+    # bfloat16 has float32's exponent range: subnormals below 2**-126 are spaced 2**-133.
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, e = np.frexp(x)
+        quantum = np.maximum(e, -125) - 8
+        y = np.ldexp(np.rint(np.ldexp(x, -quantum)), quantum)
+        return y.astype(np.float32).astype(dtype)
 
 
 # --------------------------------------------------------------------------- shapes
@@ -124,7 +155,23 @@ def _expand_kv_heads(x, Hq):
     return np.take(x, np.arange(Hq) // (Hq // Hkv), axis=-3)
 
 
-# --------------------------------------------------------------------------- visibility
+# --------------------------------------------------------------------------- arguments
+
+def _check_scale(scale, D):
+    if scale is None:
+        if D == 0:
+            raise ValueError("scale=None needs a head dimension D >= 1 (q.shape[-1] is 0)")
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError(f"scale must be finite, got {scale!r}") from None
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return scale
+
 
 def _check_causal(causal):
     if isinstance(causal, str):
@@ -154,41 +201,95 @@ def _check_window(window):
     return int(left), int(right)
 
 
-def _check_kv_lengths(kv_lengths, batch_shape, Lk):
-    kv = np.asarray(kv_lengths)
-    if kv.dtype.kind not in "iu":
-        raise TypeError(f"kv_lengths must be an integer array, got dtype {kv.dtype}")
+def _check_mask(mask, full_shape):
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if not (mask.dtype.kind in "bf" or _variants.is_bfloat16(mask.dtype)):
+        raise TypeError(f"mask must be bool or floating, got dtype {mask.dtype}")
     try:
-        kv = np.broadcast_to(kv, batch_shape)
+        return np.broadcast_to(mask, full_shape)
     except ValueError:
         raise ValueError(
-            f"kv_lengths of shape {kv.shape} does not broadcast to the batch shape {batch_shape}"
+            f"mask of shape {mask.shape} does not broadcast to (..., Hq, Lq, Lk) = {full_shape}"
         ) from None
-    if kv.size and (kv.min() < 0 or kv.max() > Lk):
-        raise ValueError(f"kv_lengths must lie in [0, Lk={Lk}], got values in "
-                         f"[{kv.min()}, {kv.max()}]")
-    return kv.astype(np.int64)
 
 
-def visible_keys(batch_shape, Lq, Lk, *, causal=False, window=None, kv_lengths=None):
+def _check_out(out, shape, dtype):
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"out must have shape {shape} and dtype {dtype}, "
+                         f"got shape {out.shape} and dtype {out.dtype}")
+    return out
+
+
+def _validate(q, k, v, *, scale, causal, window, mask, kv_lengths, q_lengths, softcap,
+              alibi_slopes, sinks, out=None):
+    """Every argument checked and normalised before any work starts.
+
+    Per-batch arrays come back shaped ``batch_shape`` (lengths) or ``batch_shape + (Hq,)``
+    (slopes, sinks); ``q``, ``k``, ``v`` always have a head axis.
+    """
+    q, k = np.asarray(q), np.asarray(k)
+    named = {"q": q, "k": k}
+    if v is not None:
+        v = np.asarray(v)
+        named["v"] = v
+    compute_dtype, result_dtype = _variants.dtypes(**named)
+    batch_shape, Hq, Hkv, Lq, Lk, D, Dv, squeeze_head = _split_shapes(q, k, v)
+    if squeeze_head:
+        q, k = q[None], k[None]
+        v = v[None] if v is not None else None
+    result_shape = (*batch_shape, Hq, Lq, Dv)
+
+    def per_batch(flat, tail=()):
+        return None if flat is None else flat.reshape(batch_shape + tail)
+
+    kv_len = _variants.check_kv_lengths(kv_lengths, batch_shape, Lk)
+    q_len = _variants.check_q_lengths(q_lengths, batch_shape, Lq)
+    return SimpleNamespace(
+        q=q, k=k, v=v, compute_dtype=compute_dtype, result_dtype=result_dtype,
+        batch_shape=batch_shape, Hq=Hq, Lq=Lq, Lk=Lk, Dv=Dv, squeeze_head=squeeze_head,
+        scale=_check_scale(scale, D),
+        causal=_check_causal(causal),
+        window=_check_window(window),
+        mask=_check_mask(mask, (*batch_shape, Hq, Lq, Lk)),
+        kv_len=np.full(batch_shape, Lk, np.intp) if kv_len is None else per_batch(kv_len),
+        q_len=np.full(batch_shape, Lq, np.intp) if q_len is None else per_batch(q_len),
+        softcap=_variants.check_softcap(softcap),
+        slopes=per_batch(_variants.check_alibi_slopes(alibi_slopes, batch_shape, Hq), (Hq,)),
+        sinks=per_batch(_variants.check_sinks(sinks, batch_shape, Hq), (Hq,)),
+        out=_check_out(out, result_shape[1:] if squeeze_head else result_shape, result_dtype),
+    )
+
+
+# --------------------------------------------------------------------------- visibility
+
+def visible_keys(batch_shape, Lq, Lk, *, causal=False, window=None, kv_lengths=None,
+                 q_lengths=None):
     """Boolean array ``(*batch_shape, 1, Lq, Lk)``: may query i see key j?
 
     Built directly from the contract's formulas (see the module docstring); the head axis
     is 1 because none of these rules depends on the head. ``mask`` is applied separately.
+    Padding query rows (``i >= q_lengths[b]``) see no key.
     """
     causal = _check_causal(causal)
     window = _check_window(window)
     i = np.arange(Lq)[:, None]  # (Lq, 1)
     j = np.arange(Lk)[None, :]  # (1, Lk)
-    if kv_lengths is None:
-        length = np.full(batch_shape, Lk, dtype=np.int64)
-    else:
-        length = _check_kv_lengths(kv_lengths, batch_shape, Lk)
-    # (..., 1 head, 1 query, 1 key): the per-batch number of existing keys
-    length = length[..., None, None, None]
-    offset = length - Lq  # bottom-right alignment: the last query sits on the last key
+    kv_len = _variants.check_kv_lengths(kv_lengths, batch_shape, Lk)
+    q_len = _variants.check_q_lengths(q_lengths, batch_shape, Lq)
+    kv_len = np.full(batch_shape, Lk) if kv_len is None else kv_len.reshape(batch_shape)
+    q_len = np.full(batch_shape, Lq) if q_len is None else q_len.reshape(batch_shape)
+    # (..., 1 head, 1 query, 1 key): the per-batch numbers of queries and keys
+    kv_len = kv_len[..., None, None, None]
+    q_len = q_len[..., None, None, None]
+    offset = kv_len - q_len  # bottom-right alignment: the last query sits on the last key
 
-    visible = j < length
+    visible = (j < kv_len) & (i < q_len)
     if causal is True:
         visible = visible & (j <= i + offset)
     elif causal == "top-left":
@@ -202,42 +303,38 @@ def visible_keys(batch_shape, Lq, Lk, *, causal=False, window=None, kv_lengths=N
     return np.broadcast_to(visible, (*batch_shape, 1, Lq, Lk))
 
 
-def _scores_and_visibility(q, k, scale, causal, window, mask, kv_lengths, batch_shape,
-                           Hq, Lq, Lk, D):
-    """Scaled float64 scores (..., Hq, Lq, Lk) with hidden keys at -inf, plus visibility."""
-    if scale is None:
-        if D == 0:
-            raise ValueError("scale=None needs a head dimension D >= 1 (q.shape[-1] is 0)")
-        scale = 1.0 / np.sqrt(D)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
-                                                                      np.floating)):
-        raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    scale = float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
+# --------------------------------------------------------------------------- scores
 
-    full_shape = (*batch_shape, Hq, Lq, Lk)
-    q64 = q.astype(np.float64)
-    k64 = _expand_kv_heads(k.astype(np.float64), Hq)
-    scores = scale * (q64 @ np.swapaxes(k64, -1, -2))
+def _alibi_bias(slopes, q_len, kv_len, Lq, Lk):
+    """``-slope[..., h] * |i + (kv_len - q_len) - j|`` as ``(..., Hq, Lq, Lk)``."""
+    i = np.arange(Lq)[:, None]
+    j = np.arange(Lk)[None, :]
+    offset = (kv_len - q_len)[..., None, None, None]
+    distance = np.abs(i + offset - j)  # (..., 1, Lq, Lk)
+    return -slopes[..., None, None] * distance
+
+
+def _finished_scores(a):
+    """float64 scores (..., Hq, Lq, Lk), every modifier applied and hidden keys at -inf,
+    and their visibility, for the validated arguments ``a`` (see :func:`_validate`)."""
+    full_shape = (*a.batch_shape, a.Hq, a.Lq, a.Lk)
+    q64 = a.q.astype(np.float64)
+    k64 = _expand_kv_heads(a.k.astype(np.float64), a.Hq)
+    scores = a.scale * (q64 @ np.swapaxes(k64, -1, -2))
     scores = np.broadcast_to(scores, full_shape)
+    if a.softcap is not None:
+        with np.errstate(over="ignore"):  # s / softcap may overflow: tanh(+-inf) = +-1
+            scores = a.softcap * np.tanh(scores / a.softcap)
+    if a.slopes is not None:
+        scores = scores + _alibi_bias(a.slopes, a.q_len, a.kv_len, a.Lq, a.Lk)
 
-    visible = visible_keys(batch_shape, Lq, Lk, causal=causal, window=window,
-                           kv_lengths=kv_lengths)
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype.kind not in "bf":
-            raise TypeError(f"mask must be bool or floating, got dtype {mask.dtype}")
-        try:
-            mask = np.broadcast_to(mask, full_shape)
-        except ValueError:
-            raise ValueError(
-                f"mask of shape {mask.shape} does not broadcast to (..., Hq, Lq, Lk) = {full_shape}"
-            ) from None
-        if mask.dtype == bool:
-            visible = visible & mask
+    visible = visible_keys(a.batch_shape, a.Lq, a.Lk, causal=a.causal, window=a.window,
+                           kv_lengths=a.kv_len, q_lengths=a.q_len)
+    if a.mask is not None:
+        if a.mask.dtype == bool:
+            visible = visible & a.mask
         else:
-            scores = scores + mask.astype(np.float64)
+            scores = scores + a.mask.astype(np.float64)
     visible = np.broadcast_to(visible, full_shape)
     # A float mask's -inf hides a key just as a False would.
     # (NaN scores stay visible so that they propagate instead of vanishing.)
@@ -246,92 +343,135 @@ def _scores_and_visibility(q, k, scale, causal, window, mask, kv_lengths, batch_
     return scores, visible
 
 
-def _softmax_rows(scores, visible):
-    """Row-wise softmax of float64 scores; rows with nothing visible give zeros, lse=-inf."""
-    any_visible = visible.any(axis=-1, keepdims=True)
-    m = np.where(any_visible, scores.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
+def _row_sinks(a):
+    """The sink logit of every row, (..., Hq, Lq, 1): -inf without sinks and for padding
+    query rows (which are not rows, so their lse stays -inf)."""
+    if a.sinks is None:
+        return None
+    exists = np.arange(a.Lq) < a.q_len[..., None]  # (..., Lq)
+    return np.where(exists[..., None, :, None], a.sinks[..., :, None, None], -np.inf)
+
+
+def _softmax_rows(scores, visible, sinks=None):
+    """Row-wise softmax of float64 scores with an optional extra logit per row that joins
+    the denominator (``sinks``, broadcastable to ``(..., 1)``; ``-inf`` = none).
+
+    Returns ``(weights, lse)``. A row with nothing visible gives zeros and ``lse = sink``.
+    """
+    if sinks is None:
+        sinks = np.array(-np.inf)
+    m = np.maximum(scores.max(axis=-1, keepdims=True, initial=-np.inf), sinks)
+    empty = m == -np.inf
+    m = np.where(empty, 0.0, m)
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(visible, np.exp(scores - m), 0.0)
-    total = p.sum(axis=-1, keepdims=True)
-    safe_total = np.where(any_visible, total, 1.0)
+    total = p.sum(axis=-1, keepdims=True) + np.exp(sinks - m)
+    safe_total = np.where(empty, 1.0, total)
     weights = p / safe_total
     with np.errstate(divide="ignore"):
-        lse = np.where(any_visible, m + np.log(safe_total), -np.inf)[..., 0]
+        lse = np.where(empty, -np.inf, m + np.log(safe_total))[..., 0]
     return weights, lse
 
 
 # --------------------------------------------------------------------------- public API
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
-              kv_lengths=None, return_lse=False, out=None):
+              kv_lengths=None, softcap=None, alibi_slopes=None, sinks=None, q_lengths=None,
+              return_lse=False, out=None):
     """Scaled dot-product attention ``softmax(scale * q k^T + mask) v``, by the book.
 
-    Same signature and semantics as :func:`fastattn.attention`; see the module docstring.
+    Same signature and semantics as :func:`fastattn.attention`; see the module docstring
+    for the order of the score modifiers (``softcap``, ``alibi_slopes``, ``mask``), the
+    visibility rules (``causal``, ``window``, ``kv_lengths``, ``q_lengths``) and ``sinks``.
     Computes in float64, materialising the ``(..., Hq, Lq, Lk)`` scores.
     """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    result_dtype, compute_dtype = _dtypes(("q", q), ("k", k), ("v", v))
-    batch_shape, Hq, Hkv, Lq, Lk, D, Dv, squeeze_head = _split_shapes(q, k, v)
-    if squeeze_head:
-        q, k, v = q[None], k[None], v[None]
-    result_shape = (*batch_shape, Hq, Lq, Dv)
-    if out is not None:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-        want = result_shape[1:] if squeeze_head else result_shape
-        if out.shape != want or out.dtype != result_dtype:
-            raise ValueError(f"out must have shape {want} and dtype {result_dtype}, "
-                             f"got shape {out.shape} and dtype {out.dtype}")
-
-    scores, visible = _scores_and_visibility(q, k, scale, causal, window, mask, kv_lengths,
-                                             batch_shape, Hq, Lq, Lk, D)
-    weights, lse = _softmax_rows(scores, visible)
-    v64 = _expand_kv_heads(v.astype(np.float64), Hq)
-    if kv_lengths is not None:
-        # Keys at j >= kv_lengths[b] do not exist (e.g. the unused tail of a preallocated
-        # KV cache, which may hold garbage): zero their values so that a weight of 0 times
-        # a NaN there cannot leak into the weighted sum.
-        length = _check_kv_lengths(kv_lengths, batch_shape, Lk)[..., None, None, None]
-        v64 = np.where(np.arange(Lk)[:, None] < length, v64, 0.0)
+    a = _validate(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                  kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
+                  alibi_slopes=alibi_slopes, sinks=sinks, out=out)
+    scores, visible = _finished_scores(a)
+    weights, lse = _softmax_rows(scores, visible, _row_sinks(a))
+    v64 = _expand_kv_heads(a.v.astype(np.float64), a.Hq)
+    # Keys at j >= kv_lengths[b] do not exist (e.g. the unused tail of a preallocated KV
+    # cache, which may hold garbage): zero their values so that a weight of 0 times a NaN
+    # there cannot leak into the weighted sum.
+    v64 = np.where(np.arange(a.Lk)[:, None] < a.kv_len[..., None, None, None], v64, 0.0)
     context = weights @ v64  # (..., Hq, Lq, Dv): the weighted sum of the values
-    context = np.broadcast_to(context, result_shape)
+    context = np.broadcast_to(context, (*a.batch_shape, a.Hq, a.Lq, a.Dv))
 
-    if squeeze_head:
+    if a.squeeze_head:
         context, lse = context[0], lse[0]
-    if out is None:
-        result = context.astype(result_dtype)
+    if a.out is None:
+        result = _round(context, a.result_dtype)
     else:
-        out[...] = context
-        result = out
+        a.out[...] = _round(context, a.result_dtype)
+        result = a.out
     if return_lse:
-        return result, lse.astype(compute_dtype)
+        return result, lse.astype(a.compute_dtype)
     return result
 
 
 def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
-                      kv_lengths=None):
-    """The attention probabilities ``(..., Hq, Lq, Lk)``; hidden keys and empty rows get 0."""
-    q, k = np.asarray(q), np.asarray(k)
-    result_dtype, _ = _dtypes(("q", q), ("k", k))
-    batch_shape, Hq, Hkv, Lq, Lk, D, _, squeeze_head = _split_shapes(q, k)
-    if squeeze_head:
-        q, k = q[None], k[None]
-    scores, visible = _scores_and_visibility(q, k, scale, causal, window, mask, kv_lengths,
-                                             batch_shape, Hq, Lq, Lk, D)
-    weights, _ = _softmax_rows(scores, visible)
-    if squeeze_head:
+                      kv_lengths=None, softcap=None, alibi_slopes=None, sinks=None,
+                      q_lengths=None):
+    """The attention probabilities ``(..., Hq, Lq, Lk)``; hidden keys and empty rows get 0.
+
+    With ``sinks`` a row sums to ``1 - p_sink``, the weight the sink takes.
+    """
+    a = _validate(q, k, None, scale=scale, causal=causal, window=window, mask=mask,
+                  kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
+                  alibi_slopes=alibi_slopes, sinks=sinks)
+    scores, visible = _finished_scores(a)
+    weights, _ = _softmax_rows(scores, visible, _row_sinks(a))
+    if a.squeeze_head:
         weights = weights[0]
-    return weights.astype(result_dtype)
+    return _round(weights, a.result_dtype)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
+                     window=None, softcap=None, alibi_slopes=None, sinks=None,
+                     return_lse=False, out=None):
+    """Attention over packed sequences (FlashAttention's ``flash_attn_varlen_func``).
+
+    ``q (Hq, total_q, D)``, ``k (Hkv, total_k, D)``, ``v (Hkv, total_k, Dv)``: sequence
+    ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` against keys
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, each computed by :func:`attention` on that
+    sequence alone (so causal, window and ALiBi align to each sequence's own lengths).
+    ``alibi_slopes`` and ``sinks`` are per head, broadcastable to ``(Hq,)``.
+    Returns ``(Hq, total_q, Dv)``, and ``lse (Hq, total_q)`` with ``return_lse=True``.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    compute_dtype, result_dtype = _variants.dtypes(q=q, k=k, v=v)
+    Hq, _, total_q, total_k, D, Dv = _variants.check_varlen_shapes(q, k, v)
+    cu_q, cu_k = _variants.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    keywords = dict(
+        scale=_check_scale(scale, D), causal=_check_causal(causal), window=_check_window(window),
+        softcap=_variants.check_softcap(softcap),
+        alibi_slopes=_variants.check_alibi_slopes(alibi_slopes, (), Hq),
+        sinks=_variants.check_sinks(sinks, (), Hq),
+    )
+    for name in ("alibi_slopes", "sinks"):
+        if keywords[name] is not None:
+            keywords[name] = keywords[name][0]  # (1, Hq) -> (Hq,)
+    out = _check_out(out, (Hq, total_q, Dv), result_dtype)
+
+    result = np.zeros((Hq, total_q, Dv), result_dtype) if out is None else out
+    lse = np.full((Hq, total_q), -np.inf, compute_dtype)
+    for s in range(len(cu_q) - 1):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        keys = slice(cu_k[s], cu_k[s + 1])
+        result[:, rows], lse[:, rows] = attention(q[:, rows], k[:, keys], v[:, keys],
+                                                  return_lse=True, **keywords)
+    return (result, lse) if return_lse else result
 
 
 def softmax(x, axis=-1):
     """Numerically stable softmax along ``axis``; a row that is all ``-inf`` gives zeros.
 
-    float16/float32/float64 keep their dtype; integers and bool give float64.
+    float16/bfloat16/float32/float64 keep their dtype; integers and bool give float64.
     """
     x = np.asarray(x)
-    result_dtype, _ = _dtypes(("x", x))
+    _, result_dtype = _variants.dtypes(x=x)
     x64 = x.astype(np.float64)
     visible = x64 != -np.inf
     weights, _ = _softmax_rows(np.moveaxis(x64, axis, -1), np.moveaxis(visible, axis, -1))
-    return np.moveaxis(weights, -1, axis).astype(result_dtype)
+    return _round(np.moveaxis(weights, -1, axis), result_dtype)

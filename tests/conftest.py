@@ -75,6 +75,10 @@ TOLERANCES = {
     np.dtype(np.float32): (1e-5, 2e-6),
     np.dtype(np.float16): (1e-3, 1e-3),
 }
+# bfloat16 (ml_dtypes): the float16 argument with bfloat16's 8 significant bits, whose ulp is
+#   at most 2**-7 ~ 7.8e-3 relative: one ulp is rtol 8e-3, and atol 8e-3 for outputs of size
+#   ~1 next to zero. Keyed by name, since ml_dtypes is optional.
+BFLOAT16_TOLERANCE = (8e-3, 8e-3)
 
 
 def tolerance(dtype):
@@ -82,6 +86,8 @@ def tolerance(dtype):
     dtype = np.dtype(dtype)
     if dtype.kind in "biu":
         dtype = np.dtype(np.float64)
+    if dtype.name == "bfloat16":
+        return BFLOAT16_TOLERANCE
     return TOLERANCES[dtype]
 
 
