@@ -13,7 +13,7 @@ import operator
 
 import numpy as np
 
-from . import _threads
+from . import _threads, _variants
 from ._dispatch import kernel as _kernel
 
 __all__ = ["attention", "attention_weights", "softmax"]
@@ -122,7 +122,8 @@ def _kernel_ready(a, dtype):
 class _Call:
     """Validated arguments of one attention / attention_weights call."""
 
-    def __init__(self, q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse):
+    def __init__(self, q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse,
+                 softcap=None, alibi_slopes=None, sinks=None, q_lengths=None):
         q = _as_array(q, "q")
         k = _as_array(k, "k")
         arrays = [q, k]
@@ -170,6 +171,10 @@ class _Call:
         self.nbatch = math.prod(batch)
         self.mask, self.mask_kind = self._mask(mask)
         self.kv_len = self._kv_lengths(kv_lengths)
+        self.softcap = _variants.check_softcap(softcap)
+        self.alibi = _variants.check_alibi_slopes(alibi_slopes, batch, Hq)
+        self.sinks = _variants.check_sinks(sinks, batch, Hq)
+        self.q_len = _variants.check_q_lengths(q_lengths, batch, Lq)
         if not isinstance(return_lse, (bool, np.bool_)):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         self.return_lse = bool(return_lse)
@@ -240,7 +245,8 @@ class _Call:
 # --------------------------------------------------------------------------- public API
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
-              kv_lengths=None, return_lse=False, out=None):
+              kv_lengths=None, return_lse=False, out=None, softcap=None, alibi_slopes=None,
+              sinks=None, q_lengths=None):
     """Scaled-dot-product attention, ``softmax(scale * q @ k^T + mask) @ v``, in one fused pass.
 
     Parameters
@@ -269,6 +275,22 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
         Also return ``lse = log(sum_j exp(score_ij))`` over visible keys, shape (..., Hq, Lq).
     out : ndarray, optional
         Preallocated result (right shape and dtype), written and returned.
+    softcap : float, optional
+        Caps the scores smoothly, ``s <- softcap * tanh(s / softcap)`` (Gemma 2, Grok).
+    alibi_slopes : array_like, optional
+        Broadcastable to ``(..., Hq)``: adds ``-slope[h] * |i + kv_len - q_len - j|`` to the
+        score of query ``i`` and key ``j`` (ALiBi, bottom-right aligned).
+    sinks : array_like, optional
+        Broadcastable to ``(..., Hq)``: one extra logit per head in every row's softmax
+        denominator, without a value (gpt-oss); ``-inf`` means no sink.  ``lse`` includes it,
+        and a row that sees no key gives zeros and ``lse = sink``.
+    q_lengths : array_like of int, optional
+        Broadcastable to the batch shape; rows ``i >= q_lengths[b]`` are padding (zeros,
+        ``lse = -inf``), and causal/window/ALiBi alignment uses it in place of ``Lq``.
+
+    The score of query ``i`` and key ``j`` is built in this order: ``scale * q_i . k_j``,
+    softcap, + ALiBi bias, + float mask, then visibility (causal, window, lengths, bool
+    mask).
 
     Returns
     -------
@@ -293,14 +315,17 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     """
     if v is None:
         raise TypeError("v must be an array of shape (..., Hkv, Lk, Dv), got None")
-    if window is None and mask is None and kv_lengths is None and type(return_lse) is bool:
+    if (window is None and mask is None and kv_lengths is None and type(return_lse) is bool
+            and softcap is None and alibi_slopes is None and sinks is None
+            and q_lengths is None):
         # The common case is validated and run entirely in C (see src/_kernel_impl.pxi,
         # "The lean call path"); it returns None for anything it does not handle.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
                                      _threads.get_num_threads())
         if res is not None:
             return res
-    call = _Call(q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse)
+    call = _Call(q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse,
+                 softcap, alibi_slopes, sinks, q_lengths)
     cdt = call.compute_dtype
     q, k, v = (_kernel_ready(a, cdt) for a in (call.q, call.k, call.v))
     batch = call.batch
@@ -333,6 +358,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     _kernel.forward(
         q, k, v, res, lse, mask, call.mask_kind, batch, call.kv_len_flat(),
         call.causal, call.wl, call.wr, call.scale, _threads.get_num_threads(),
+        call.softcap or 0.0, call.alibi, call.sinks, call.q_len,
     )
 
     if call.squeeze_heads:
@@ -348,18 +374,21 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     return (res, lse) if call.return_lse else res
 
 
-def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, kv_lengths=None):
+def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, kv_lengths=None,
+                      softcap=None, alibi_slopes=None, sinks=None, q_lengths=None):
     """The attention probabilities ``softmax(scale * q @ k^T + mask)``, for inspection.
 
-    Same arguments and masking rules as :func:`attention` (without ``v``).  Materialises
-    the ``(..., Hq, Lq, Lk)`` matrix, so it is meant for plots and small inputs; hidden keys
-    get weight 0 and rows that see no key are all zeros.
+    Same arguments, variants and masking rules as :func:`attention` (without ``v``).
+    Materialises the ``(..., Hq, Lq, Lk)`` matrix, so it is meant for plots and small
+    inputs; hidden keys get weight 0 and rows that see no key are all zeros.  With
+    ``sinks``, each row sums to ``1 - p_sink`` (the sink's share of the denominator).
 
     Returns
     -------
     ndarray, shape (..., Hq, Lq, Lk), in the result dtype of ``q`` and ``k``.
     """
-    call = _Call(q, k, None, scale, causal, window, mask, kv_lengths, None, False)
+    call = _Call(q, k, None, scale, causal, window, mask, kv_lengths, None, False,
+                 softcap, alibi_slopes, sinks, q_lengths)
     cdt = call.compute_dtype
     q = call.q.astype(cdt, copy=False)
     k = call.k.astype(cdt, copy=False)
@@ -368,9 +397,20 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     qg = q.reshape(q.shape[:-3] + (call.Hkv, G, call.Lq, call.D))
     kt = np.swapaxes(k, -1, -2)[..., :, None, :, :]
     scores = np.matmul(qg, kt).reshape(call.batch + (call.Hq, call.Lq, call.Lk)) * cdt.type(call.scale)
+    if call.softcap is not None:
+        c = cdt.type(call.softcap)
+        scores = c * np.tanh(scores / c)
+    per_head = call.batch + (call.Hq, 1, 1)
+    q_len = call.q_len if call.q_len is not None else np.full(call.nbatch, call.Lq, np.intp)
+    if call.alibi is not None:
+        diag = (np.arange(call.Lq)[:, None] + (call.kv_len_flat() - q_len)[:, None, None])
+        dist = np.abs(diag[:, None, :, :] - np.arange(call.Lk))     # (nbatch, 1, Lq, Lk)
+        bias = -call.alibi[:, :, None, None] * dist
+        scores = scores + bias.reshape(call.batch + bias.shape[1:]).astype(cdt)
 
     # Visibility from the kernel's own rule (one definition for every code path).
-    lo, hi = _kernel.key_intervals(call.Lq, call.kv_len_flat(), call.causal, call.wl, call.wr)
+    lo, hi = _kernel.key_intervals(call.Lq, call.kv_len_flat(), call.causal, call.wl, call.wr,
+                                   call.q_len)
     lo = lo.reshape(call.batch + (1, call.Lq, 1))
     hi = hi.reshape(call.batch + (1, call.Lq, 1))
     j = np.arange(call.Lk)
@@ -382,10 +422,23 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
             with np.errstate(invalid="ignore"):
                 scores = scores + call.mask.astype(cdt, copy=False)
     scores = np.where(visible, scores, cdt.type(-np.inf))
-    w = softmax(scores, axis=-1)
+    if call.sinks is None:
+        w = softmax(scores, axis=-1)
+    else:
+        w = _softmax_with_sink(scores, call.sinks.reshape(per_head).astype(cdt))
     if call.squeeze_heads:
         w = w[0]
     return w.astype(call.result_dtype, copy=False)
+
+
+def _softmax_with_sink(scores, sink):
+    """Rows of exp(s_j) / (exp(sink) + sum_j exp(s_j)), shifted by max(row max, sink)."""
+    m = np.maximum(np.max(scores, axis=-1, keepdims=True) if scores.shape[-1] else sink, sink)
+    m = np.where(np.isneginf(m), 0, m)
+    e = np.exp(scores - m)
+    den = np.exp(sink - m) + np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den == 0, 0, e / np.where(den == 0, 1, den))
 
 
 def softmax(x, axis=-1):

@@ -115,6 +115,13 @@ cdef extern from "fa_kernels.h" nogil:
                       Py_ssize_t ldv, double* acc, const double* alpha, const char* pf,
                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
 
+    void fa_softcap_f(float* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, float c)
+    void fa_softcap_d(double* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, double c)
+    void fa_alibi_f(float* s, Py_ssize_t lds, Py_ssize_t j0, Py_ssize_t nk, const float* nslope,
+                    const float* diag, int nvec)
+    void fa_alibi_d(double* s, Py_ssize_t lds, Py_ssize_t j0, Py_ssize_t nk,
+                    const double* nslope, const double* diag, int nvec)
+    void fa_tanh_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     int fa_have_openmp()
@@ -191,6 +198,23 @@ cdef inline void hide_keys(floating* s, Py_ssize_t nk, int nvec) noexcept nogil:
         fa_hide_keys_f(s, FA_BQ, nk, nvec)
     else:
         fa_hide_keys_d(s, FA_BQ, nk, nvec)
+
+
+cdef inline void softcap(floating* s, Py_ssize_t nk, int nvec, double c) noexcept nogil:
+    # s <- c tanh(s / c) on nk keys of 1 or 2 whole vectors of rows.
+    if floating is float:
+        fa_softcap_f(s, FA_BQ, nk, nvec, <float> c)
+    else:
+        fa_softcap_d(s, FA_BQ, nk, nvec, c)
+
+
+cdef inline void alibi(floating* s, Py_ssize_t j0, Py_ssize_t nk, const floating* nslope,
+                       const floating* diag, int nvec) noexcept nogil:
+    # s[j] += nslope * |diag - j| per lane, keys j0 .. j0 + nk - 1.
+    if floating is float:
+        fa_alibi_f(s, FA_BQ, j0, nk, nslope, diag, nvec)
+    else:
+        fa_alibi_d(s, FA_BQ, j0, nk, nslope, diag, nvec)
 
 
 cdef inline void softmax_step(floating* s, Py_ssize_t nj, Py_ssize_t jlo, Py_ssize_t jhi,

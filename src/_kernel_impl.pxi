@@ -22,7 +22,7 @@
 from cython.parallel cimport prange, parallel, threadid
 from libc.string cimport memset, memcpy
 from cpython.mem cimport PyMem_RawMalloc, PyMem_RawFree
-from libc.math cimport log, sqrt, isfinite, INFINITY
+from libc.math cimport log, exp2, sqrt, isfinite, INFINITY
 
 cimport numpy as cnp
 import numpy as np
@@ -262,19 +262,34 @@ cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.nda
     P.causal = causal
     P.wl, P.wr = wl, wr
     P.scale = scale
+    P.softcap = 0
+    P.alibi = P.sinks = NULL
+    P.q_len = NULL
     return offs
+
+
+cdef const void* _data_or_null(object a):
+    # The data of a C-contiguous array prepared by the front end, or NULL for None.
+    cdef cnp.ndarray arr
+    if a is None:
+        return NULL
+    arr = a
+    return cnp.PyArray_DATA(arr)
 
 
 def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
             object mask, int mask_kind, tuple batch, cnp.ndarray kv_len,
-            int causal, Py_ssize_t wl, Py_ssize_t wr, double scale, int n_threads):
+            int causal, Py_ssize_t wl, Py_ssize_t wr, double scale, int n_threads,
+            double softcap=0, object alibi=None, object sinks=None, object q_len=None):
     """Run the fused kernel on validated arrays (called only by fastattn._api).
 
     q, k, v, out: compute dtype (float32/float64), (..., heads, rows, cols) with a
     contiguous last axis (kernel_layout), their batch axes broadcasting to ``batch``.
     lse: None or (..., Hq, Lq) of the compute dtype; mask: None, a uint8 view of a bool
     mask or an array of the compute dtype, (..., Hq, Lq, Lk) broadcasting likewise.
-    kv_len: intp, one length per flattened batch element.  No validation happens here.
+    kv_len: intp, one length per flattened batch element.  softcap: 0 for none.  alibi,
+    sinks: None or C-contiguous float64 (nbatch, Hq); q_len: None or intp (nbatch,).
+    No validation happens here.
     """
     cdef Py_ssize_t bshape[32]
     cdef int nb = len(batch), d
@@ -284,27 +299,46 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
     cdef Py_ssize_t* offs = _fill_problem(
         &P, q, k, v, out, lse, mask, mask_kind, nb, bshape,
         <const Py_ssize_t*> cnp.PyArray_DATA(kv_len), causal, wl, wr, scale)
+    P.softcap = softcap
+    P.alibi = <const double*> _data_or_null(alibi)
+    P.sinks = <const double*> _data_or_null(sinks)
+    P.q_len = <const Py_ssize_t*> _data_or_null(q_len)
     try:
         _run(&P, q.dtype == np.float32, n_threads)
     finally:
         PyMem_RawFree(offs)
 
 
-def key_intervals(Py_ssize_t Lq, cnp.ndarray kv_len, int causal, Py_ssize_t wl, Py_ssize_t wr):
+def key_intervals(Py_ssize_t Lq, cnp.ndarray kv_len, int causal, Py_ssize_t wl, Py_ssize_t wr,
+                  object q_len=None):
     """Visible key interval [lo, hi) of every query row, shape (len(kv_len), Lq) each.
 
-    The kernel's own rule (fa_key_interval), exported for attention_weights.
+    The kernel's own rule (fa_key_interval), exported for attention_weights.  q_len: None
+    or intp (len(kv_len),), the real query rows of each batch element (alignment uses it;
+    rows past it see nothing).
     """
-    cdef Py_ssize_t nb = kv_len.shape[0], b, i
+    cdef Py_ssize_t nb = kv_len.shape[0], b, i, ql
     cdef cnp.ndarray lo = np.empty((nb, Lq), dtype=np.intp)
     cdef cnp.ndarray hi = np.empty((nb, Lq), dtype=np.intp)
     cdef Py_ssize_t* plo = <Py_ssize_t*> cnp.PyArray_DATA(lo)
     cdef Py_ssize_t* phi = <Py_ssize_t*> cnp.PyArray_DATA(hi)
     cdef const Py_ssize_t* pkv = <const Py_ssize_t*> cnp.PyArray_DATA(kv_len)
+    cdef const Py_ssize_t* pql = <const Py_ssize_t*> _data_or_null(q_len)
     for b in range(nb):
+        ql = pql[b] if pql != NULL else Lq
         for i in range(Lq):
-            fa_key_interval(i, Lq, pkv[b], causal, wl, wr, &plo[b * Lq + i], &phi[b * Lq + i])
+            if i < ql:
+                fa_key_interval(i, ql, pkv[b], causal, wl, wr, &plo[b * Lq + i], &phi[b * Lq + i])
+            else:
+                plo[b * Lq + i] = phi[b * Lq + i] = 0
     return lo, hi
+
+
+def vector_tanh(cnp.ndarray x):
+    """The kernel's float32 vector tanh (softcap) on a contiguous float32 array."""
+    cdef cnp.ndarray y = np.empty_like(x)
+    fa_tanh_array_f(<const float*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
+    return y
 
 
 def vector_exp2(cnp.ndarray x):

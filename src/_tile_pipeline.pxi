@@ -46,11 +46,18 @@ cdef struct Problem:
     int causal
     Py_ssize_t wl, wr
     double scale
+    # Variants: softcap (0: none); per (batch element, query head) ALiBi slopes and
+    # attention-sink logits, nbatch x Hq (NULL: none); per batch element the number of
+    # real query rows (NULL: Lq everywhere).
+    double softcap
+    const double* alibi
+    const double* sinks
+    const Py_ssize_t* q_len
 
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
-    Py_ssize_t qt, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, zrow, elems
+    Py_ssize_t qt, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow, elems
 
 
 cdef struct Tile:
@@ -64,7 +71,8 @@ cdef struct Tile:
     bint decode                   # few rows: keys are the lanes of the score kernels
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
-    Py_ssize_t kv_len, tile_lo, tile_hi   # keys [tile_lo, tile_hi) are seen by some row
+    Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
+    Py_ssize_t tile_lo, tile_hi           # keys [tile_lo, tile_hi) are seen by some row
     # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.
     const char* kb
     const char* vb
@@ -101,6 +109,8 @@ cdef void _carve(Workspace* w, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t VL) noexc
     w.fa = o; o += FA_BQ                        # merge factors
     w.fb = o; o += FA_BQ
     w.vtail = o; o += FA_BK * 2 * VL            # V's last columns, zero-padded
+    w.nslope = o; o += FA_BQ                    # ALiBi per row: -slope log2 e
+    w.diag = o; o += FA_BQ                      # and the row's diagonal
     w.zrow = o; o += D + 1                      # a zero key row for padding keys
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
 
@@ -170,6 +180,7 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.first_blk = True
     t.scale_log2 = P.scale * LOG2E
     t.kv_len = P.kv_len[b]
+    t.q_len = P.q_len[b] if P.q_len != NULL else P.Lq
     t.kv_isz, t.k_sj, t.v_sj = P.kv_isz, P.k_sj, P.v_sj
     t.k_row, t.v_row = P.k_sj * P.kv_isz, P.v_sj * P.kv_isz
     t.kb = P.k + (P.k_boff[b] + g * P.k_sh) * P.kv_isz
@@ -179,8 +190,10 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
 
 cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
                       floating* ws) noexcept nogil:
-    # Each row's visible key interval (fa_key_interval: the visibility rule), Q^T packed,
-    # and the padding lanes: zero queries that see nothing and are never written out.
+    # Each row's visible key interval (fa_key_interval: the visibility rule, aligned on the
+    # real query rows q_len), Q^T packed, the per-row ALiBi terms, and the padding lanes:
+    # zero queries that see nothing and are never written out.  Rows at or past q_len are
+    # padding too.
     cdef floating* qt = ws + w.qt
     cdef floating* s = ws + w.s
     cdef const floating* qrow
@@ -188,9 +201,15 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     t.tile_lo = t.kv_len
     t.tile_hi = 0
     for r in range(t.nlanes):
+        ws[w.nslope + r] = 0
+        ws[w.diag + r] = 0
         if r < t.nrows:
             _row_position(P, t, r, &h, &i)
-            fa_key_interval(i, P.Lq, t.kv_len, P.causal, P.wl, P.wr, &t.lo[r], &t.hi[r])
+        if r < t.nrows and i < t.q_len:
+            fa_key_interval(i, t.q_len, t.kv_len, P.causal, P.wl, P.wr, &t.lo[r], &t.hi[r])
+            if P.alibi != NULL:
+                ws[w.nslope + r] = <floating> (-P.alibi[t.b * P.Hq + h] * LOG2E)
+                ws[w.diag + r] = <floating> (i + t.kv_len - t.q_len)
             if t.lo[r] < t.hi[r]:
                 t.tile_lo = min(t.tile_lo, t.lo[r])
                 t.tile_hi = max(t.tile_hi, t.hi[r])
@@ -198,6 +217,8 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             for d in range(D):
                 qt[d * ldqt + r] = qrow[d]
         else:
+            t.lo[r] = 0
+            t.hi[r] = 0
             for d in range(D):
                 qt[d * ldqt + r] = 0
     # Rows a 4-row output tile may cover past the last vector see nothing too.
@@ -314,12 +335,26 @@ cdef void _finish_scores(const Problem* P, const Tile* t, const Workspace* w,
         _keys_seen(t, c, rend, &g_lo, &g_hi)
         g_lo = min(max(g_lo, j0), j1)
         g_hi = min(max(g_hi, g_lo), j1)
+        if g_lo < g_hi:
+            _modify_scores(P, t, w, ws, c, nvec, g_lo, g_hi)
         hide_keys(s + c, g_lo - j0, nvec)
         hide_keys(s + (g_hi - j0) * FA_BQ + c, j1 - g_hi, nvec)
         if P.mask_kind == 0 and _all_see(t, c, rend, j0, j1):
             continue
         for r in range(c, rend):
             _finish_row(P, t, s + r, r, g_lo, g_hi)
+
+
+cdef inline void _modify_scores(const Problem* P, const Tile* t, const Workspace* w,
+                               floating* ws, Py_ssize_t c, int nvec, Py_ssize_t g_lo,
+                               Py_ssize_t g_hi) noexcept nogil:
+    # The score modifiers that apply to whole vectors of rows, in order: softcap, then the
+    # ALiBi bias, on keys [g_lo, g_hi) of the lane group starting at row c.
+    cdef floating* s = ws + w.s + (g_lo - t.j0) * FA_BQ + c
+    if P.softcap > 0:
+        softcap(s, g_hi - g_lo, nvec, P.softcap * LOG2E)
+    if P.alibi != NULL:
+        alibi(s, g_lo, g_hi - g_lo, ws + w.nslope + c, ws + w.diag + c, nvec)
 
 
 cdef inline void _finish_row(const Problem* P, const Tile* t, floating* sr, Py_ssize_t r,
@@ -546,6 +581,9 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
         _row_position(P, t, r, &h, &i)
         orow = (<floating*> P.out) + P.o_boff[t.b] + h * P.o_sh + i * P.o_si
         ACC = ws + w.ACC + r * t.dv_pad
+        if P.sinks != NULL and i < t.q_len:
+            _write_row_sink(P, t, orow, ACC, M[r], L[r], P.sinks[t.b * P.Hq + h], h, i)
+            continue
         # L == 0 exactly iff no key was visible (the max key alone contributes p = 1);
         # a NaN or +inf score makes L NaN, and the row NaN, as in the reference.
         if L[r] != 0:
@@ -558,6 +596,31 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
         if P.lse != NULL:
             (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = (
                 M[r] * LN2 + log(L[r]) if L[r] != 0 else -INFINITY)
+
+
+cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow,
+                                 const floating* ACC, floating M, floating L, double sink,
+                                 Py_ssize_t h, Py_ssize_t i) noexcept nogil:
+    # A row whose softmax denominator has one more logit, the head's sink, without a value:
+    # out = ACC 2^M / (L 2^M + 2^sink2), lse = log of that denominator (natural log);
+    # a row that saw no key gets zeros and lse = sink.
+    cdef double sink2 = sink * LOG2E, mx, a, den
+    cdef floating f
+    cdef Py_ssize_t c
+    cdef double lse = sink
+    if L == 0:
+        for c in range(P.Dv):
+            orow[c] = 0
+    else:
+        mx = max(<double> M, sink2)
+        a = exp2(M - mx)
+        den = L * a + exp2(sink2 - mx)
+        f = <floating> (a / den)
+        for c in range(P.Dv):
+            orow[c] = ACC[c] * f
+        lse = mx * LN2 + log(den)
+    if P.lse != NULL:
+        (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = <floating> lse
 
 
 # ---------------------------------------------------------------------------- work items

@@ -485,6 +485,79 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
 #undef EXP2
 #undef LOAD_TRANSPOSE
 
+/* ---- score modifiers (the finish-scores stage; scores are in base 2) ----
+ * Each works on nk keys of nvec whole vectors of rows, per lane only, so a row gets the
+ * same bits in a decode tile as in a prefill tile. */
+
+/* tanh for float vectors: for |x| < 0.4 the odd Taylor series to x^13 (truncation below
+ * 4e-9 relative), else (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) <= 0.45, which has no
+ * cancellation.  Accuracy is measured by tests/test_exp.py. */
+FA_INLINE fa_vf fa_tanh_f(fa_vf x)
+{
+    const fa_vf ax = fa_select_f(x < 0, -x, x);
+    const fa_vf z = ax * ax;
+    fa_vf p = fa_bcast_f(21844.0f / 6081075.0f);
+    p = p * z + fa_bcast_f(-1382.0f / 155925.0f);
+    p = p * z + fa_bcast_f(62.0f / 2835.0f);
+    p = p * z + fa_bcast_f(-17.0f / 315.0f);
+    p = p * z + fa_bcast_f(2.0f / 15.0f);
+    p = p * z + fa_bcast_f(-1.0f / 3.0f);
+    const fa_vf small = ax + ax * (z * p);
+    const fa_vf e = fa_exp2_f(ax * fa_bcast_f(-2.0f * 1.44269504088896341f));
+    const fa_vf one = fa_bcast_f(1.0f);
+    const fa_vf r = fa_select_f(ax < fa_bcast_f(0.4f), small, (one - e) / (one + e));
+    return fa_select_f(x < 0, -r, r);
+}
+
+/* Softcapping, s <- c tanh(s / c), with c = softcap * log2 e for base-2 scores. */
+static void fa_softcap_f(float* s, ptrdiff_t lds, ptrdiff_t nk, int nvec, float c)
+{
+    const fa_vf vc = fa_bcast_f(c);
+    for (ptrdiff_t j = 0; j < nk; j++)
+        for (int t = 0; t < nvec; t++) {
+            float* p = s + j * lds + t * FA_VL_F;
+            fa_store_f(p, vc * fa_tanh_f(fa_load_f(p) / vc));
+        }
+}
+/* float64 scores take libm's tanh, lane by lane. */
+static void fa_softcap_d(double* s, ptrdiff_t lds, ptrdiff_t nk, int nvec, double c)
+{
+    for (ptrdiff_t j = 0; j < nk; j++)
+        for (ptrdiff_t r = 0; r < nvec * FA_VL_D; r++) s[j * lds + r] = c * tanh(s[j * lds + r] / c);
+}
+
+/* ALiBi: s[j] += nslope * |diag - j| for keys j = j0 .. j0 + nk - 1, per lane: nslope is
+ * -slope * log2 e of the lane's head, diag its row's diagonal i + kv_len - q_len. */
+#define FA_ALIBI(SUF, T, V, VL, LOAD, STORE, BCAST, SELECT) \
+static void fa_alibi_##SUF(T* s, ptrdiff_t lds, ptrdiff_t j0, ptrdiff_t nk, \
+                           const T* nslope, const T* diag, int nvec) \
+{ \
+    for (int t = 0; t < nvec; t++) { \
+        const V sl = LOAD(nslope + t * VL), dg = LOAD(diag + t * VL); \
+        for (ptrdiff_t j = 0; j < nk; j++) { \
+            T* p = s + j * lds + t * VL; \
+            V dj = dg - BCAST((T)(j0 + j)); \
+            dj = SELECT(dj < 0, -dj, dj); \
+            STORE(p, LOAD(p) + sl * dj); \
+        } \
+    } \
+}
+FA_ALIBI(f, float, fa_vf, FA_VL_F, fa_load_f, fa_store_f, fa_bcast_f, fa_select_f)
+FA_ALIBI(d, double, fa_vd, FA_VL_D, fa_load_d, fa_store_d, fa_bcast_d, fa_select_d)
+#undef FA_ALIBI
+
+/* Whole-array tanh, for measuring its accuracy from the tests. */
+static inline void fa_tanh_array_f(const float* x, float* y, ptrdiff_t n)
+{
+    float buf[64];
+    for (ptrdiff_t i = 0; i < n; i += FA_VL_F) {
+        ptrdiff_t m = n - i < FA_VL_F ? n - i : FA_VL_F;
+        for (ptrdiff_t t = 0; t < FA_VL_F; t++) buf[t] = t < m ? x[i + t] : 0.0f;
+        fa_store_f(buf, fa_tanh_f(fa_load_f(buf)));
+        for (ptrdiff_t t = 0; t < m; t++) y[i + t] = buf[t];
+    }
+}
+
 /* Whole-array 2^x, for measuring the vector exp2's accuracy from the tests. */
 static inline void fa_exp2_array_f(const float* x, float* y, ptrdiff_t n)
 {
