@@ -18,7 +18,7 @@ length / mask visibility, never materialising the Lq x Lk score matrix.
 """
 from importlib import metadata as _metadata
 
-from ._api import attention, attention_weights, softmax
+from ._api import attention, attention_varlen, attention_weights, softmax
 from ._threads import get_num_threads, num_threads, set_num_threads
 from . import reference
 from .layers import KVCache, MultiHeadAttention, self_attention
@@ -30,7 +30,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
     __version__ = "0.1.0+unknown"
 
 __all__ = [
-    "attention", "attention_weights", "softmax",
+    "attention", "attention_varlen", "attention_weights", "softmax",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",
     "self_attention", "MultiHeadAttention", "KVCache",

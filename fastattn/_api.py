@@ -16,7 +16,7 @@ import numpy as np
 from . import _threads, _variants
 from ._dispatch import kernel as _kernel
 
-__all__ = ["attention", "attention_weights", "softmax"]
+__all__ = ["attention", "attention_varlen", "attention_weights", "softmax"]
 
 _CAUSAL_MODES = {
     False: _kernel.CAUSAL_NONE,
@@ -372,6 +372,81 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     elif res.dtype != call.result_dtype:
         res = res.astype(call.result_dtype)
     return (res, lse) if call.return_lse else res
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
+                     window=None, softcap=None, alibi_slopes=None, sinks=None,
+                     return_lse=False, out=None):
+    """Attention over packed sequences of different lengths, with no padding computed.
+
+    Parameters
+    ----------
+    q : array_like, shape (Hq, total_q, D)
+    k : array_like, shape (Hkv, total_k, D)
+    v : array_like, shape (Hkv, total_k, Dv)
+        Heads first; a ``(total, H, D)`` array's ``.transpose(1, 0, 2)`` view is read in
+        place.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (n_seq + 1,)
+        Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` against keys
+        ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; both start at 0, never decrease and end at
+        ``total_q`` / ``total_k``.
+    scale, causal, window, softcap : as in :func:`attention`, per sequence (causal and
+        window aligned on each sequence's own lengths).
+    alibi_slopes, sinks : array_like, optional
+        One value per query head, shape ``(Hq,)`` (or broadcastable to it).
+    return_lse, out : as in :func:`attention`; lse has shape ``(Hq, total_q)``.
+
+    Returns
+    -------
+    out : ndarray, shape (Hq, total_q, Dv)
+        Each row has the bits of the same row computed by :func:`attention` on its sequence
+        alone.  Work is split over threads across sequence boundaries.
+
+    Examples
+    --------
+    >>> q = np.random.default_rng(0).standard_normal((2, 5, 8))      # lengths 3 and 2
+    >>> out = fastattn.attention_varlen(q, q, q, [0, 3, 5], [0, 3, 5], causal=True)
+    >>> np.array_equal(out[:, 3:], fastattn.attention(q[:, 3:], q[:, 3:], q[:, 3:], causal=True))
+    True
+    """
+    arrays = {"q": _as_array(q, "q"), "k": _as_array(k, "k"), "v": _as_array(v, "v")}
+    Hq, Hkv, total_q, total_k, D, Dv = _variants.check_varlen_shapes(*arrays.values())
+    cu_q, cu_k = _variants.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    n_seq = cu_q.shape[0] - 1
+    cdt, rdt = _dtypes(**arrays)
+    sc = _scale(scale, D)
+    causal_mode = _causal(causal)
+    wl, wr = _window(window)
+    cap = _variants.check_softcap(softcap)
+    slopes = _variants.check_alibi_slopes(alibi_slopes, (), Hq)
+    sink = _variants.check_sinks(sinks, (), Hq)
+    per_seq = lambda a: None if a is None else np.ascontiguousarray(np.broadcast_to(a, (n_seq, Hq)))
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+        if out.shape != (Hq, total_q, Dv):
+            raise ValueError(f"out must have shape {(Hq, total_q, Dv)}, got {out.shape}")
+        if out.dtype != rdt:
+            raise TypeError(f"out must have dtype {rdt}, got {out.dtype}")
+        if not out.flags.writeable:
+            raise ValueError("out must be writeable")
+    q, k, v = (_kernel_ready(a, cdt) for a in arrays.values())
+    direct = (out is not None and out.dtype == cdt and _kernel_layout(out)
+              and not any(np.may_share_memory(out, a) for a in (q, k, v)))
+    res = out if direct else np.empty((Hq, total_q, Dv), dtype=cdt)
+    lse = np.empty((Hq, total_q), dtype=cdt) if return_lse else None
+    _kernel.forward_packed(q, k, v, res, lse, cu_q, cu_k, causal_mode, wl, wr, sc,
+                           _threads.get_num_threads(), cap or 0.0, per_seq(slopes),
+                           per_seq(sink))
+    if out is not None:
+        if not direct:
+            np.copyto(out, res, casting="unsafe")
+        res = out
+    elif res.dtype != rdt:
+        res = res.astype(rdt)
+    return (res, lse) if return_lse else res
 
 
 def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, kv_lengths=None,

@@ -265,6 +265,7 @@ cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.nda
     P.softcap = 0
     P.alibi = P.sinks = NULL
     P.q_len = NULL
+    P.packed = False
     return offs
 
 
@@ -303,6 +304,53 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
     P.alibi = <const double*> _data_or_null(alibi)
     P.sinks = <const double*> _data_or_null(sinks)
     P.q_len = <const Py_ssize_t*> _data_or_null(q_len)
+    try:
+        _run(&P, q.dtype == np.float32, n_threads)
+    finally:
+        PyMem_RawFree(offs)
+
+
+def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
+                   cnp.ndarray cu_q, cnp.ndarray cu_k, int causal, Py_ssize_t wl, Py_ssize_t wr,
+                   double scale, int n_threads, double softcap=0, object alibi=None,
+                   object sinks=None):
+    """Run the fused kernel on packed sequences (called only by fastattn._api).
+
+    q (Hq, total_q, D), k (Hkv, total_k, D), v (Hkv, total_k, Dv), out (Hq, total_q, Dv),
+    lse None or (Hq, total_q), in the compute dtype with a contiguous last axis; cu_q, cu_k:
+    intp (n_seq + 1,) offsets.  Sequence s is a batch element whose rows and keys start at
+    cu_q[s] and cu_k[s]; its q_len and kv_len are its lengths.  alibi, sinks: None or
+    float64 (n_seq, Hq).  No validation happens here.
+    """
+    cdef Py_ssize_t n = cu_q.shape[0] - 1, s, Lq = 0, Lk = 0
+    cdef const Py_ssize_t* cq = <const Py_ssize_t*> cnp.PyArray_DATA(cu_q)
+    cdef const Py_ssize_t* ck = <const Py_ssize_t*> cnp.PyArray_DATA(cu_k)
+    cdef cnp.ndarray lens = np.empty(2 * max(n, 1), dtype=np.intp)
+    cdef Py_ssize_t* kv_len = <Py_ssize_t*> cnp.PyArray_DATA(lens)
+    cdef Py_ssize_t* q_len = kv_len + max(n, 1)
+    for s in range(n):
+        kv_len[s] = ck[s + 1] - ck[s]
+        q_len[s] = cq[s + 1] - cq[s]
+        Lq = max(Lq, q_len[s])
+        Lk = max(Lk, kv_len[s])
+    cdef Py_ssize_t bshape[1]
+    bshape[0] = n
+    cdef Problem P
+    cdef Py_ssize_t* offs = _fill_problem(&P, q, k, v, out, lse, None, 0, 1, bshape, kv_len,
+                                          causal, wl, wr, scale)
+    cdef Py_ssize_t m = max(n, 1)
+    for s in range(n):
+        offs[s] = cq[s] * P.q_si
+        offs[m + s] = ck[s] * P.k_sj
+        offs[2 * m + s] = ck[s] * P.v_sj
+        offs[3 * m + s] = cq[s] * P.o_si
+        offs[4 * m + s] = cq[s] * P.lse_si
+    P.Lq, P.Lk = Lq, Lk
+    P.q_len = q_len
+    P.packed = True
+    P.softcap = softcap
+    P.alibi = <const double*> _data_or_null(alibi)
+    P.sinks = <const double*> _data_or_null(sinks)
     try:
         _run(&P, q.dtype == np.float32, n_threads)
     finally:

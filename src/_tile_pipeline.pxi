@@ -53,6 +53,8 @@ cdef struct Problem:
     const double* alibi
     const double* sinks
     const Py_ssize_t* q_len
+    # Packed sequences: rows past q_len belong to the next sequence and are not written.
+    bint packed
 
 
 cdef struct Workspace:
@@ -581,6 +583,8 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
         _row_position(P, t, r, &h, &i)
         orow = (<floating*> P.out) + P.o_boff[t.b] + h * P.o_sh + i * P.o_si
         ACC = ws + w.ACC + r * t.dv_pad
+        if P.packed and i >= t.q_len:
+            continue
         if P.sinks != NULL and i < t.q_len:
             _write_row_sink(P, t, orow, ACC, M[r], L[r], P.sinks[t.b * P.Hq + h], h, i)
             continue
