@@ -38,10 +38,12 @@ Decisions where the models leave room:
   distance); the models use positive ones.
 - A sink of ``-inf`` means "no sink" for that head (``exp(-inf) = 0``: the plain softmax);
   ``+inf`` and NaN are rejected, since they would make every weight 0 or NaN.
-- bfloat16 is ``ml_dtypes.bfloat16``. It is recognised by its dtype alone, so this module
-  never imports ``ml_dtypes``: without the package no array can have that dtype, and only a
-  request by name (``storage_dtype("bfloat16")``) can ask for it -- that raises a
-  ``TypeError`` saying to install ``ml_dtypes``.
+- bfloat16 is ``ml_dtypes.bfloat16``. An array's dtype is recognised without importing
+  ``ml_dtypes`` (without the package no array can have that dtype); only a request by name,
+  ``storage_dtype("bfloat16")``, imports it, and raises a ``TypeError`` saying to install
+  ``ml_dtypes`` when it is missing.
+- q, k and v of integer or bool dtype stay legal (computed in float64), as in the core
+  kernel; which dtypes a KV cache may store is :func:`storage_dtype`'s separate question.
 """
 import math
 import numbers
@@ -234,7 +236,8 @@ def check_varlen_shapes(q, k, v):
     Hq, total_q, D = q.shape
     Hkv, total_k, Dk = k.shape
     if Dk != D:
-        raise ValueError(f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
+        raise ValueError(
+            f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
     if v.shape[:2] != (Hkv, total_k):
         raise ValueError(f"k and v must have the same heads and length (Hkv, total_k, :): "
                          f"k.shape={k.shape}, v.shape={v.shape}")
@@ -247,9 +250,11 @@ def check_varlen_shapes(q, k, v):
 def _cu(cu, name, total, total_name):
     a = _as_array(cu, name)
     if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be a 1-D integer array, got dtype {a.dtype} (shape {a.shape})")
+        raise TypeError(
+            f"{name} must be a 1-D integer array, got dtype {a.dtype} (shape {a.shape})")
     if a.ndim != 1 or a.size == 0:
-        raise ValueError(f"{name} must be a 1-D array of n_seq + 1 >= 1 offsets, got shape {a.shape}")
+        raise ValueError(
+            f"{name} must be a 1-D array of n_seq + 1 >= 1 offsets, got shape {a.shape}")
     if a[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {a[0]} (shape {a.shape})")
     down = a[1:] < a[:-1]  # compared, not subtracted: no overflow for any integer dtype

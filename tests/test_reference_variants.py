@@ -862,8 +862,9 @@ def test_storage_dtype():
 
 
 def test_storage_dtype_bfloat16():
-    assert _variants.storage_dtype("bfloat16") == _bf16()
-    assert _variants.storage_dtype(_bf16()) == _bf16()
+    bf16 = _bf16()
+    assert _variants.storage_dtype("bfloat16") == bf16
+    assert _variants.storage_dtype(bf16) == bf16
 
 
 # --------------------------------------------------------------------------- randomised
