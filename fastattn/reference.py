@@ -1,6 +1,6 @@
 """Plain NumPy attention: the oracle the fast kernels are checked against.
 
-This module is the seed notebooks' math, written once for arrays of any batch shape:
+This module is the textbook math, written once for arrays of any batch shape:
 
 1. **scores** -- every query is compared with every key by a scaled dot product::
 
@@ -11,7 +11,7 @@ This module is the seed notebooks' math, written once for arrays of any batch sh
    is added to the scores instead. Hidden keys get the score ``-inf``.
 
 3. **softmax** over the keys of each row, shifted by the row maximum so ``exp`` never
-   overflows (seed 002's "Jiraiya" scores of 43074 are fine)::
+   overflows (scores in the tens of thousands are fine)::
 
        P[i, j] = exp(S[i, j] - m_i) / sum_j' exp(S[i, j'] - m_i),   m_i = max_j S[i, j]
 
