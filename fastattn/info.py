@@ -81,9 +81,10 @@ def shadowing_problems(fa):
     if here is None:
         folders = ", ".join(str(p) for p in getattr(fa, "__path__", [])) or "?"
         return [f"'import fastattn' found the folder {folders}, which is not the fastattn "
-                "package (it has no __init__.py), so the version, threads and kernel are "
-                "unknown. A folder named fastattn in the current directory or on sys.path "
-                "hides the package: run from another directory, or rename that folder."]
+                "package (it has no __init__.py), so fastattn's functions, version and "
+                "thread count are missing. A folder named fastattn in the current directory "
+                "or on sys.path hides the package (an editable install, too): run from "
+                "another directory, or rename that folder."]
     installed = _installed_dir()
     if installed is None:
         return []
@@ -179,8 +180,10 @@ def format_info(info):
     width = max(len(k) for k, _ in rows)
     lines = [f"{k + ':':<{width + 1}} {show(v)}" for k, v in rows]
     for problem in info.get("problems", []):
+        # Paths stay whole, so that they can be copied from the terminal.
         lines.append(textwrap.fill(problem, 88, initial_indent="problem: ",
-                                   subsequent_indent="         "))
+                                   subsequent_indent="         ", break_long_words=False,
+                                   break_on_hyphens=False))
     return "\n".join(lines)
 
 

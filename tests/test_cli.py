@@ -414,3 +414,34 @@ def test_peak_over_100_percent_is_flagged(plt):
     assert "*" not in bench.format_table(fine)
     texts = _texts(bench.plot_figure(fine, plt))
     assert "72%" in texts and not any(bench.PEAK_NOTE[:30] in t for t in texts)
+
+
+def test_info_from_beside_a_folder_named_fastattn(tmp_path):
+    # A checkout cloned into ./fastattn (no __init__.py at its top) next to an editable
+    # install: Python's path finder takes the folder as a namespace package before the
+    # editable install's finder is asked, yet `python -m fastattn info` still runs,
+    # because that finder supplies the submodules. Simulated with the same kind of finder.
+    package = os.path.dirname(os.path.abspath(fastattn.__file__))
+    probe = subprocess.run([sys.executable, "-c", "import sys; print(sys.path)"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    if repr(os.path.dirname(package)) in probe.stdout:
+        pytest.skip("fastattn is installed on sys.path, where it wins over a namespace folder")
+    (tmp_path / "fastattn").mkdir()
+    code = f"""
+import importlib.machinery, runpy, sys
+class EditableFinder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.startswith("fastattn."):
+            return importlib.machinery.PathFinder.find_spec(name, [{package!r}])
+sys.meta_path.append(EditableFinder)
+sys.argv = ["fastattn", "info"]
+runpy.run_module("fastattn", run_name="__main__", alter_sys=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    out = proc.stdout
+    assert "fastattn:               unknown" in out and "threads:                unknown" in out
+    problem = " ".join(out.split("problem:", 1)[1].split())    # unwrapped
+    assert problem.startswith(f"'import fastattn' found the folder {tmp_path / 'fastattn'},")
