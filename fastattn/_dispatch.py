@@ -12,11 +12,31 @@ forcing one the CPU cannot run raises ImportError rather than crashing later wit
 import importlib
 import os
 
-from . import _kernel_base
+
+def _not_built(here):
+    """An ImportError that says why the baseline kernel is missing and what to do."""
+    return ImportError(
+        f"fastattn in {here} has no compiled kernel (no _kernel_base extension module in "
+        "that folder). This is a source tree that "
+        "has not been built: build it with 'python setup.py build_ext --inplace' or "
+        "'pip install .'. If you meant an installed fastattn, this folder hides it (Python "
+        "looks in the current directory first): run from another directory.")
+
+
+try:
+    from . import _kernel_base
+except ImportError:
+    # A missing extension gets the diagnosis (Python's own message blames a circular
+    # import); one that exists but fails to load keeps its own message.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    if any(name.startswith("_kernel_base.") and not name.endswith((".pyx", ".pyi", ".c"))
+           for name in os.listdir(_here)):
+        raise
+    raise _not_built(_here) from None
 
 #: Variants in order of preference.  The AVX-512 build runs the same register tiles on
 #: vectors twice as wide: measured 1.6-1.7x the AVX2 build's throughput on prefill shapes
-#: (README "Performance"); decode steps are memory-bound and equal in both.
+#: (docs/performance.md); decode steps are memory-bound and equal in both.
 PREFERENCE = ("avx512", "avx2", "base")
 
 

@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-For every shape of SPEC section 5 (batch 1, float32 except the last, which is float64) the
+For every shape of ``SHAPES`` (batch 1, float32 except the last, which is float64) the
 same three calls are timed on the same inputs and the same number of threads:
 
 * ``fastattn.attention`` -- writing into a preallocated ``out=`` array;
@@ -54,6 +54,7 @@ import os
 import platform
 import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -79,7 +80,7 @@ SETTLE_MAX_S = 1.0
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmark case of SPEC section 5 (batch 1)."""
+    """One benchmark case (batch 1)."""
 
     name: str
     hq: int
@@ -525,6 +526,41 @@ def _percent(fraction):
     return "<1%" if fraction < 0.01 else f"{100 * fraction:.0f}%"
 
 
+def peak_fraction(result, peaks):
+    """fastattn's throughput as a share of the measured peak, or None.
+
+    Prefill shapes against sgemm (dgemm for float64), decode shapes against the sgemv read
+    bandwidth. Above 1 means the peak was measured low -- under load from other processes
+    -- not that fastattn beats it; the table and the plot flag such figures.
+    """
+    fa = result["libraries"].get("fastattn", {})
+    if "median_s" not in fa:
+        return None
+    if result["kind"] == "decode":
+        rate, peak = fa["gbs"], peaks.get("read_gbs")
+    else:
+        rate = fa["gflops"]
+        peak = peaks.get("dgemm_gflops" if result["dtype"] == "float64" else "sgemm_gflops")
+    return rate / peak if peak else None
+
+
+def format_peak(fraction):
+    """"85%", or "108%*" when over 100% (see ``PEAK_NOTE``), or "?"."""
+    if fraction is None:
+        return "?"
+    return _percent(fraction) + ("*" if fraction > 1 else "")
+
+
+PEAK_NOTE = ("* over 100%: the peak was measured under load (other processes took CPU time "
+             "while it ran), so it is too low; rerun when the machine is idle")
+
+
+def peak_flagged(report):
+    """Names of the shapes whose "% peak" is over 100% (flagged with PEAK_NOTE)."""
+    peaks = report["machine"]["peaks"]
+    return [r["name"] for r in report["results"] if (peak_fraction(r, peaks) or 0) > 1]
+
+
 def _background(entry):
     if entry.get("other_cpu_load") is None:
         return None
@@ -561,13 +597,10 @@ def format_table(report):
         row = [r["name"], shape.describe() if shape else "?"]
         if "median_s" in fa:
             row.append(format_time(fa["median_s"], sym))
-            if r["kind"] == "decode":
-                rate, unit, peak = fa["gbs"], "GB/s", peaks.get("read_gbs")
-            else:
-                rate, unit = fa["gflops"], "GFLOP/s"
-                peak = peaks.get("dgemm_gflops" if r["dtype"] == "float64" else "sgemm_gflops")
+            rate, unit = (fa["gbs"], "GB/s") if r["kind"] == "decode" else (fa["gflops"],
+                                                                           "GFLOP/s")
             row.append(f"{_rate(rate)} {unit}")
-            row.append(_percent(rate / peak) if peak else "?")
+            row.append(format_peak(peak_fraction(r, peaks)))
         else:
             row += ["ERROR", "", ""]
         for other in ("reference", "torch"):
@@ -680,44 +713,140 @@ def _json_safe(x):
     return x
 
 
+def _speedup_ticks(lo, hi):
+    """1-2-5 ticks (0.5, 1, 2, 5, 10, 20, ...) covering [lo, hi] on a log axis."""
+    ticks = []
+    for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
+        ticks += [m * 10.0 ** e for m in (1, 2, 5)]
+    inside = [t for t in ticks if lo <= t <= hi]
+    below = [t for t in ticks if t < lo]
+    above = [t for t in ticks if t > hi]
+    # One tick beyond the data on each side, so every bar ends between two labels.
+    return (below[-1:] + inside + above[:1]) or [1.0]
+
+
+def _times_label(x):
+    return f"{x:g}{_symbols()['x']}"
+
+
+def plot_figure(report, plt):
+    """The bench's figure: time per call (log) and fastattn's speed-ups (log, 1-2-5 ticks).
+
+    The title names only the libraries that ran; a library skipped on a shape (the
+    reference with ``--quick``) is marked where its bar would be; "% peak" is written over
+    fastattn's bars, flagged "*" over 100% (``PEAK_NOTE``); the background-load warning,
+    when there is one, is printed on the figure.
+    """
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    sym = _symbols()
+    results = report["results"]
+    names = [r["name"] for r in results]
+    libs = ("fastattn", "torch", "reference")
+    colors = {"fastattn": "#1f77b4", "torch": "#ff7f0e", "reference": "#7f7f7f"}
+    ran = [lib for lib in libs
+           if any("median_s" in r["libraries"].get(lib, {}) for r in results)]
+    others = [lib for lib in ("torch", "reference") if lib in ran]
+    x = np.arange(len(names))
+    fig, (ax_t, ax_s) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(names)), 8.5),
+                                     sharex=True)
+    width = 0.27
+
+    def offset(lib, group):
+        # Bars of the libraries that ran, centred on the shape's tick.
+        return (group.index(lib) - (len(group) - 1) / 2) * width
+
+    peaks = report["machine"]["peaks"]
+    all_times = []
+    for lib in ran:
+        times = np.array([r["libraries"].get(lib, {}).get("median_s", np.nan) * 1e3
+                          for r in results])
+        all_times += [t for t in times if np.isfinite(t)]
+        bars = ax_t.bar(x + offset(lib, ran), times, width, label=lib, color=colors[lib])
+        if lib == "fastattn":
+            for bar, r in zip(bars, results):
+                frac = peak_fraction(r, peaks)
+                if frac is not None and np.isfinite(bar.get_height()):
+                    ax_t.annotate(format_peak(frac), (bar.get_x() + width / 2,
+                                  bar.get_height()), xytext=(0, 2),
+                                  textcoords="offset points", ha="center", va="bottom",
+                                  fontsize=7, color="#c00000" if frac > 1 else "black")
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("time per call (ms, log)")
+    ax_t.legend(loc="lower left", bbox_to_anchor=(0, 1), ncols=3, frameon=False, fontsize=8)
+    machine = report["machine"]
+    names_ran = {"fastattn": "fastattn", "torch": "torch", "reference": "NumPy reference"}
+    fig.suptitle(" vs ".join(names_ran[lib] for lib in ran)
+                 + f" {sym['dash']} {machine['cpu']}, {machine['threads']['fastattn']}"
+                 " threads" + (", --quick" if report["settings"].get("quick") else ""),
+                 fontsize=11)
+
+    all_sp = []
+    for other in others:
+        sp = np.array([r.get(f"speedup_vs_{other}", np.nan) for r in results])
+        all_sp += [v for v in sp if np.isfinite(v) and v > 0]
+        # Bars start at 1x, so a slow-down points down from the line instead of up.
+        ax_s.bar(x + offset(other, others), sp - 1.0, width, bottom=1.0,
+                 label=f"over {names_ran[other]}", color=colors[other])
+    ax_s.axhline(1.0, color="black", linewidth=0.8)
+    ax_s.set_yscale("log")
+    lo, hi = (min(all_sp), max(all_sp)) if all_sp else (1.0, 1.0)
+    ticks = _speedup_ticks(min(lo, 1.0), max(hi, 1.0))
+    ax_s.set_ylim(ticks[0], ticks[-1])
+    ax_s.yaxis.set_major_locator(FixedLocator(ticks))
+    ax_s.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _times_label(v)))
+    ax_s.yaxis.set_minor_locator(NullLocator())
+    ax_s.grid(axis="y", which="major", linewidth=0.4, alpha=0.5)
+    ax_s.set_ylabel("fastattn speed-up (log)")
+    if all_sp:
+        ax_s.legend(loc="lower left", bbox_to_anchor=(0, 1), ncols=2, frameon=False,
+                    fontsize=8)
+
+    # Where a library was skipped on a shape, say so at the place of its missing bar.
+    for j, r in enumerate(results):
+        for lib in ran:
+            entry = r["libraries"].get(lib, {})
+            if "median_s" in entry:
+                continue
+            why = "skipped\n(--quick)" if "--quick" in entry.get("skipped", "") else \
+                ("error" if "error" in entry else "skipped")
+            bottom = ax_t.get_ylim()[0]
+            ax_t.text(x[j] + offset(lib, ran), bottom * 1.15, why, rotation=90, ha="center",
+                      va="bottom", fontsize=7, color=colors[lib])
+            if lib != "fastattn":
+                ax_s.text(x[j] + offset(lib, others), ticks[0] * 1.1, why, rotation=90,
+                          ha="center", va="bottom", fontsize=7, color=colors[lib])
+    ax_s.set_xticks(x)
+    ax_s.set_xticklabels(names, rotation=30, ha="right")
+
+    notes = ["Over the fastattn bars: % of the measured peak (sgemm, dgemm for float64, "
+             "read bandwidth for decode shapes)."]
+    if peak_flagged(report):
+        notes.append(PEAK_NOTE)
+    warning = load_warning(report)
+    if warning:
+        notes.append(warning)
+    wrap = max(60, int(fig.get_figwidth() * 17))
+    lines = [textwrap.wrap(note, wrap) for note in notes]
+    height = 0.018 * sum(len(ln) for ln in lines) + 0.01
+    fig.tight_layout(rect=(0, height, 1, 1))
+    y = height - 0.005
+    for note, ln in zip(notes, lines):
+        fig.text(0.01, y, "\n".join(ln), fontsize=7.5, va="top",
+                 color="#c00000" if note is warning else "black")
+        y -= 0.018 * len(ln)
+    return fig
+
+
 def write_plot(report, path):
-    """Bar chart of times (log scale) and of fastattn's speed-ups. Returns an error or None."""
+    """Save :func:`plot_figure` as ``path``. Returns an error message or None."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot written (pip install matplotlib)"
-    results = report["results"]
-    names = [r["name"] for r in results]
-    libs = ("fastattn", "torch", "reference")
-    colors = {"fastattn": "#1f77b4", "torch": "#ff7f0e", "reference": "#7f7f7f"}
-    x = np.arange(len(names))
-    fig, (ax_t, ax_s) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(names)), 8), sharex=True)
-    width = 0.27
-    for i, lib in enumerate(libs):
-        times = [r["libraries"].get(lib, {}).get("median_s", np.nan) * 1e3 for r in results]
-        if all(np.isnan(times)):
-            continue
-        ax_t.bar(x + (i - 1) * width, times, width, label=lib, color=colors[lib])
-    ax_t.set_yscale("log")
-    ax_t.set_ylabel("time per call (ms, log)")
-    ax_t.legend()
-    machine = report["machine"]
-    ax_t.set_title(f"fastattn vs torch vs NumPy reference {_symbols()['dash']} "
-                   f"{machine['cpu']}, {machine['threads']['fastattn']} threads")
-    for i, other in enumerate(("torch", "reference")):
-        sp = [r.get(f"speedup_vs_{other}", np.nan) for r in results]
-        if all(np.isnan(sp)):
-            continue
-        ax_s.bar(x + (i - 0.5) * width, sp, width, label=f"over {other}", color=colors[other])
-    ax_s.axhline(1.0, color="black", linewidth=0.8)
-    ax_s.set_yscale("log")
-    ax_s.set_ylabel("fastattn speed-up (log)")
-    ax_s.legend()
-    ax_s.set_xticks(x)
-    ax_s.set_xticklabels(names, rotation=30, ha="right")
-    fig.tight_layout()
+    fig = plot_figure(report, plt)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
@@ -817,6 +946,8 @@ def run(args, stdout=None, stderr=None):
                 quick=args.quick))
     print(file=stdout)
     print(format_table(report), file=stdout, flush=True)
+    if peak_flagged(report):
+        print(PEAK_NOTE, file=stdout)
     warning = load_warning(report)
     if warning:
         print(warning, file=stdout)

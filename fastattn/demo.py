@@ -1,16 +1,16 @@
-"""``python -m fastattn demo``: the seed notebooks' examples, end to end, on the kernel.
+"""``python -m fastattn demo``: classic self-attention examples, end to end, on the kernel.
 
 Three small stories, each printed as attention-weight tables (row = the query
 token, column = the key token it attends to; each row sums to 1):
 
-1. "A cat sat on the mat" -- seed 001's vectors, attention without learned
-   weights: ``softmax(x x^T) x``.
-2. "I love you today" -- seed 004's vocabulary plus sinusoidal positions, fed
+1. "A cat sat on the mat" -- six hand-made 3-d word vectors, attention without
+   learned weights: ``softmax(x x^T) x``.
+2. "I love you today" -- a three-word vocabulary plus sinusoidal positions, fed
    through a 5-head ``MultiHeadAttention`` (fixed seed, so the numbers repeat).
-3. "each session has a chair" vs "each person has a chair" -- seed 000's
-   masked (causal) attention: the same word "chair" gets a different
-   contextualised vector depending on its neighbours.  Then 000's learned
-   projections W_Q, W_K, W_V, W_O on the first sentence.
+3. "each session has a chair" vs "each person has a chair" -- masked (causal)
+   attention: the same word "chair" gets a different contextualised vector
+   depending on its neighbours.  Then learned projections W_Q, W_K, W_V, W_O
+   on the first sentence.
 
 ``--plot DIR`` also saves each table as a heatmap PNG in ``DIR`` (needs
 matplotlib; without it the command prints how to install it and exits 1).
@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 import numpy as np
 
-__all__ = ["main", "format_table"]
+__all__ = ["main", "format_table", "examples", "save_heatmaps"]
 
-# Seed 001: six tokens, embedding dimension 3.
+# Six tokens, embedding dimension 3.
 CAT_TOKENS = ["A", "cat", "sat", "on", "the", "mat"]
 CAT_VECTORS = np.array([
     [0.43, 0.15, 0.89],
@@ -37,11 +38,11 @@ CAT_VECTORS = np.array([
     [0.05, 0.80, 0.55],
 ])
 
-# Seed 004: a four-word sentence with a three-dimensional vocabulary.
+# A four-word sentence with a three-dimensional vocabulary.
 LOVE_TOKENS = ["I", "love", "you", "today"]
 LOVE_VOCABULARY = {"I": [0, 1, 0], "love": [0, 1, 1], "you": [1, 1, 1], "today": [0, 0, 0]}
 
-# Seed 000: two sentences differing in one word, and the notebook's learned weights.
+# Two sentences differing in one word, and a small set of trained projection weights.
 CHAIR_EMBEDDINGS = {
     "each": [4, 3, 3], "session": [7, 2, 1], "person": [1, 2, 7],
     "has": [3.5, 3, 3.5], "a": [3, 3, 4], "chair": [3, 4, 3],
@@ -79,6 +80,36 @@ def format_table(weights, rows, cols=None, *, decimals=3, hidden=None, corner="q
     return "\n".join(lines)
 
 
+def _words(items):
+    items = [f"'{w}'" for w in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def describe_peaks(weights, tokens, *, one_hot=0.99):
+    """Say in words where each row of ``weights`` puts most of its weight.
+
+    The sentence is worked out from the numbers, so the demo's text cannot disagree with
+    its own table: rows whose largest weight is on their own token are listed together,
+    every other row by the token it looks at and the weight it puts there.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    top, peak = weights.argmax(axis=1), weights.max(axis=1)
+    if np.all(peak >= one_hot):
+        text = f"Every row is nearly one-hot (largest weight >= {one_hot})"
+        how = "almost only"
+    else:
+        text = "The largest weight of each row"
+        how = "most"
+    own = [t for i, t in enumerate(tokens) if top[i] == i]
+    parts = []
+    if own:
+        verb, obj = ("attends", "itself") if len(own) == 1 else ("attend", "themselves")
+        parts.append(f"{_words(own)} {verb} {how} to {obj}")
+    parts += [f"'{t}' puts {peak[i]:.3f} of its weight on '{tokens[top[i]]}'"
+              for i, t in enumerate(tokens) if top[i] != i]
+    return text + ": " + "; ".join(parts) + "."
+
+
 def _vectors(rows, labels, decimals=3):
     label = max(len(r) for r in labels)
     return "\n".join(
@@ -96,14 +127,15 @@ def _cat_sat(emit, figures):
     from .layers import self_attention
 
     x = CAT_VECTORS
-    emit(_title('1. "A cat sat on the mat" (seed 001): attention without learned weights'))
+    emit(_title('1. "A cat sat on the mat": attention without learned weights'))
     emit("Each token is a 3-d vector; weights = softmax(x @ x.T), context = weights @ x.\n")
     weights = _api.attention_weights(x, x, scale=1.0)
     emit(format_table(weights, CAT_TOKENS))
     context = self_attention(x, scale=1.0)
-    emit("\ncontext vectors (seed 001 prints cat -> [0.4419, 0.6515, 0.5683]):")
+    emit("\ncontext vectors (each row of weights @ x):")
     emit(_vectors(context, CAT_TOKENS, 4))
-    figures.append(("01_cat_sat_on_the_mat", '"A cat sat on the mat"',
+    figures.append(("01_cat_sat_on_the_mat",
+                    '"A cat sat on the mat": softmax(x xᵀ), no learned weights',
                     [(weights, CAT_TOKENS, CAT_TOKENS, None, None)]))
 
 
@@ -115,9 +147,8 @@ def _love_you(emit, figures):
     pe = sinusoidal_positions(len(LOVE_TOKENS), words.shape[1])
     x = words + pe
     mha = MultiHeadAttention(3, 5, d_head=6, d_value=8, dtype=np.float64, seed=4)
-    emit(_title('2. "I love you today" (seed 004): positions + multi-head attention'))
-    emit("word vectors + sinusoidal positions (d_model=3 is odd: the last column is a sine;")
-    emit("seed 004 leaves it at 0):")
+    emit(_title('2. "I love you today": positions + multi-head attention'))
+    emit("word vectors + sinusoidal positions (d_model=3 is odd: the last column is a sine):")
     emit(_vectors(x, LOVE_TOKENS, 3))
     emit(f"\n{mha!r}, random weights (seed=4), scale 1/sqrt(6).")
     heads = mha.attention_weights(x)                      # (5, 4, 4)
@@ -127,7 +158,8 @@ def _love_you(emit, figures):
     out = mha(x)
     emit(f"\noutput (5 heads x d_value 8 -> w_o -> d_model 3), shape {out.shape}:")
     emit(_vectors(out, LOVE_TOKENS, 3))
-    figures.append(("02_i_love_you_today", '"I love you today": 5 heads',
+    figures.append(("02_i_love_you_today",
+                    '"I love you today": 5 attention heads (random weights, seed 4)',
                     [(w, LOVE_TOKENS, LOVE_TOKENS, None, f"head {h}") for h, w in enumerate(heads)]))
 
 
@@ -135,7 +167,7 @@ def _chair(emit, figures):
     from . import _api
     from .layers import self_attention
 
-    emit(_title('3. "each session/person has a chair" (seed 000): masked attention'))
+    emit(_title('3. "each session/person has a chair": masked attention'))
     emit("Causal: a word attends to itself and the words before it ('.' = masked).")
     emit("weights = softmax(x_i . x_j over j <= i), contextualised y_i = sum_j w_ij x_j\n")
     chairs = []
@@ -149,34 +181,66 @@ def _chair(emit, figures):
         y = self_attention(x, scale=1.0, causal=True)
         chairs.append(y[-1])
         name = "03_" + "_".join(sentence)
-        figures.append((name, f'"{" ".join(sentence)}" (causal)',
+        figures.append((name, f'"{" ".join(sentence)}": causal, no learned weights',
                         [(weights, sentence, sentence, hidden, None)]))
     labels = ["'chair' alone"] + [f"'chair' in '{' '.join(s)}'" for s in CHAIR_SENTENCES]
     emit(_vectors([CHAIR_EMBEDDINGS["chair"]] + chairs, labels, 4))
-    emit("(seed 000: [3.4882, 3.3862, 3.1256] and [3.1256, 3.3862, 3.4882])")
+    emit("(one word, two contexts: 'chair' comes out as a different vector in each sentence)")
 
     sentence = CHAIR_SENTENCES[0]
     x = np.array([CHAIR_EMBEDDINGS[w] for w in sentence], dtype=np.float64)
-    emit(_title("3b. the same sentence with seed 000's learned W_Q, W_K, W_V (d_v=4), W_O"))
-    emit("scores (x_i W_Q).(x_j W_K) / sqrt(3), causal; the scores are large (tens), so the")
-    emit("softmax is nearly one-hot: here each word attends almost only to itself:\n")
-    weights = _api.attention_weights(x @ W_Q, x @ W_K, causal=True)
+    emit(_title("3b. the same sentence with learned projections W_Q, W_K, W_V (d_v=4), W_O"))
+    q, k = x @ W_Q, x @ W_K
+    weights = _api.attention_weights(q, k, causal=True)
     hidden = np.triu(np.ones((len(sentence),) * 2, dtype=bool), 1)
+    scores = np.where(hidden, np.nan, q @ k.T / np.sqrt(q.shape[-1]))
+    emit(f"scores s_ij = (x_i W_Q).(x_j W_K) / sqrt(3), causal: they lie between "
+         f"{np.nanmin(scores):.0f} and {np.nanmax(scores):.0f},")
+    emit("and two scores 5 apart already give weights in a ratio of e^5, about 150.")
+    emit(textwrap.fill(describe_peaks(weights, sentence), 88) + "\n")
     emit(format_table(weights, sentence, hidden=hidden))
     y = self_attention(x, W_Q, W_K, W_V, W_O, causal=True)
     emit("\ncontextualised embeddings (attention @ W_V, then @ W_O back to 3 dims):")
     emit(_vectors(y, sentence, 3))
-    figures.append(("03b_learned_projections", "seed 000 learned W_Q, W_K, W_V (causal)",
+    figures.append(("03b_learned_projections",
+                    f'"{" ".join(sentence)}": causal, learned W_Q and W_K',
                     [(weights, sentence, sentence, hidden, None)]))
 
 
-def _save_heatmaps(figures, directory, plt):
+def examples():
+    """Run the three examples; return ``[(text, figures), ...]``, one entry per example.
+
+    ``text`` is what ``python -m fastattn demo`` prints for it; ``figures`` are
+    ``(file name, title, panels)`` for :func:`save_heatmaps`. The documentation is built
+    from the same call, so its tables and heatmaps are the demo's.
+    """
+    out = []
+    with np.printoptions(precision=4, suppress=True):
+        for example in (_cat_sat, _love_you, _chair):
+            lines, figures = [], []
+            example(lines.append, figures)
+            out.append(("\n".join(lines), figures))
+    return out
+
+
+def save_heatmaps(figures, directory, plt=None):
+    """Save each figure of :func:`examples` as ``directory/<name>.png``; return the paths.
+
+    Needs matplotlib (imported here when ``plt`` is not given, with the file-only backend).
+    """
+    if plt is None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     os.makedirs(directory, exist_ok=True)
     paths = []
     for name, title, panels in figures:
         n = len(panels)
         # Panels show the same queries: labels only on the first, so they cannot overlap.
-        fig, axes = plt.subplots(1, n, figsize=(2.8 * n + 1.6, 4.2), squeeze=False,
+        # The size follows the panels (about 2.3 inches per 4-token head), so that a row of
+        # heads leaves no band of empty space around them.
+        side = 0.45 * max(len(p[1]) for p in panels) + 1.3
+        fig, axes = plt.subplots(1, n, figsize=(side * n + 1.6, side + 1.3), squeeze=False,
                                  layout="constrained")
         for ax, (w, rows, cols, hidden, sub) in zip(axes[0], panels):
             shown = np.ma.masked_array(w, mask=hidden) if hidden is not None else w
@@ -186,17 +250,18 @@ def _save_heatmaps(figures, directory, plt):
             ax.tick_params(labelleft=ax is axes[0][0])
             ax.set_xlabel("key")
             if sub:
-                ax.set_title(sub)
+                ax.set_title(sub, fontsize=10)
             for i in range(len(rows)):
                 for j in range(len(cols)):
                     if hidden is None or not hidden[i, j]:
                         ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=7,
                                 color="black" if w[i, j] > 0.6 else "white")
         axes[0][0].set_ylabel("query")
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-        fig.suptitle(title)
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, aspect=25, pad=0.02,
+                     label="attention weight")
+        fig.suptitle(title, fontsize=11)
         path = os.path.join(directory, name + ".png")
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
@@ -235,14 +300,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     figures = []
-    emit = print
-    with np.printoptions(precision=4, suppress=True):
-        _cat_sat(emit, figures)
-        _love_you(emit, figures)
-        _chair(emit, figures)
+    for text, figs in examples():
+        print(text)
+        figures += figs
 
     if plt is not None:
-        paths = _save_heatmaps(figures, args.plot, plt)
+        paths = save_heatmaps(figures, args.plot, plt)
         print(f"\nsaved {len(paths)} heatmaps:")
         for p in paths:
             print("  " + p)

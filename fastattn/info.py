@@ -4,19 +4,23 @@ Prints the package version, Python and NumPy versions, the compiler and OpenMP s
 the compiled kernel, the thread count, and the SIMD variant chosen at import time (see
 ``fastattn._dispatch``) with the variants this CPU could run. Every fact is looked up
 defensively and shown as "unknown" when it cannot be found, so that ``info`` keeps working
--- and stays useful for bug reports -- on a partial or unusual build.
+-- and stays useful for bug reports -- on a partial or unusual build. When the ``fastattn``
+that Python imported is not the installed one (a folder named ``fastattn`` in the current
+directory comes first on ``sys.path``), a "problem:" line says which folder hides which.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
 import sys
+import textwrap
 
 import numpy as np
 
-__all__ = ["collect", "format_info", "add_arguments", "run", "main"]
+__all__ = ["collect", "format_info", "shadowing_problems", "add_arguments", "run", "main"]
 
 UNKNOWN = "unknown"
 
@@ -40,6 +44,59 @@ def _kernel_module(dispatch):
     return None
 
 
+def _package_dir(fa):
+    """Folder of the imported fastattn package, or None for a namespace package."""
+    path = getattr(fa, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) if path else None
+
+
+def _installed_dir():
+    """(version, folder) of the installed fastattn distribution's package, or None.
+
+    An editable install records no package folder of its own (its files stay in the source
+    tree), so it gives None: it cannot be hidden by the tree it points to.
+    """
+    from importlib import metadata
+    try:
+        dist = metadata.distribution("fastattn")
+    except metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.as_posix() == "fastattn/__init__.py":
+            path = os.path.abspath(str(dist.locate_file(f)))
+            if os.path.isfile(path):
+                return dist.version, os.path.dirname(path)
+    return None
+
+
+def shadowing_problems(fa):
+    """Sentences that explain why the imported ``fastattn`` is not the installed package.
+
+    Two cases: ``fa`` is a namespace package (a folder named fastattn without
+    ``__init__.py``, on ``sys.path`` before or instead of the package), or fastattn is
+    installed but Python imported another copy first -- typically a source checkout in the
+    current directory, which ``python -m`` puts first on ``sys.path``.
+    """
+    here = _package_dir(fa)
+    if here is None:
+        folders = ", ".join(str(p) for p in getattr(fa, "__path__", [])) or "?"
+        return [f"'import fastattn' found the folder {folders}, which is not the fastattn "
+                "package (it has no __init__.py), so fastattn's functions, version and "
+                "thread count are missing. A folder named fastattn in the current directory "
+                "or on sys.path hides the package (an editable install, too): run from "
+                "another directory, or rename that folder."]
+    installed = _installed_dir()
+    if installed is None:
+        return []
+    version, there = installed
+    if os.path.samefile(here, there):
+        return []
+    return [f"fastattn is imported from {here}, but the installed fastattn {version} is in "
+            f"{there}: the folder {here} comes first on sys.path (the current directory "
+            "does, with 'python -m') and hides it. The version shown is the installed "
+            "one's. Run from another directory to use the installed package."]
+
+
 def collect(fa=None):
     """Return a dict of facts about this fastattn installation (JSON-serialisable)."""
     info = {
@@ -55,6 +112,9 @@ def collect(fa=None):
         except Exception as exc:  # e.g. the extension is not built
             info["import_error"] = f"{type(exc).__name__}: {exc}"
             return info
+    problems = shadowing_problems(fa)
+    if problems:
+        info["problems"] = problems
     info["version"] = getattr(fa, "__version__", UNKNOWN)
     try:
         info["threads"] = int(fa.get_num_threads())
@@ -118,7 +178,13 @@ def format_info(info):
     rows += [(k.replace("_", " "), info[k]) for k in
              ("kernel_module", "import_error", "dispatch_error", "build_info_error") if k in info]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k + ':':<{width + 1}} {show(v)}" for k, v in rows)
+    lines = [f"{k + ':':<{width + 1}} {show(v)}" for k, v in rows]
+    for problem in info.get("problems", []):
+        # Paths stay whole, so that they can be copied from the terminal.
+        lines.append(textwrap.fill(problem, 88, initial_indent="problem: ",
+                                   subsequent_indent="         ", break_long_words=False,
+                                   break_on_hyphens=False))
+    return "\n".join(lines)
 
 
 def add_arguments(parser):
@@ -127,14 +193,15 @@ def add_arguments(parser):
 
 
 def run(args, stdout=None):
-    """Print the facts; exit status 0, or 3 when fastattn itself cannot be imported."""
+    """Print the facts; exit status 0, or 3 when fastattn cannot be imported or the
+    imported fastattn is not the installed one."""
     stdout = stdout or sys.stdout
     info = collect()
     if getattr(args, "json", False):
         print(json.dumps(info, indent=2), file=stdout)
     else:
         print(format_info(info), file=stdout)
-    return 3 if "import_error" in info else 0
+    return 3 if "import_error" in info or "problems" in info else 0
 
 
 def main(argv=None):

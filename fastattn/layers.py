@@ -1,8 +1,8 @@
-"""Attention layers on the fused kernel: what the seed notebooks build by hand.
+"""Attention layers on the fused kernel: what a textbook builds by hand.
 
 * ``self_attention`` -- one function: project ``x`` to queries, keys and values
   (a missing weight is the identity), attend, optionally project back.  With no
-  weights and ``scale=1.0`` it is the seeds' "attention without learning".
+  weights and ``scale=1.0`` it is the classic "attention without learned weights".
 * ``MultiHeadAttention`` -- a layer holding plain NumPy weights the user owns
   (and may assign), with grouped-query attention (``n_kv_heads < n_heads``),
   optional biases, optional rotary embeddings, and incremental decoding.
@@ -69,7 +69,7 @@ def _real_array(a, name):
 
 def _project(x, w, name):
     if w is None:
-        return x  # identity: the seeds' attention without learned weights
+        return x  # identity: attention without learned weights
     w = _real_array(w, name)
     if w.ndim < 2 or w.shape[-2] != x.shape[-1]:
         raise ValueError(
@@ -95,7 +95,7 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
         vectors ``(..., L, d_v)`` as they are.
     scale : float, optional
         Score scale; ``None`` is ``1/sqrt(d_k)``, ``1.0`` the unscaled dot
-        product of the seed notebooks.
+        product.
     causal : bool or "top-left"
         ``True``: token ``i`` attends to tokens ``j <= i`` (masked attention).
 
@@ -110,7 +110,7 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
 
     Examples
     --------
-    >>> x = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])   # seed 002
+    >>> x = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
     >>> self_attention(x, scale=1.0)[0].round(8)
     array([0.93662106, 0.53168947, 0.93662106, 0.53168947])
     """
@@ -361,22 +361,29 @@ class MultiHeadAttention:
     seed : int or numpy Generator, optional
         Seed of the weight initialisation.
     scale : float, optional
-        Score scale; default ``1/sqrt(d_head)`` (``1.0`` reproduces the seed
-        notebooks' unscaled scores).
+        Score scale; default ``1/sqrt(d_head)`` (``1.0`` gives unscaled
+        scores).
     rope : bool
         Apply rotary embeddings (``fastattn.rope``, half-split convention) to
         queries and keys, at their absolute positions (cache-aware).
     rope_base : float
         Base of the rotary frequencies.
 
-    Attributes (plain arrays; assign your own trained weights)
-    ----------------------------------------------------------
-    w_q : (d_model, n_heads * d_head)
-    w_k : (d_model, n_kv_heads * d_head)
-    w_v : (d_model, n_kv_heads * d_value)
-    w_o : (n_heads * d_value, d_model)
-    b_q, b_k, b_v, b_o : matching 1-d biases, or None
+    Attributes
+    ----------
+    w_q : ndarray, (d_model, n_heads * d_head)
+        Query projection. The weights are plain arrays: assign your own trained ones.
+    w_k : ndarray, (d_model, n_kv_heads * d_head)
+        Key projection.
+    w_v : ndarray, (d_model, n_kv_heads * d_value)
+        Value projection.
+    w_o : ndarray, (n_heads * d_value, d_model)
+        Output projection.
+    b_q, b_k, b_v, b_o : ndarray or None
+        Matching 1-d biases (``bias=True``), or None.
 
+    Notes
+    -----
     Head ``h`` uses columns ``h*d_head:(h+1)*d_head`` of ``w_q`` (and likewise
     for the others), the layout of ``torch.nn.MultiheadAttention``.  The initial weights are drawn like
     ``torch.nn.Linear``'s default: uniform in ``±1/sqrt(fan_in)``, with

@@ -1,9 +1,9 @@
-"""Positional encodings: the sinusoidal table of seed 004 and rotary embeddings.
+"""Positional encodings: the sinusoidal table and rotary embeddings.
 
 Attention is permutation invariant; these functions inject token order.
 
 * ``sinusoidal_positions`` builds the additive table of "Attention is all you
-  need" (seed 004): add it to the token embeddings before the projections.
+  need": add it to the token embeddings before the projections.
 * ``rope`` rotates queries and keys by position-dependent angles (RoFormer), so
   that ``q_i . k_j`` depends on ``i - j`` only.  It uses the *half-split*
   convention of GPT-NeoX and of the Hugging Face Llama/Mistral/Qwen code
@@ -49,8 +49,8 @@ def sinusoidal_positions(length, d_model, base=10000.0, *, dtype=np.float64):
     ``pe[p, 2i+1] = cos(p / base**(2i/d_model))``: even columns are sines, odd
     columns cosines, pairs sharing one frequency.  For odd ``d_model`` the last
     column (even index ``d_model - 1``) is the sine of a last, unpaired
-    frequency ``base**((d_model-1)/d_model)``.  (Seed 004's loop leaves that
-    column at zero; its other columns agree with this table.)
+    frequency ``base**((d_model-1)/d_model)``.  (Some tutorials leave that
+    column at zero; their other columns agree with this table.)
 
     Parameters
     ----------

@@ -1,7 +1,7 @@
 """Plain NumPy attention: the oracle the fast kernels are checked against.
 
-This module is the seed notebooks' math, written once for arrays of any batch shape, with
-the score modifiers of today's models applied in FlashAttention's order:
+This module is the textbook math, written once for arrays of any batch shape, with the
+score modifiers of today's models applied in FlashAttention's order:
 
 1. **scores** -- every query is compared with every key by a scaled dot product::
 
@@ -24,7 +24,7 @@ the score modifiers of today's models applied in FlashAttention's order:
    Hidden keys get the score ``-inf``.
 
 6. **softmax** over the keys of each row, shifted by the row maximum so ``exp`` never
-   overflows (seed 002's "Jiraiya" scores of 43074 are fine). With ``sinks`` (gpt-oss),
+   overflows (scores in the tens of thousands are fine). With ``sinks`` (gpt-oss),
    one extra logit per head joins the denominator and has no value::
 
        P[i, j] = exp(S[i, j]) / (exp(sink[h]) + sum_j' exp(S[i, j']))

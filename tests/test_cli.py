@@ -5,7 +5,10 @@ never asserted (they depend on the machine and its load); their structure, sign 
 finiteness are, and so are the numbers that can be computed independently (FLOP and byte
 counts, correctness differences against the reference).
 """
+import argparse
+import importlib.machinery
 import importlib.util
+import io
 import json
 import math
 import os
@@ -215,3 +218,230 @@ def test_format_time_units():
     assert bench.format_time(2.5e-6, sym) == "2.5 us"
     assert bench.format_time(0.0123, sym) == "12.30 ms"
     assert bench.format_time(12.0, sym) == "12.0 s"
+
+
+# --------------------------------------------------------------------------- closed pipe
+
+@pytest.mark.parametrize("command", [["info"], ["demo"], ["bench", "--shapes", "tiny"]])
+def test_closed_pipe_ends_quietly(command):
+    # `python -m fastattn info | head -3`: the reader goes away. Closing our end before the
+    # child writes its first line makes the broken pipe certain rather than a race.
+    proc = subprocess.Popen([sys.executable, "-m", "fastattn", *command], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert proc.returncode == 1
+
+
+# --------------------------------------------------------------------------- shadowing
+
+def test_info_in_an_unbuilt_source_tree_says_so(tmp_path):
+    # A copy of the package's Python files without the compiled kernel, in the current
+    # directory, hides the working package that PYTHONPATH points to.
+    shadow = tmp_path / "fastattn"
+    shadow.mkdir()
+    package = os.path.dirname(os.path.abspath(fastattn.__file__))
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            (shadow / name).write_bytes(open(os.path.join(package, name), "rb").read())
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(package))
+    proc = subprocess.run([sys.executable, "-m", "fastattn", "info"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"fastattn in {shadow} has no compiled kernel" in proc.stderr
+    assert "run from another directory" in proc.stderr
+    assert "circular import" not in proc.stderr
+
+
+def _fake_installed(root, version="9.9.9"):
+    """A distribution 'fastattn' installed in ``root``, as pip leaves it (RECORD lists the
+    package's files)."""
+    dist = root / f"fastattn-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fastattn\nVersion: {version}\n")
+    (dist / "RECORD").write_text("fastattn/__init__.py,,\n"
+                                 f"fastattn-{version}.dist-info/METADATA,,\n")
+    (root / "fastattn").mkdir()
+    (root / "fastattn" / "__init__.py").write_text("")
+    return str(root / "fastattn")
+
+
+def test_info_names_the_folder_that_hides_the_installed_package(tmp_path, monkeypatch):
+    from fastattn import info
+    installed = _fake_installed(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))    # found first by importlib.metadata
+    assert info._installed_dir() == ("9.9.9", installed)
+    here = os.path.dirname(os.path.abspath(fastattn.__file__))
+    facts = info.collect()
+    (problem,) = facts["problems"]
+    assert here in problem and installed in problem and "9.9.9" in problem
+    text = info.format_info(facts)
+    assert text.splitlines()[-1].startswith("         ")      # wrapped under "problem: "
+    assert "problem: fastattn is imported from" in text
+    assert info.run(argparse.Namespace(json=False), stdout=io.StringIO()) == 3
+
+
+def test_info_without_an_installed_copy_has_no_problem(monkeypatch):
+    from fastattn import info
+    monkeypatch.setattr(info, "_installed_dir", lambda: None)
+    assert info.shadowing_problems(fastattn) == []
+    assert "problems" not in info.collect()
+
+
+def test_info_explains_a_namespace_folder(tmp_path):
+    # `import fastattn` resolving to a folder without __init__.py: a namespace package with
+    # no version, no threads and no kernel.
+    from fastattn import info
+    folder = tmp_path / "fastattn"
+    folder.mkdir()
+    spec = importlib.machinery.ModuleSpec("fastattn", None, is_package=True)
+    spec.submodule_search_locations = [str(folder)]
+    namespace = importlib.util.module_from_spec(spec)
+    facts = info.collect(namespace)
+    assert facts["version"] == "unknown" and facts["threads"] == "unknown"
+    (problem,) = facts["problems"]
+    assert str(folder) in problem and "no __init__.py" in problem
+    assert "problem: 'import fastattn' found the folder" in info.format_info(facts)
+
+
+# --------------------------------------------------------------------------- bench plot
+
+def _report(torch=True, quick_skip=True, load=0.01, peak_gflops=100.0):
+    """A bench report of three shapes, as bench.run builds it (the fields the table and the
+    plot read), with fastattn at 108 GFLOP/s on the prefill shapes."""
+    def lib(seconds, flop):
+        return {"median_s": seconds, "samples_s": [seconds], "calls_per_sample": 1,
+                "gflops": flop / seconds / 1e9, "gbs": 1e6 / seconds / 1e9}
+    results = []
+    for name, seconds, ref_s, torch_s in (("tiny", 3e-6, 2e-4, 1.5e-5),
+                                          ("small", 3.4e-4, 4e-3, 5e-4),
+                                          ("long-8k", 0.15, 2.0, 0.16)):
+        shape = bench.SHAPES_BY_NAME[name]
+        flop = bench.flops(shape)
+        fa = lib(seconds, flop)
+        fa["gflops"] = 108.0 if name != "tiny" else 0.1
+        libs = {"fastattn": fa}
+        r = {"name": name, "kind": "prefill", "dtype": "float32", "flops": flop,
+             "bytes": bench.bytes_moved(shape), "libraries": libs,
+             "check": {"ok": True, "tolerance": 1e-4, "vs_reference_max_abs": 1e-7},
+             "other_cpu_load": load, "cpu_steal": 0.0}
+        if quick_skip and name in bench.QUICK_SKIP_REFERENCE:
+            libs["reference"] = {"skipped": "skipped with --quick (seconds per call); "
+                                            "run without --quick"}
+        else:
+            libs["reference"] = lib(ref_s, flop)
+            r["speedup_vs_reference"] = ref_s / seconds
+        if torch:
+            libs["torch"] = lib(torch_s, flop)
+            r["speedup_vs_torch"] = torch_s / seconds
+        else:
+            libs["torch"] = {"skipped": "torch is not installed"}
+        results.append(r)
+    return {"machine": {"cpu": "Test CPU", "threads": {"fastattn": 2},
+                        "peaks": {"sgemm_gflops": peak_gflops}},
+            "settings": {"quick": quick_skip}, "results": results}
+
+
+@pytest.fixture
+def plt():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    yield plt
+    plt.close("all")
+
+
+def _texts(fig):
+    return [t.get_text() for t in fig.texts] + [t.get_text() for ax in fig.axes
+                                                for t in ax.texts]
+
+
+def test_plot_title_names_only_what_ran(plt):
+    with_torch = bench.plot_figure(_report(torch=True), plt)._suptitle.get_text()
+    without = bench.plot_figure(_report(torch=False), plt)._suptitle.get_text()
+    assert with_torch.startswith("fastattn vs torch vs NumPy reference")
+    assert without.startswith("fastattn vs NumPy reference")
+    assert "torch" not in without
+
+
+def test_plot_speedup_ticks_are_readable(plt):
+    fig = bench.plot_figure(_report(), plt)
+    ax_s = fig.axes[1]
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax_s.get_yticklabels()]
+    x = bench._symbols()["x"]
+    # speed-ups in this report run from 1.07x (long-8k over torch) to 66.7x (tiny over ref)
+    assert labels == [f"{v}{x}" for v in ("0.5", "1", "2", "5", "10", "20", "50", "100")]
+    assert ax_s.get_yscale() == "log"
+
+
+def test_speedup_ticks():
+    assert bench._speedup_ticks(1.0, 1.0) == [0.5, 1.0, 2.0]
+    assert bench._speedup_ticks(0.61, 56.1) == [0.5, 1, 2, 5, 10, 20, 50, 100]
+    assert bench._speedup_ticks(1.2, 3.0) == [1, 2, 5]
+
+
+def test_plot_marks_shapes_skipped_by_quick(plt):
+    texts = _texts(bench.plot_figure(_report(quick_skip=True), plt))
+    # long-8k's reference: once in the time panel, once in the speed-up panel
+    assert sum("skipped\n(--quick)" == t for t in texts) == 2
+    texts = _texts(bench.plot_figure(_report(quick_skip=False), plt))
+    assert not any("skipped" in t for t in texts)
+
+
+def test_plot_carries_the_load_warning(plt):
+    busy = _report(load=0.4)
+    texts = _texts(bench.plot_figure(busy, plt))
+    warning = bench.load_warning(busy)
+    assert warning and any(warning.split(";")[0][:40] in t.replace("\n", " ") for t in texts)
+    quiet = _texts(bench.plot_figure(_report(load=0.01), plt))
+    assert not any("WARNING" in t for t in quiet)
+
+
+def test_peak_over_100_percent_is_flagged(plt):
+    low_peak = _report(peak_gflops=100.0)         # 108 GFLOP/s measured against 100
+    assert bench.peak_flagged(low_peak) == ["small", "long-8k"]
+    table = bench.format_table(low_peak)
+    assert "108%*" in table
+    texts = _texts(bench.plot_figure(low_peak, plt))
+    assert texts.count("108%*") == 2
+    assert any(bench.PEAK_NOTE[:30] in t.replace("\n", " ") for t in texts)
+
+    fine = _report(peak_gflops=150.0)
+    assert bench.peak_flagged(fine) == []
+    assert "*" not in bench.format_table(fine)
+    texts = _texts(bench.plot_figure(fine, plt))
+    assert "72%" in texts and not any(bench.PEAK_NOTE[:30] in t for t in texts)
+
+
+def test_info_from_beside_a_folder_named_fastattn(tmp_path):
+    # A checkout cloned into ./fastattn (no __init__.py at its top) next to an editable
+    # install: Python's path finder takes the folder as a namespace package before the
+    # editable install's finder is asked, yet `python -m fastattn info` still runs,
+    # because that finder supplies the submodules. Simulated with the same kind of finder.
+    package = os.path.dirname(os.path.abspath(fastattn.__file__))
+    probe = subprocess.run([sys.executable, "-c", "import sys; print(sys.path)"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    if repr(os.path.dirname(package)) in probe.stdout:
+        pytest.skip("fastattn is installed on sys.path, where it wins over a namespace folder")
+    (tmp_path / "fastattn").mkdir()
+    code = f"""
+import importlib.machinery, runpy, sys
+class EditableFinder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.startswith("fastattn."):
+            return importlib.machinery.PathFinder.find_spec(name, [{package!r}])
+sys.meta_path.append(EditableFinder)
+sys.argv = ["fastattn", "info"]
+runpy.run_module("fastattn", run_name="__main__", alter_sys=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    out = proc.stdout
+    assert "fastattn:               unknown" in out and "threads:                unknown" in out
+    problem = " ".join(out.split("problem:", 1)[1].split())    # unwrapped
+    assert problem.startswith(f"'import fastattn' found the folder {tmp_path / 'fastattn'},")

@@ -81,3 +81,65 @@ def test_python_m_fastattn_demo_runs():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "each person has a chair" in proc.stdout
+
+
+def _section(out, start, end=None):
+    text = out.split(start, 1)[1]
+    return text.split(end, 1)[0] if end else text
+
+
+def _table(text, tokens):
+    """The printed weight table under ``text``: {query: [weights, None for '.']}."""
+    rows = {}
+    for line in text.splitlines():
+        cells = line.split()
+        if len(cells) == len(tokens) + 1 and cells[0] in tokens and cells[0] not in rows:
+            try:
+                rows[cells[0]] = [None if c == "." else float(c) for c in cells[1:]]
+            except ValueError:
+                continue
+    return rows
+
+
+def test_demo_3b_text_agrees_with_its_table(capsys):
+    demo.main([])
+    section = _section(capsys.readouterr().out, "== 3b.")
+    tokens = ["each", "session", "has", "a", "chair"]
+    table = _table(section, tokens)
+    assert list(table) == tokens
+    prose = " ".join(section.split("query \\ key")[0].split())
+    for query, row in table.items():
+        weights = [w if w is not None else -1 for w in row]
+        top = int(np.argmax(weights))
+        if tokens[top] == query:
+            assert f"'{query}'" in prose.split("attend almost only to themselves")[0]
+        else:
+            assert f"'{query}' puts {row[top]:.3f} of its weight on '{tokens[top]}'" in prose
+    # What the table shows: 'session' looks at 'each', not at itself.
+    assert "'session' puts 1.000 of its weight on 'each'" in prose
+    assert "each word attends almost only to itself" not in prose
+
+
+def test_describe_peaks():
+    w = np.array([[1.0, 0.0, 0.0], [0.3, 0.7, 0.0], [0.1, 0.6, 0.3]])
+    assert demo.describe_peaks(w, ["a", "b", "c"]) == (
+        "The largest weight of each row: 'a' and 'b' attend most to themselves; "
+        "'c' puts 0.600 of its weight on 'b'.")
+    assert demo.describe_peaks(np.eye(2), ["x", "y"]) == (
+        "Every row is nearly one-hot (largest weight >= 0.99): 'x' and 'y' attend almost "
+        "only to themselves.")
+
+
+def test_demo_text_and_titles_have_no_notebook_jargon(capsys):
+    demo.main([])
+    out = capsys.readouterr().out
+    titles = [title for _, figures in demo.examples() for _, title, _ in figures]
+    assert len(titles) == 5
+    for text in [out] + titles:
+        assert "seed 0" not in text.lower() and "notebook" not in text.lower()
+
+
+def test_examples_are_what_the_demo_prints(capsys):
+    demo.main([])
+    out = capsys.readouterr().out
+    assert out == "".join(text + "\n" for text, _ in demo.examples())

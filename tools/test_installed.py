@@ -2,8 +2,8 @@
 
 Usage: python tools/test_installed.py PROJECT_DIR [pytest args...]
 
-The tests read repository files (README.md, tools/leakcheck.py, pyproject.toml's pytest
-settings), and some start subprocesses with the repository root on PYTHONPATH or as their
+The tests read repository files (README.md and the docs/ it links to, .ci/run,
+tools/leakcheck.py, pyproject.toml's pytest settings), and some start subprocesses with the repository root on PYTHONPATH or as their
 working directory.  Run from PROJECT_DIR/tests, those would import the uncompiled source
 package.  So this copies the repository minus the package sources (fastattn/, src/, build
 files) into a temporary directory and runs pytest there; it first checks that ``fastattn``
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-COPY = ["tests", "tools", "README.md", "pyproject.toml"]
+COPY = ["tests", "tools", "README.md", "pyproject.toml", "docs", ".ci"]
 
 
 def main(argv):
