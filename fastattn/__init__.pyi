@@ -12,7 +12,7 @@ from . import reference as reference
 
 __version__: str
 __all__ = [
-    "attention", "attention_weights", "softmax",
+    "attention", "attention_varlen", "attention_weights", "softmax",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
@@ -31,6 +31,8 @@ def attention(
     scale: float | None = None, causal: _Causal = False, window: _Window = None,
     mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
     return_lse: Literal[False] = False, out: _Array | None = None,
+    softcap: float | None = None, alibi_slopes: npt.ArrayLike | None = None,
+    sinks: npt.ArrayLike | None = None, q_lengths: npt.ArrayLike | None = None,
 ) -> _Array: ...
 @overload
 def attention(
@@ -38,6 +40,8 @@ def attention(
     scale: float | None = None, causal: _Causal = False, window: _Window = None,
     mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
     return_lse: Literal[True], out: _Array | None = None,
+    softcap: float | None = None, alibi_slopes: npt.ArrayLike | None = None,
+    sinks: npt.ArrayLike | None = None, q_lengths: npt.ArrayLike | None = None,
 ) -> tuple[_Array, _Array]: ...
 @overload
 def attention(
@@ -45,11 +49,39 @@ def attention(
     scale: float | None = None, causal: _Causal = False, window: _Window = None,
     mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
     return_lse: bool = False, out: _Array | None = None,
+    softcap: float | None = None, alibi_slopes: npt.ArrayLike | None = None,
+    sinks: npt.ArrayLike | None = None, q_lengths: npt.ArrayLike | None = None,
+) -> _Array | tuple[_Array, _Array]: ...
+@overload
+def attention_varlen(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike, *, scale: float | None = None, causal: _Causal = False,
+    window: _Window = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    return_lse: Literal[False] = False, out: _Array | None = None,
+) -> _Array: ...
+@overload
+def attention_varlen(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike, *, scale: float | None = None, causal: _Causal = False,
+    window: _Window = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    return_lse: Literal[True], out: _Array | None = None,
+) -> tuple[_Array, _Array]: ...
+@overload
+def attention_varlen(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike, *, scale: float | None = None, causal: _Causal = False,
+    window: _Window = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    return_lse: bool = False, out: _Array | None = None,
 ) -> _Array | tuple[_Array, _Array]: ...
 def attention_weights(
     q: npt.ArrayLike, k: npt.ArrayLike, *,
     scale: float | None = None, causal: _Causal = False, window: _Window = None,
     mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
+    softcap: float | None = None, alibi_slopes: npt.ArrayLike | None = None,
+    sinks: npt.ArrayLike | None = None, q_lengths: npt.ArrayLike | None = None,
 ) -> _Array: ...
 def softmax(x: npt.ArrayLike, axis: int = -1) -> _Array: ...
 

@@ -23,7 +23,9 @@ class _BuildInfo(TypedDict):
     vector_bytes: int
     block_q: int
     block_k: int
+    fma: bool
 
+def kernel_layout(a: npt.NDArray[Any]) -> bool: ...
 def forward(
     q: npt.NDArray[np.floating[Any]],
     k: npt.NDArray[np.floating[Any]],
@@ -32,23 +34,40 @@ def forward(
     lse: npt.NDArray[np.floating[Any]] | None,
     mask: npt.NDArray[Any] | None,
     mask_kind: int,
-    q_boff: npt.NDArray[np.intp],
-    k_boff: npt.NDArray[np.intp],
-    v_boff: npt.NDArray[np.intp],
-    o_boff: npt.NDArray[np.intp],
-    lse_boff: npt.NDArray[np.intp],
-    m_boff: npt.NDArray[np.intp],
+    batch: tuple[int, ...],
     kv_len: npt.NDArray[np.intp],
-    nbatch: int,
     causal: int,
     wl: int,
     wr: int,
     scale: float,
     n_threads: int,
+    softcap: float = 0.0,
+    alibi: npt.NDArray[np.float64] | None = None,
+    sinks: npt.NDArray[np.float64] | None = None,
+    q_len: npt.NDArray[np.intp] | None = None,
+) -> None: ...
+def forward_packed(
+    q: npt.NDArray[np.floating[Any]],
+    k: npt.NDArray[np.floating[Any]],
+    v: npt.NDArray[np.floating[Any]],
+    out: npt.NDArray[np.floating[Any]],
+    lse: npt.NDArray[np.floating[Any]] | None,
+    cu_q: npt.NDArray[np.intp],
+    cu_k: npt.NDArray[np.intp],
+    causal: int,
+    wl: int,
+    wr: int,
+    scale: float,
+    n_threads: int,
+    softcap: float = 0.0,
+    alibi: npt.NDArray[np.float64] | None = None,
+    sinks: npt.NDArray[np.float64] | None = None,
 ) -> None: ...
 def key_intervals(
-    Lq: int, kv_len: npt.NDArray[np.intp], causal: int, wl: int, wr: int
+    Lq: int, kv_len: npt.NDArray[np.intp], causal: int, wl: int, wr: int,
+    q_len: npt.NDArray[np.intp] | None = None,
 ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]: ...
+def vector_tanh(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
 def vector_exp2(x: npt.NDArray[np.floating[Any]]) -> npt.NDArray[np.floating[Any]]: ...
 def build_info() -> _BuildInfo: ...
 def omp_max_threads() -> int: ...
