@@ -26,10 +26,10 @@
  * contiguous vector of packed queries; 12 accumulators + 2 query vectors + 1 broadcast fit
  * the 16 registers of AVX2.
  * The canonical order of a score, whichever kernel computes it: a sequential FMA chain
- * over each chunk of FA_DCHUNK dimensions (d = 0..31, 32..63, ...), the chunks' sums
- * added in order, then one multiply by scale.  Chunking bounds the rounding error of a
- * score by about (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D, which
- * matters for float32 at D = 128-256; for D <= FA_DCHUNK it is the plain chain.
+ * over each chunk of FA_DCHUNK (64) dimensions, the chunks' sums added in order, then one
+ * multiply by scale.  Chunking bounds the rounding error of a score by about
+ * (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D, which matters for
+ * float32 at D = 128-256; for D <= FA_DCHUNK it is the plain chain and costs nothing.
  */
 /* One chunk's sums a into the scores at p: the first chunk stores, later ones add to what
  * is there; the last one also applies the scale. */
