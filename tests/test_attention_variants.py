@@ -179,3 +179,65 @@ def test_vector_tanh_accuracy(kernel):
     ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
     err = np.abs(y.astype(np.float64) - exact) / ulp
     assert err.max() <= 4, f"max error {err.max():.2f} ulp at x = {x[np.argmax(err)]!r}"
+
+
+# --------------------------------------------------------------------------- packed sequences
+
+def _packed(rng, lens_q, lens_k, Hq, Hkv, D, dtype):
+    q = rng.standard_normal((Hq, sum(lens_q), D)).astype(dtype)
+    k = rng.standard_normal((Hkv, sum(lens_k), D)).astype(dtype)
+    v = rng.standard_normal((Hkv, sum(lens_k), D + 3)).astype(dtype)
+    return q, k, v, np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(5, 0)),
+                                dict(causal=True, softcap=2.0, alibi_slopes="slopes",
+                                     sinks="sinks")], ids=["plain", "causal", "window", "all"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_varlen_rows_equal_separate_calls(rng, dtype, kw, threads):
+    # Lengths that put sequence ends inside tiles and key blocks, an empty sequence, a
+    # single-row one (a decode tile) and more keys than queries.
+    lens_q, lens_k = [70, 0, 1, 130, 9], [70, 4, 300, 130, 20]
+    Hq, Hkv = 4, 2
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, Hq, Hkv, 24, dtype)
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "slopes":
+        kw["alibi_slopes"] = 2.0 ** -np.arange(1, Hq + 1)
+    if kw.get("sinks") == "sinks":
+        kw["sinks"] = rng.standard_normal(Hq)
+    with fastattn.num_threads(threads):
+        out, lse = fastattn.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    for s in range(len(lens_q)):
+        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        alone, alone_lse = fastattn.attention(q[:, rq], k[:, rk], v[:, rk], return_lse=True, **kw)
+        np.testing.assert_array_equal(out[:, rq], alone)
+        np.testing.assert_array_equal(lse[:, rq], alone_lse)
+    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+    assert_close(out, ref)
+
+
+def test_varlen_reads_total_h_d_views(rng):
+    # A (total, H, D) array's transpose(1, 0, 2) view is read in place.
+    qt = rng.standard_normal((50, 3, 16)).astype(np.float32)
+    view = qt.transpose(1, 0, 2)
+    cu = np.array([0, 20, 50])
+    out = fastattn.attention_varlen(view, view, view, cu, cu, causal=True)
+    want = fastattn.attention_varlen(np.ascontiguousarray(view), np.ascontiguousarray(view),
+                                     np.ascontiguousarray(view), cu, cu, causal=True)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("cu_q, cu_k, exc, words", [
+    ([0, 3, 5], [0, 4], ValueError, "same length"),
+    ([1, 3, 5], [0, 2, 4], ValueError, "start at 0"),
+    ([0, 4, 3, 5], [0, 1, 2, 4], ValueError, "non-decreasing"),
+    ([0, 3, 4], [0, 2, 4], ValueError, "end at"),
+    ([0.0, 3, 5], [0, 2, 4], TypeError, "integer"),
+    ([[0, 3, 5]], [[0, 2, 4]], ValueError, "1-D"),
+])
+def test_varlen_bad_cu_seqlens(rng, cu_q, cu_k, exc, words):
+    q = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    with pytest.raises(exc, match=words):
+        fastattn.attention_varlen(q, k, k, cu_q, cu_k)
