@@ -177,6 +177,8 @@ def _run_checks(isa):
 # --------------------------------------------------------------------------- the tests
 
 def _skip_reason(isa):
+    if isa != "base" and not X86:
+        return f"the {isa} variant is built for x86 CPUs only"
     if isa != "base" and not _kernel_base.cpu_supports(isa):
         return f"this CPU cannot run the {isa} variant: it is tested only on CPUs that can"
     if importlib.util.find_spec(f"fastattn._kernel_{isa}") is None and isa not in _meant_to_build():
