@@ -12,8 +12,8 @@ Environment switches:
 """
 import glob
 import os
-import platform
 import sys
+import sysconfig
 import tempfile
 import textwrap
 
@@ -21,14 +21,17 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import PlatformError
 
-X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}
+# The target's architecture, not the build host's: a cross build (e.g. for aarch64 on an
+# x86-64 host) names its target in sysconfig's platform (linux-aarch64, macosx-14.0-arm64).
+X86 = sysconfig.get_platform().rsplit("-", 1)[-1].lower() in {"x86_64", "amd64", "i386", "i686"}
 
-# Per-ISA compile flags for GCC/Clang and for MSVC (clang-cl understands the GCC ones).
+# Per-ISA compile flags (GCC and Clang).
 ISA_FLAGS = {
-    "base": {"unix": [], "msvc": []},
-    "avx2": {"unix": ["-mavx2", "-mfma"], "msvc": ["/arch:AVX2"]},
-    "avx512": {"unix": ["-mavx512f", "-mavx2", "-mfma"], "msvc": ["/arch:AVX512"]},
+    "base": [],
+    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx512f", "-mavx2", "-mfma"],
 }
 
 
@@ -66,9 +69,6 @@ class BuildExt(build_ext):
     def openmp_flags(self):
         if os.environ.get("FASTATTN_NO_OPENMP"):
             return [], []
-        ctype = self.compiler.compiler_type
-        if ctype == "msvc":
-            return ["/openmp"], []
         candidates = [(["-fopenmp"], ["-fopenmp"])]
         if sys.platform == "darwin":
             # Apple clang has no -fopenmp driver flag; libomp comes from Homebrew/conda.
@@ -80,22 +80,21 @@ class BuildExt(build_ext):
         return [], []
 
     def build_extensions(self):
-        ctype = self.compiler.compiler_type
+        if self.compiler.compiler_type == "msvc":
+            # Stop before compiling anything, with the reason rather than a C error.
+            raise PlatformError("fastattn's kernels are written with GCC/Clang vector "
+                                "extensions, which MSVC cannot compile: Windows is not supported")
         omp_c, omp_l = self.openmp_flags()
         # -Wno-psabi: the vector helpers are always inlined, so no vector crosses an ABI boundary.
         # Contraction of a*b+c into one FMA is pinned: every score and output chain is
         # written as `acc += x * y` and must round the same way in every micro-kernel, and
         # compilers differ in their defaults (GCC: fast outside ISO mode; Clang: within an
-        # expression only; GCC < 14 treats "on" as "off").  MSVC and clang-cl: /fp:contract.
-        if ctype == "msvc":
-            opt = ["/O2", "/fp:contract"]
-        else:
-            opt = ["-O3", "-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
+        # expression only; GCC < 14 treats "on" as "off").
+        opt = ["-O3", "-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
         for ext in self.extensions:
             isa = ext.name.rsplit("_", 1)[-1]
-            isa_flags = ISA_FLAGS[isa]["msvc" if ctype == "msvc" else "unix"]
-            ext.extra_compile_args = opt + omp_c + isa_flags
-            ext.extra_link_args = omp_l + (omp_c if ctype != "msvc" else [])
+            ext.extra_compile_args = opt + omp_c + ISA_FLAGS[isa]
+            ext.extra_link_args = omp_l + omp_c
         super().build_extensions()
 
 

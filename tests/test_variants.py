@@ -1,0 +1,235 @@
+"""Every compiled kernel variant that this CPU can run gives the right results.
+
+setup.py compiles the kernel once per instruction set (base, avx2, avx512 on x86; base
+elsewhere) and fastattn/_dispatch.py imports the best one the CPU runs, so the rest of the
+suite exercises only that one.  Here each variant the CPU supports is forced with
+FASTATTN_ISA in a fresh interpreter, which runs this file as a script: a compact set of
+checks against fastattn.reference (prefill, causal, window, masks, GQA, decode, float64,
+float16, lse, attention_weights) and the bitwise reproducibility rule.  Each check is
+reported as its own test, one interpreter per variant.
+
+A variant the CPU cannot run is skipped, and the skip says why (so a run on a machine
+without AVX-512 shows that the avx512 build went untested).  A variant the CPU can run that
+is missing from a build meant to include it is a failure.  Which variants a build is meant
+to include follows setup.py: all three on x86, base elsewhere, or the FASTATTN_ISAS list
+when that is set (set it for pytest too when you built a subset on purpose).
+"""
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import traceback
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _dispatch, _kernel_base
+from fastattn import reference as ref
+
+from conftest import assert_close
+
+ISAS = ("base", "avx2", "avx512")
+X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+
+
+def _meant_to_build():
+    isas = list(ISAS) if X86 else ["base"]
+    only = os.environ.get("FASTATTN_ISAS")
+    if only:
+        isas = [i for i in isas if i in only.split(",")]
+    return isas
+
+
+# --------------------------------------------------------------------------- the checks
+# Run in the child interpreter.  Shapes cross the kernel's block edges (96 query rows,
+# 64 keys, 1024-key decode chunks) and use odd head dims, so every tile path runs.
+
+def _qkv(rng, batch, Hq, Hkv, Lq, Lk, D, Dv, dtype=np.float32):
+    q = rng.standard_normal((*batch, Hq, Lq, D)).astype(dtype)
+    k = rng.standard_normal((*batch, Hkv, Lk, D)).astype(dtype)
+    v = rng.standard_normal((*batch, Hkv, Lk, Dv)).astype(dtype)
+    return q, k, v
+
+
+def _same(q, k, v, dtype=None, **kw):
+    """fastattn and the reference agree on the output and the lse."""
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    want, want_lse = ref.attention(q, k, v, return_lse=True, **kw)
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, lse.dtype)
+
+
+def check_selected(rng, isa):
+    info = _dispatch.kernel.build_info()
+    assert _dispatch.ISA == isa, _dispatch.ISA
+    if isa != "base":
+        assert info["isa"] == isa, info
+    assert info["vector_bytes"] == (64 if isa == "avx512" else 32), info
+
+
+def check_prefill(rng, isa):
+    _same(*_qkv(rng, (2,), 4, 4, 130, 200, 64, 48))
+    _same(*_qkv(rng, (), 3, 3, 97, 65, 5, 7))
+
+
+def check_causal(rng, isa):
+    q, k, v = _qkv(rng, (2,), 2, 2, 200, 200, 32, 32)
+    _same(q, k, v, causal=True)
+    q, k, v = _qkv(rng, (1,), 2, 2, 70, 300, 32, 16)
+    _same(q, k, v, causal=True)
+    _same(q, k, v, causal="top-left")
+
+
+def check_window(rng, isa):
+    q, k, v = _qkv(rng, (1,), 2, 2, 257, 257, 24, 24)
+    _same(q, k, v, window=(40, 5))
+    _same(q, k, v, causal=True, window=(100, -1))
+
+
+def check_mask(rng, isa):
+    q, k, v = _qkv(rng, (2,), 4, 2, 100, 150, 16, 16)
+    keep = rng.random((4, 1, 150)) < 0.7
+    keep[1] = False                                     # a head that sees no key at all
+    _same(q, k, v, mask=keep)
+    add = np.where(rng.random((100, 150)) < 0.8, rng.standard_normal((100, 150)), -np.inf)
+    _same(q, k, v, mask=add.astype(np.float32))
+
+
+def check_gqa(rng, isa):
+    _same(*_qkv(rng, (2,), 8, 2, 99, 140, 64, 64), causal=True)
+    _same(*_qkv(rng, (1,), 6, 1, 33, 80, 16, 8))
+
+
+def check_decode(rng, isa):
+    # One query row, and GQA groups of 4 and 8 rows: the decode tiles.  Past 1024 keys the
+    # keys are reduced in chunks and merged.
+    for Hq, Lq in ((4, 1), (4, 4), (8, 1)):
+        q, k, v = _qkv(rng, (2,), Hq, 1, Lq, 2100, 64, 64)
+        _same(q, k, v, causal=True, kv_lengths=np.array([2100, 1500]))
+    with fastattn.num_threads(2):
+        _same(*_qkv(rng, (1,), 8, 1, 1, 3000, 128, 128))
+
+
+def check_float64(rng, isa):
+    q, k, v = _qkv(rng, (2,), 4, 2, 130, 300, 40, 24, np.float64)
+    _same(q, k, v, causal=True)
+    _same(q[..., -1:, :], k, v, window=(200, 0))
+
+
+def check_float16(rng, isa):
+    _same(*_qkv(rng, (1,), 4, 2, 100, 130, 64, 64, np.float16), causal=True)
+
+
+def check_lse_and_empty_rows(rng, isa):
+    # kv_lengths 0, and 7 keys under a causal mask for 50 rows, leave rows empty: their
+    # output is zeros and their lse -inf.
+    q, k, v = _qkv(rng, (3,), 2, 2, 50, 120, 16, 16)
+    _same(q, k, v, kv_lengths=np.array([120, 7, 0]), causal=True)
+    out, lse = fastattn.attention(q, k, v, kv_lengths=np.array([120, 7, 0]), return_lse=True)
+    assert (out[2] == 0).all() and np.isneginf(lse[2]).all()
+
+
+def check_attention_weights(rng, isa):
+    q, k, _ = _qkv(rng, (1,), 2, 2, 70, 130, 16, 16)
+    got = fastattn.attention_weights(q, k, causal=True, window=(50, -1))
+    assert_close(got, ref.attention_weights(q, k, causal=True, window=(50, -1)))
+
+
+def check_reproducible(rng, isa):
+    # A query row's bits do not depend on the thread count, the batch, the other rows of
+    # the call, or prefill against decode (the same rule tests/test_reproducibility.py
+    # checks for the variant in use).
+    for dtype in (np.float32, np.float64):
+        q, k, v = _qkv(rng, (3,), 4, 2, 150, 150, 64, 32, dtype)
+        with fastattn.num_threads(1):
+            full, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+        with fastattn.num_threads(2):
+            two, two_lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+        assert full.tobytes() == two.tobytes() and lse.tobytes() == two_lse.tobytes()
+        alone = fastattn.attention(q[1], k[1], v[1], causal=True)
+        assert alone.tobytes() == full[1].tobytes()
+        rows = fastattn.attention(q[..., 100:140, :], k[..., :140, :], v[..., :140, :],
+                                  causal=True)
+        assert rows.tobytes() == full[..., 100:140, :].tobytes()
+        for i in (0, 63, 64, 96, 149):
+            step = fastattn.attention(q[..., i:i + 1, :], k[..., :i + 1, :], v[..., :i + 1, :])
+            assert step.tobytes() == full[..., i:i + 1, :].tobytes(), (dtype, i)
+
+
+CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
+
+
+def _run_checks(isa):
+    """Every check in this interpreter: {name: None if it passed, else the traceback}."""
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            check(np.random.default_rng(20240611), isa)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+# --------------------------------------------------------------------------- the tests
+
+def _skip_reason(isa):
+    if isa != "base" and not X86:
+        return f"the {isa} variant is built for x86 CPUs only"
+    if isa != "base" and not _kernel_base.cpu_supports(isa):
+        return f"this CPU cannot run the {isa} variant: it is tested only on CPUs that can"
+    if importlib.util.find_spec(f"fastattn._kernel_{isa}") is None and isa not in _meant_to_build():
+        return f"the {isa} variant is not in this build (FASTATTN_ISAS)"
+    return None
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_variant_is_built(isa):
+    reason = _skip_reason(isa)
+    if reason:
+        pytest.skip(reason)
+    assert importlib.util.find_spec(f"fastattn._kernel_{isa}") is not None, (
+        f"this CPU runs the {isa} variant and the build should include it "
+        f"({', '.join(_meant_to_build())}), but fastattn/_kernel_{isa} is missing")
+    assert isa in _dispatch.available_variants(), f"fastattn._kernel_{isa} does not import"
+
+
+_results = {}
+
+
+def _child_results(isa, tmp_path_factory):
+    if isa not in _results:
+        # The child imports the same fastattn as this process (an in-place build or an
+        # installed wheel), from a neutral working directory.
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+        path = os.pathsep.join(p for p in (pkg_parent, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, FASTATTN_ISA=isa, PYTHONPATH=path)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), isa], env=env,
+                              capture_output=True, text=True,
+                              cwd=tmp_path_factory.mktemp(f"variant-{isa}"))
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines:
+            _results[isa] = json.loads(lines[-1])
+        else:
+            crash = f"exit status {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+            _results[isa] = {name: crash for name in CHECKS}
+    return _results[isa]
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("isa", ISAS)
+def test_variant(isa, check, tmp_path_factory):
+    reason = _skip_reason(isa)
+    if reason:
+        pytest.skip(reason)
+    if importlib.util.find_spec(f"fastattn._kernel_{isa}") is None:
+        pytest.fail(f"fastattn._kernel_{isa} is missing (see test_variant_is_built)")
+    error = _child_results(isa, tmp_path_factory)[check]
+    assert error is None, f"{isa} variant, check {check}:\n{error}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_checks(sys.argv[1])))
