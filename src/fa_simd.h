@@ -23,7 +23,7 @@
 #endif
 
 #if !defined(__GNUC__) && !defined(__clang__)
-#error "fastattn's kernels need GCC or Clang vector extensions (MSVC: use clang-cl)"
+#error "fastattn's kernels need GCC or Clang vector extensions"
 #endif
 
 #if defined(__AVX512F__)
