@@ -864,6 +864,9 @@ def add_arguments(parser):
                         help="comma-separated subset of: " + ", ".join(SHAPES_BY_NAME))
     parser.add_argument("--repeat", type=int, metavar="N",
                         help="timed batches per library (default 7, 3 with --quick)")
+    parser.add_argument("--variants", action="store_true",
+                        help="time softcap, ALiBi, sinks and packed sequences against the "
+                             "same calls without them and against torch")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads for fastattn, torch and BLAS (default: fastattn's "
                              "default, which honours OMP_NUM_THREADS)")
@@ -897,6 +900,9 @@ def run(args, stdout=None, stderr=None):
         print("fastattn bench: error: --threads must be >= 1", file=stderr)
         return EXIT_USAGE
     repeat = args.repeat or (3 if args.quick else 7)
+    if getattr(args, "variants", False):
+        from . import bench_variants
+        return bench_variants.run(args, stdout)
 
     try:
         import fastattn as fa
