@@ -33,6 +33,7 @@ import operator
 
 import numpy as np
 
+from . import _variants
 from .positions import rope as _rope
 
 __all__ = ["self_attention", "MultiHeadAttention", "KVCache"]
@@ -368,6 +369,14 @@ class MultiHeadAttention:
         queries and keys, at their absolute positions (cache-aware).
     rope_base : float
         Base of the rotary frequencies.
+    window : (int, int), optional
+        Sliding window ``(left, right)`` of every call (Mistral: ``(W - 1, 0)`` with
+        ``causal=True``), as in ``fastattn.attention``.
+    softcap : float, optional
+        Score softcapping ``softcap * tanh(s / softcap)`` (Gemma 2).
+    sinks : bool
+        Create per-head attention-sink logits ``sinks`` (zeros; gpt-oss), assignable like
+        the weights.
 
     Attributes
     ----------
@@ -381,6 +390,8 @@ class MultiHeadAttention:
         Output projection.
     b_q, b_k, b_v, b_o : ndarray or None
         Matching 1-d biases (``bias=True``), or None.
+    sinks : ndarray, (n_heads,), or None
+        One sink logit per query head (``sinks=True``), or None.
 
     Notes
     -----
@@ -403,7 +414,7 @@ class MultiHeadAttention:
 
     def __init__(self, d_model, n_heads, *, n_kv_heads=None, d_head=None, d_value=None,
                  bias=False, dtype=np.float32, seed=None, scale=None, rope=False,
-                 rope_base=10000.0):
+                 rope_base=10000.0, window=None, softcap=None, sinks=False):
         d_model = _positive_int(d_model, "d_model")
         n_heads = _positive_int(n_heads, "n_heads")
         n_kv_heads = n_heads if n_kv_heads is None else _positive_int(n_kv_heads, "n_kv_heads")
@@ -426,6 +437,10 @@ class MultiHeadAttention:
         self.d_head, self.d_value, self.dtype = d_head, d_value, dtype
         self.scale = None if scale is None else float(scale)
         self.rope, self.rope_base = bool(rope), float(rope_base)
+        _kernel()._window(window)   # the front end's check: a clear error now, not at a call
+        self.window = None if window is None else tuple(int(w) for w in window)
+        self.softcap = _variants.check_softcap(softcap)
+        self.sinks = np.zeros(n_heads, dtype) if sinks else None
 
         rng = np.random.default_rng(seed)
 
@@ -447,6 +462,11 @@ class MultiHeadAttention:
 
     def __repr__(self):
         extra = "" if self.n_kv_heads == self.n_heads else f", n_kv_heads={self.n_kv_heads}"
+        for name in ("window", "softcap"):
+            if getattr(self, name) is not None:
+                extra += f", {name}={getattr(self, name)!r}"
+        if self.sinks is not None:
+            extra += ", sinks=True"
         return (f"MultiHeadAttention(d_model={self.d_model}, n_heads={self.n_heads}{extra}, "
                 f"d_head={self.d_head}, d_value={self.d_value}, bias={self.b_q is not None}, "
                 f"rope={self.rope})")
@@ -460,11 +480,12 @@ class MultiHeadAttention:
             "w_q": (self.d_model, hq), "w_k": (self.d_model, hk),
             "w_v": (self.d_model, hv), "w_o": (ho, self.d_model),
             "b_q": (hq,), "b_k": (hk,), "b_v": (hv,), "b_o": (self.d_model,),
+            "sinks": (self.n_heads,),
         }
         out = {}
         for name, shape in expected.items():
             w = getattr(self, name)
-            if w is None and name.startswith("b_"):
+            if w is None and (name.startswith("b_") or name == "sinks"):
                 out[name] = None
                 continue
             w = _real_array(w, name)
@@ -504,8 +525,27 @@ class MultiHeadAttention:
     def _out(self, o, W):
         return self._linear(_merge_heads(o), W["w_o"], W["b_o"])
 
+    def _variants(self, W):
+        # The keywords of fastattn.attention that come from the layer itself.
+        return dict(scale=self.scale, window=self.window, softcap=self.softcap,
+                    sinks=W["sinks"])
+
+    @staticmethod
+    def _positions(positions, batch, L):
+        # Explicit rotary positions of the L rows: (*batch, L) or (L,), as (*batch, 1, L).
+        p = _real_array(positions, "positions")
+        if p.dtype.kind not in "iu":
+            raise TypeError(f"positions must be an integer array, got dtype {p.dtype}")
+        try:
+            p = np.broadcast_to(p, batch + (L,))
+        except ValueError:
+            raise ValueError(f"positions of shape {p.shape} does not broadcast to (..., L) = "
+                             f"{batch + (L,)}") from None
+        return p[..., None, :]
+
     # -- forward --------------------------------------------------------------
-    def __call__(self, x, *, causal=False, mask=None, kv_lengths=None, cache=None):
+    def __call__(self, x, *, causal=False, mask=None, kv_lengths=None, cache=None,
+                 positions=None):
         """Apply the layer to ``x (..., L, d_model)``; returns ``(..., L, d_model)``.
 
         Without a cache, ``causal``, ``mask`` (broadcastable to
@@ -531,12 +571,21 @@ class MultiHeadAttention:
           the longest cached sequence after the append.
         * with ``rope=True``, new token ``i`` of sequence ``b`` gets position
           ``cache.lengths[b] + i``.
+
+        ``positions`` (integers, broadcastable to ``(..., L)``) gives the rotary positions
+        of the rows explicitly, e.g. ``arange(L) - pad[b]`` for a left-padded batch; by
+        default they are ``0 .. L-1``, after the cached tokens with a cache.  The layer's
+        ``window``, ``softcap`` and ``sinks`` apply to every call.
         """
         W = self._weights()
         if cache is None:
-            q, k, v = self._qkv(x, W)
-            o = _kernel().attention(q, k, v, scale=self.scale, causal=causal, mask=mask,
-                                    kv_lengths=kv_lengths)
+            x = _real_array(x, "x")
+            pos = None
+            if positions is not None and self.rope and x.ndim >= 2:
+                pos = self._positions(positions, x.shape[:-2], x.shape[-2])
+            q, k, v = self._qkv(x, W, pos)
+            o = _kernel().attention(q, k, v, causal=causal, mask=mask, kv_lengths=kv_lengths,
+                                    **self._variants(W))
             return self._out(o, W)
 
         if not isinstance(cache, KVCache):
@@ -557,27 +606,30 @@ class MultiHeadAttention:
         positions = None
         if self.rope:
             # Absolute positions of the new rows: (*batch, 1, L), broadcast over heads.
-            positions = np.broadcast_to(old, batch)[..., None, None] + np.arange(L)
+            if positions is None:
+                positions = np.broadcast_to(old, batch)[..., None, None] + np.arange(L)
+            else:
+                positions = self._positions(positions, batch, L)
         q, k, v = self._qkv(x, W, positions)
         new = KVCache._new_counts(kv_lengths, L, batch, "kv_lengths")
         old = cache.append(k, v, lengths=new)
         # Causal alignment is bottom-right: the L queries must be the last L keys the
         # kernel sees, so padded rows count as keys (the real queries cannot see them,
         # being before them).  Without causality only the real keys may exist.
-        seen = old + L if causal else old + new
+        seen = old + L if causal or self.window is not None else old + new
         lk = int(seen.max(initial=0))
         keys, values = cache._k[..., :lk, :], cache._v[..., :lk, :]
         lengths = None if seen.size == 0 or np.all(seen == lk) else seen
-        o = _kernel().attention(q, keys, values, scale=self.scale, causal=bool(causal), mask=mask,
-                                kv_lengths=lengths)
+        o = _kernel().attention(q, keys, values, causal=bool(causal), mask=mask,
+                                kv_lengths=lengths, **self._variants(W))
         return self._out(o, W), cache
 
     def attention_weights(self, x, *, causal=False, mask=None, kv_lengths=None):
         """Per-head attention probabilities ``(..., n_heads, L, L)`` for ``x`` (for inspection/plots)."""
         W = self._weights()
         q, k, _ = self._qkv(x, W)
-        return _kernel().attention_weights(q, k, scale=self.scale, causal=causal, mask=mask,
-                                           kv_lengths=kv_lengths)
+        return _kernel().attention_weights(q, k, causal=causal, mask=mask, kv_lengths=kv_lengths,
+                                           **self._variants(W))
 
     # -- interop --------------------------------------------------------------
     @classmethod
@@ -628,20 +680,26 @@ class MultiHeadAttention:
         else:
             w_q, w_k, w_v = get("q_proj_weight"), get("k_proj_weight"), get("v_proj_weight")
             E = w_q.shape[0]
-            for name, w in (("k_proj_weight", w_k), ("v_proj_weight", w_v), ("q_proj_weight", w_q)):
-                if w.shape != (E, E):
+            # Grouped-query projections: k and v have n_kv_heads heads of E // n_heads.
+            n_kv = kwargs.get("n_kv_heads") or n_heads
+            E_kv = E // n_heads * n_kv if E % n_heads == 0 else E
+            for name, w, rows in (("q_proj_weight", w_q, E), ("k_proj_weight", w_k, E_kv),
+                                  ("v_proj_weight", w_v, E_kv)):
+                if w.shape != (rows, E):
                     raise ValueError(
-                        f"state_dict['{prefix}{name}'] has shape {w.shape}; only kdim == vdim == "
-                        f"embed_dim = {E} (self-attention) is supported"
+                        f"state_dict['{prefix}{name}'] has shape {w.shape}, expected "
+                        f"({rows}, {E}) for embed_dim {E}, n_heads {n_heads} and n_kv_heads "
+                        f"{n_kv} (self-attention: kdim == vdim == embed_dim)"
                     )
         w_out = get("out_proj.weight")
         if w_out.shape != (E, E):
             raise ValueError(f"state_dict['{prefix}out_proj.weight'] must have shape ({E}, {E}), "
                              f"got {w_out.shape}")
         b_in, b_out = get("in_proj_bias", False), get("out_proj.bias", False)
-        if b_in is not None and b_in.shape != (3 * E,):
-            raise ValueError(f"state_dict['{prefix}in_proj_bias'] must have shape ({3 * E},), "
-                             f"got {b_in.shape}")
+        E_k = w_k.shape[0]
+        if b_in is not None and b_in.shape != (E + 2 * E_k,):
+            raise ValueError(f"state_dict['{prefix}in_proj_bias'] must have shape "
+                             f"({E + 2 * E_k},), got {b_in.shape}")
         if b_out is not None and b_out.shape != (E,):
             raise ValueError(f"state_dict['{prefix}out_proj.bias'] must have shape ({E},), "
                              f"got {b_out.shape}")
@@ -655,7 +713,8 @@ class MultiHeadAttention:
         layer.w_o = conv(w_out.T)
         if has_bias:
             if b_in is not None:
-                layer.b_q, layer.b_k, layer.b_v = conv(b_in[:E]), conv(b_in[E:2 * E]), conv(b_in[2 * E:])
+                layer.b_q, layer.b_k, layer.b_v = (conv(b_in[:E]), conv(b_in[E:E + E_k]),
+                                                   conv(b_in[E + E_k:]))
             if b_out is not None:
                 layer.b_o = conv(b_out)
         return layer

@@ -7,6 +7,7 @@ plain NumPy (heads taken apart by hand), and torch.nn.MultiheadAttention when in
 import numpy as np
 import pytest
 
+import fastattn
 from fastattn import _api, reference
 from fastattn.layers import KVCache, MultiHeadAttention, self_attention
 
@@ -531,3 +532,66 @@ def test_mha_integer_weights_float_bias_and_float16(rng):
     assert out.dtype == np.float16
     np.testing.assert_allclose(out, mha_oracle(h, x16.astype(np.float64), causal=True),
                                rtol=2e-2, atol=2e-3)
+
+
+# --------------------------------------------------------------------------- variants in the layer
+
+@pytest.mark.parametrize("kw", [dict(window=(5, 0)), dict(softcap=3.0), dict(sinks=True),
+                                dict(window=(3, 0), softcap=2.0, sinks=True)],
+                         ids=["window", "softcap", "sinks", "all"])
+def test_mha_variants_match_reference_and_cache_decode(kw):
+    mha = fastattn.MultiHeadAttention(32, 4, n_kv_heads=2, seed=3, rope=True, **kw)
+    if mha.sinks is not None:
+        mha.sinks = np.random.default_rng(4).standard_normal(4).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((2, 13, 32)).astype(np.float32)
+    y = mha(x, causal=True)
+    # The layer's math written out: projections, rope, reference attention, output.
+    W = mha._weights()
+    q, k, v = mha._qkv(x, W)
+    o = fastattn.reference.attention(q, k, v, causal=True, window=mha.window,
+                                     softcap=mha.softcap, sinks=mha.sinks)
+    np.testing.assert_allclose(y, mha._out(o, W), rtol=1e-5, atol=1e-5)
+    # Token by token through the cache: the same rows.
+    cache = fastattn.KVCache()
+    rows = [mha(x[:, t:t + 1], cache=cache)[0] for t in range(13)]
+    np.testing.assert_allclose(np.concatenate(rows, axis=1), y, rtol=1e-5, atol=1e-6)
+
+
+def test_mha_sinks_are_assignable_weights():
+    mha = fastattn.MultiHeadAttention(16, 2, sinks=True, seed=0)
+    mha.sinks = np.zeros(3)
+    with pytest.raises(ValueError, match="sinks has shape"):
+        mha(np.zeros((4, 16), np.float32))
+
+
+def test_mha_explicit_positions_for_left_padding():
+    # A left-padded row with positions shifted by its padding gives the unpadded result.
+    mha = fastattn.MultiHeadAttention(16, 2, seed=1, rope=True)
+    x = np.random.default_rng(2).standard_normal((6, 16)).astype(np.float32)
+    pad = np.concatenate([np.zeros((2, 16), np.float32), x])         # 2 padding rows first
+    mask = np.ones((8, 8), bool)
+    mask[:, :2] = False
+    mask[:2, 0] = True                                              # padding rows see something
+    y = mha(pad, causal=True, mask=mask, positions=np.arange(8) - 2)
+    np.testing.assert_allclose(y[2:], mha(x, causal=True), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="positions"):
+        mha(x, positions=np.zeros(6))
+
+
+def test_from_torch_state_dict_gqa():
+    rng = np.random.default_rng(0)
+    E, H, Hkv = 16, 4, 2
+    sd = {"q_proj_weight": rng.standard_normal((E, E)), "k_proj_weight": rng.standard_normal((8, E)),
+          "v_proj_weight": rng.standard_normal((8, E)), "out_proj.weight": rng.standard_normal((E, E)),
+          "in_proj_bias": rng.standard_normal(E + 16), "out_proj.bias": rng.standard_normal(E)}
+    mha = fastattn.MultiHeadAttention.from_torch_state_dict(sd, H, n_kv_heads=Hkv)
+    assert mha.w_k.shape == (E, 8) and mha.n_kv_heads == Hkv
+    x = rng.standard_normal((5, E))
+    q = (x @ sd["q_proj_weight"].T + sd["in_proj_bias"][:E]).reshape(5, H, 4).transpose(1, 0, 2)
+    k = (x @ sd["k_proj_weight"].T + sd["in_proj_bias"][E:E + 8]).reshape(5, Hkv, 4).transpose(1, 0, 2)
+    v = (x @ sd["v_proj_weight"].T + sd["in_proj_bias"][E + 8:]).reshape(5, Hkv, 4).transpose(1, 0, 2)
+    o = fastattn.reference.attention(q, k, v).transpose(1, 0, 2).reshape(5, E)
+    np.testing.assert_allclose(mha(x), o @ sd["out_proj.weight"].T + sd["out_proj.bias"],
+                               rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        fastattn.MultiHeadAttention.from_torch_state_dict(sd, H)
