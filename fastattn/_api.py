@@ -471,7 +471,11 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     # Group query heads by the kv head they read: (..., Hkv, G, Lq, D) @ (..., Hkv, 1, D, Lk).
     qg = q.reshape(q.shape[:-3] + (call.Hkv, G, call.Lq, call.D))
     kt = np.swapaxes(k, -1, -2)[..., :, None, :, :]
-    scores = np.matmul(qg, kt).reshape(call.batch + (call.Hq, call.Lq, call.Lk)) * cdt.type(call.scale)
+    # errstate: some BLAS kernels (OpenBLAS's SME matmul) raise spurious FP warnings, and
+    # this function never warns.
+    with np.errstate(all="ignore"):
+        scores = np.matmul(qg, kt).reshape(call.batch + (call.Hq, call.Lq, call.Lk))
+    scores = scores * cdt.type(call.scale)
     if call.softcap is not None:
         c = cdt.type(call.softcap)
         scores = c * np.tanh(scores / c)
