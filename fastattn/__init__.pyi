@@ -136,21 +136,28 @@ class MultiHeadAttention:
     b_k: _Array | None
     b_v: _Array | None
     b_o: _Array | None
+    window: tuple[int, int] | None
+    softcap: float | None
+    sinks: _Array | None
     def __init__(
         self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
         d_head: int | None = None, d_value: int | None = None, bias: bool = False,
         dtype: npt.DTypeLike = ..., seed: int | np.random.Generator | None = None,
         scale: float | None = None, rope: bool = False, rope_base: float = 10000.0,
+        window: tuple[int, int] | None = None, softcap: float | None = None,
+        sinks: bool = False,
     ) -> None: ...
     @overload
     def __call__(
         self, x: npt.ArrayLike, *, causal: _Causal = False, mask: npt.ArrayLike | None = None,
         kv_lengths: npt.ArrayLike | None = None, cache: None = None,
+        positions: npt.ArrayLike | None = None,
     ) -> _Array: ...
     @overload
     def __call__(
         self, x: npt.ArrayLike, *, causal: _Causal = False, mask: npt.ArrayLike | None = None,
         kv_lengths: npt.ArrayLike | None = None, cache: KVCache,
+        positions: npt.ArrayLike | None = None,
     ) -> tuple[_Array, KVCache]: ...
     def attention_weights(
         self, x: npt.ArrayLike, *, causal: _Causal = False, mask: npt.ArrayLike | None = None,
