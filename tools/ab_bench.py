@@ -16,10 +16,11 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 import fastattn
 from fastattn import bench
+assert os.path.dirname(os.path.dirname(fastattn.__file__)) == os.getcwd(), fastattn.__file__
 names = sys.argv[1].split(",")
 load = bench.OtherLoad()
 res = {}
@@ -36,8 +37,10 @@ print(json.dumps({"times": res, "bg": frac[0] if frac else None}))
 
 
 def run_build(path, shapes):
+    # Run inside the build's directory: `python -c` puts the working directory first on
+    # sys.path, so from anywhere else a fastattn there would shadow the one under test.
     env = dict(os.environ, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-c", CHILD, ",".join(shapes)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, ",".join(shapes)], env=env, cwd=path,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
