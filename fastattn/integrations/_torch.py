@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-import fastattn
+from .. import _api
 
 
 @functools.lru_cache(maxsize=None)
@@ -20,7 +20,7 @@ def bfloat16_dtype():
     bf16 = np.dtype(ml_dtypes.bfloat16)
     x = np.zeros((1, 1, 2), bf16)
     try:
-        ok = fastattn.attention(x, x, x).dtype == bf16
+        ok = _api.attention(x, x, x).dtype == bf16
     except (TypeError, ValueError):
         return None
     return bf16 if ok else None
