@@ -11,12 +11,12 @@ the contract says zeros.
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import assert_close, import_optional, make_qkv
+
+torch = import_optional("torch")
 F = torch.nn.functional
 
 import fastattn  # noqa: E402
-
-from conftest import assert_close, make_qkv  # noqa: E402
 
 
 

@@ -84,13 +84,15 @@ EOF
 )
 if [ -z "$missing" ]; then pass "sdist contents (sources, headers, stubs, tests)"; else fail "sdist contents: missing/unwanted: $missing"; fi
 
-# wheel: every kernel variant setup.py builds here, the stubs, py.typed.
+# wheel: every kernel variant setup.py builds here, the stubs, py.typed, the integrations.
 if [ -n "${FASTATTN_ISAS:-}" ]; then ISAS=${FASTATTN_ISAS//,/ }
 elif [ "$(uname -m)" = x86_64 ]; then ISAS="base avx2 avx512"; else ISAS="base"; fi
 missing=$("$TOOLS/python" - "$WHEEL" "$ISAS" <<'EOF'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-need = ["fastattn/py.typed", "fastattn/__init__.pyi"]
+need = ["fastattn/py.typed", "fastattn/__init__.pyi", "fastattn/integrations/__init__.py",
+        "fastattn/integrations/_torch.py", "fastattn/integrations/transformers.py",
+        "fastattn/integrations/tabpfn.py"]
 bad = [n for n in need if n not in names]
 for isa in sys.argv[2].split():
     if not any(n.startswith(f"fastattn/_kernel_{isa}.") and n.endswith((".so", ".pyd")) for n in names):

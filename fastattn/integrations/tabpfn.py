@@ -1,0 +1,122 @@
+"""fastattn as an attention backend of TabPFN.
+
+TabPFN (>= 9.2) routes every attention call of its architectures through one SDPA wrapper,
+``tabpfn.architectures.shared.scaled_dot_product_attention``, which asks a registry of
+backends (``tabpfn.architectures.shared.attention_backends``) whether one of them prefers
+the call; if none does, torch's SDPA runs.  ``register()`` puts fastattn at the front of
+that registry for the calls it can take: CPU tensors, inference (grad mode off).
+"""
+__all__ = ["register", "unregister", "FastattnBackend"]
+
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+
+
+class FastattnBackend:
+    """A TabPFN attention backend computed by :func:`fastattn.attention`.
+
+    Follows TabPFN's ``AttentionBackend`` protocol: ``is_preferred(spec)`` decides from
+    the call's shapes alone, ``run(q, k, v)`` computes it on ``(B, S, H, D)`` tensors.
+
+    Attributes
+    ----------
+    name : str
+        ``"fastattn"``, the name it is registered under.
+    """
+
+    name = "fastattn"
+
+    def is_preferred(self, spec):
+        """Whether fastattn takes a call: CPU tensors of float32/float16/bfloat16/float64,
+        grad mode off (fastattn computes no backward pass), keys present, ``Hq`` a
+        multiple of ``Hkv``, and not inside ``torch.compile`` (the call leaves torch).
+        """
+        import torch
+
+        return (
+            spec.device.type == "cpu"
+            and not spec.is_grad_enabled
+            and str(spec.dtype).rpartition(".")[2] in _DTYPE_NAMES
+            and spec.seq_len_kv is not None
+            and spec.num_kv_heads > 0
+            and spec.num_heads % spec.num_kv_heads == 0
+            and not torch.compiler.is_compiling()
+        )
+
+    def run(self, q_BSHD, k_BSJD, v_BSJD, **_informational):
+        """Attention of ``q`` (B, Sq, Hq, D) over ``k``, ``v`` (B, Sk, Hkv, D/Dv).
+
+        Returns a new (B, Sq, Hq, Dv) tensor in the dtype of ``q``.  The batch dimension
+        broadcasts (as in torch's SDPA); query head ``h`` reads key/value head
+        ``h // (Hq // Hkv)``.  float32 inputs are read in place and the result is written
+        in place (the (B, H, S, D) views fastattn reads are transposes of the tensors).
+        """
+        import torch
+
+        import fastattn
+
+        from . import _torch
+
+        if k_BSJD is None or v_BSJD is None:
+            raise ValueError("fastattn's TabPFN backend needs dense keys and values, got None")
+        q, k, v = _torch.arrays(torch, q_BSHD, k_BSJD, v_BSJD)
+        B = torch.broadcast_shapes(q_BSHD.shape[:1], k_BSJD.shape[:1], v_BSJD.shape[:1])[0]
+        _, Sq, Hq, _ = q_BSHD.shape
+        out = torch.empty((B, Sq, Hq, v_BSJD.shape[-1]), dtype=_torch.torch_dtype(torch, q.dtype))
+        fastattn.attention(*(a.transpose(0, 2, 1, 3) for a in (q, k, v)),
+                           out=_torch.view(torch, out).transpose(0, 2, 1, 3))
+        return out.to(q_BSHD.dtype)
+
+    def __repr__(self):
+        return "FastattnBackend()"
+
+
+_BACKEND = FastattnBackend()
+
+
+def register():
+    """Register fastattn with TabPFN's attention backends, ahead of those registered before.
+
+    From then on TabPFN runs its CPU inference attention (grad mode off) on fastattn;
+    CUDA/MPS calls and calls under autograd keep their usual path.  Calling it again is a
+    no-op.  Needs ``tabpfn >= 9.2`` (``register_attention_backend``).
+
+    Returns
+    -------
+    FastattnBackend
+        The registered backend.
+
+    Notes
+    -----
+    q, k and v arrive as ``(B, S, H, D)`` tensors; fastattn reads them as ``(B, H, S, D)``
+    transposed views, so float32 (and float16, through fastattn's float16 path) inputs are
+    not copied, and the result is written in place into the returned tensor.  bfloat16 is
+    upcast to float32 copies unless this fastattn build takes ``ml_dtypes.bfloat16``.
+
+    Examples
+    --------
+    >>> import fastattn.integrations.tabpfn                      # doctest: +SKIP
+    >>> fastattn.integrations.tabpfn.register()                  # doctest: +SKIP
+    FastattnBackend()
+    >>> from tabpfn import TabPFNClassifier                      # doctest: +SKIP
+    >>> clf = TabPFNClassifier(device="cpu").fit(X_train, y_train)  # doctest: +SKIP
+    >>> clf.predict(X_test)                                      # attention on fastattn
+    """
+    try:
+        from tabpfn.architectures.shared.attention_backends import register_attention_backend
+    except ImportError as e:
+        raise ImportError(
+            "fastattn.integrations.tabpfn needs tabpfn >= 9.2, which has "
+            f"tabpfn.architectures.shared.attention_backends ({e})") from None
+    # The SDPA module registers TabPFN's own (GPU / Apple) backends at its import: import it
+    # first, so that fastattn, registered after, is consulted before them.
+    import tabpfn.architectures.shared.scaled_dot_product_attention  # noqa: F401
+
+    register_attention_backend(_BACKEND)
+    return _BACKEND
+
+
+def unregister():
+    """Remove fastattn from TabPFN's attention backends (a no-op if it is not there)."""
+    from tabpfn.architectures.shared.attention_backends import unregister_attention_backend
+
+    unregister_attention_backend(FastattnBackend.name)

@@ -1,0 +1,275 @@
+"""fastattn as an attention implementation of Hugging Face transformers.
+
+``register()`` adds two functions under one name: the attention function, which
+transformers' models call in every attention layer, and the mask function, which builds the
+mask those layers receive.  Both are needed: for an implementation with no mask function,
+transformers builds no mask at all and hands the layers ``attention_mask=None``, so padding
+would be silently ignored.  The mask function is transformers' own SDPA one, so the masks
+mean exactly what they mean for ``attn_implementation="sdpa"``.
+
+From the mask, the attention function reads the structure fastattn can use (the
+bottom-right causal rule, a sliding window): ``fastattn.attention`` then skips the key
+blocks no row can see, and when the mask says nothing more than that structure (no padding)
+the mask itself is dropped.  The analysis is cached on the mask tensor, which all layers of
+one forward pass share.
+"""
+import functools
+import inspect
+import warnings
+
+import fastattn
+
+from .. import _api
+from . import _torch
+
+__all__ = ["register", "attention_forward"]
+
+_FALLBACKS = ("sdpa", None)
+
+# One warning per reason and process: a generate() loop calls the function thousands of times.
+_warned = set()
+
+
+def register(name="fastattn", *, fallback="sdpa"):
+    """Make fastattn available to transformers as ``attn_implementation=name``.
+
+    Registers an attention function with ``transformers.AttentionInterface`` and the mask
+    function that goes with it with ``transformers.AttentionMaskInterface`` (transformers'
+    SDPA mask, a boolean ``(batch, 1, Lq, Lk)`` tensor or ``None`` for plain causal).
+    Registering again under the same name replaces the earlier registration.
+
+    Parameters
+    ----------
+    name : str, optional
+        The name to pass as ``attn_implementation`` (default ``"fastattn"``).
+    fallback : {"sdpa", None}, optional
+        What to do with a call fastattn cannot run but PyTorch's SDPA can: CUDA (or other
+        non-CPU) tensors, tensors that require gradients while autograd is on (fastattn
+        computes no backward), dropout in training, a T5-style ``position_bias``, a paged
+        cache.  ``"sdpa"`` (default) hands the call to transformers' ``sdpa`` function,
+        with one ``RuntimeWarning`` per reason; ``None`` raises ``NotImplementedError``.
+
+    Returns
+    -------
+    str
+        ``name``, so that ``attn_implementation=register()`` reads in one line.
+
+    Notes
+    -----
+    - **Zero-copy.** CPU tensors of float32 are handed to :func:`fastattn.attention` as
+      NumPy views of the same memory (``torch.Tensor.numpy()``), and the result is written
+      straight into the ``(batch, Lq, heads, Dv)`` tensor returned to the model.  float16
+      takes fastattn's float16 path (computed in float32, returned as float16).  bfloat16,
+      which NumPy lacks, is read as ``ml_dtypes.bfloat16`` bits in place when this fastattn
+      build accepts that dtype; otherwise it is upcast to a float32 copy, and the result is
+      returned as bfloat16.
+    - **GQA / MQA.** Keys and values keep their fewer heads; fastattn maps query head ``h``
+      to key/value head ``h // (Hq // Hkv)``, as ``repeat_kv`` would, without the copy.
+    - **Masks.** Padding (left or right), causal and sliding-window masks all arrive in
+      the boolean mask.  transformers' sliding window of size ``w`` lets query position
+      ``i`` see keys ``i - w < j <= i``, which is fastattn's ``window=(w - 1, 0)`` with
+      ``causal=True``.  Without a mask, a causal layer with more than one query row uses
+      PyTorch's top-left causal alignment, as ``sdpa`` does.
+    - **Not supported, always raised** (``NotImplementedError``, whatever ``fallback``
+      says, because ``sdpa`` cannot compute them either): attention-logit soft-capping
+      (Gemma 2) and attention sinks (gpt-oss), unless this fastattn build's ``attention``
+      takes ``softcap`` / ``sinks``, in which case they are passed on.
+    - The attention weights are not returned (``None``), as with ``sdpa``.
+
+    Examples
+    --------
+    >>> import fastattn.integrations.transformers as fa_tf     # doctest: +SKIP
+    >>> from transformers import AutoModelForCausalLM           # doctest: +SKIP
+    >>> fa_tf.register()                                        # doctest: +SKIP
+    'fastattn'
+    >>> model = AutoModelForCausalLM.from_pretrained(
+    ...     "some/model", attn_implementation="fastattn")       # doctest: +SKIP
+    >>> with torch.no_grad():                                   # doctest: +SKIP
+    ...     out = model.generate(**inputs, max_new_tokens=20)
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if fallback not in _FALLBACKS:
+        raise ValueError(f"fallback must be 'sdpa' or None, got {fallback!r}")
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(name, functools.partial(attention_forward, fallback=fallback))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, *, fallback="sdpa", **kwargs):
+    """transformers' attention-function signature, computed by :func:`fastattn.attention`.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (read for ``is_causal`` when the argument is ``None``).
+    query : torch.Tensor, shape (batch, Hq, Lq, D)
+    key : torch.Tensor, shape (batch, Hkv, Lk, D)
+    value : torch.Tensor, shape (batch, Hkv, Lk, Dv)
+        ``Hq`` a multiple of ``Hkv``.
+    attention_mask : torch.Tensor or None
+        Boolean (True = may attend) or additive float mask broadcastable to
+        ``(batch, Hq, Lq, Lk)``, as built by the registered mask function.
+    dropout : float
+        Must be 0 (dropout is only asked for in training).
+    scaling : float, optional
+        Score scale; ``None`` means ``1 / sqrt(D)``.
+    is_causal : bool, optional
+        Used when ``attention_mask`` is ``None`` and ``Lq > 1`` (top-left aligned).
+    fallback : {"sdpa", None}
+        See :func:`register`.
+
+    Returns
+    -------
+    (torch.Tensor, None)
+        The output, shape (batch, Lq, Hq, Dv), dtype of ``query``; no attention weights.
+    """
+    import torch
+
+    if kwargs.get("softcap") is not None and not _takes("softcap"):
+        raise NotImplementedError(
+            f"fastattn: this model soft-caps its attention logits (softcap={kwargs['softcap']}), "
+            "which this fastattn build does not support; use attn_implementation='eager'")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None and not _takes("sinks"):
+        raise NotImplementedError(
+            "fastattn: this model uses attention sinks, which this fastattn build does not "
+            "support; use attn_implementation='eager'")
+
+    reason = _unsupported(module, query, key, value, attention_mask, dropout, kwargs)
+    if reason is not None:
+        if fallback is None:
+            raise NotImplementedError(
+                f"fastattn cannot run this attention call: {reason}.  Register with "
+                "fallback='sdpa' to hand such calls to PyTorch's SDPA")
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"fastattn hands this call (and later ones like it) to 'sdpa': "
+                          f"{reason}", RuntimeWarning, stacklevel=2)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, is_causal=is_causal,
+                                      **kwargs)
+
+    B, Hq, Lq, _ = query.shape
+    Dv = value.shape[-1]
+    out_dtype = query.dtype
+    q, k, v = _torch.arrays(torch, query, key, value)
+
+    causal, window, mask = False, None, None
+    if attention_mask is None:
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        # sdpa's rule: one query row (decoding) sees every key it is given; more rows are
+        # causal with PyTorch's top-left alignment (a static cache's unused tail is hidden).
+        causal = "top-left" if (is_causal and Lq > 1) else False
+    elif attention_mask.dtype == torch.bool:
+        causal, window, keep = _mask_plan(torch, attention_mask, Lq, key.shape[-2])
+        if keep:
+            mask = attention_mask.numpy()
+    else:
+        mask = attention_mask.detach()
+        mask = (mask if mask.dtype in (torch.float32, torch.float64) else mask.float()).numpy()
+
+    extra = {}
+    if kwargs.get("softcap") is not None:
+        extra["softcap"] = float(kwargs["softcap"])
+    if sinks is not None:
+        extra["sinks"] = sinks.detach().float().numpy()
+
+    # The model reads (batch, Lq, Hq, Dv); fastattn writes (batch, Hq, Lq, Dv): a transposed
+    # view of the same tensor, so the kernel writes the returned tensor in place.
+    out = torch.empty((B, Lq, Hq, Dv), dtype=_torch.torch_dtype(torch, q.dtype))
+    fastattn.attention(q, k, v, scale=scaling, causal=causal, window=window, mask=mask,
+                       out=_torch.view(torch, out).transpose(0, 2, 1, 3), **extra)
+    return out.to(out_dtype), None
+
+
+# --------------------------------------------------------------------------- helpers
+
+@functools.lru_cache(maxsize=None)
+def _takes(keyword):
+    """Whether this build's ``fastattn.attention`` accepts ``keyword``."""
+    return keyword in inspect.signature(_api.attention).parameters
+
+
+def _unsupported(module, query, key, value, attention_mask, dropout, kwargs):
+    """Why fastattn cannot take this call (a short phrase), or None if it can."""
+    import torch
+
+    tensors = [t for t in (query, key, value, attention_mask) if t is not None]
+    devices = {t.device.type for t in tensors}
+    if devices != {"cpu"}:
+        return f"tensors on {', '.join(sorted(devices - {'cpu'}))} (fastattn runs on the CPU)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return ("the tensors require gradients and fastattn computes no backward pass "
+                "(run inference under torch.no_grad() or torch.inference_mode())")
+    if dropout:
+        return f"dropout={dropout} (the module is in training mode)"
+    if kwargs.get("position_bias") is not None:
+        return "a position_bias (additive relative-position scores)"
+    if kwargs.get("cache") is not None:
+        return "a paged cache (continuous batching)"
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True"
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if not dtypes <= {torch.float32, torch.float16, torch.bfloat16, torch.float64}:
+        return f"dtype {sorted(map(str, dtypes))}"
+    return None
+
+
+def _mask_plan(torch, mask, Lq, Lk):
+    """(causal, window, keep_mask) for the boolean ``mask``, cached on the tensor.
+
+    ``causal`` / ``window`` describe the smallest bottom-right band (fastattn's alignment:
+    query ``i`` sits at key position ``i + Lk - Lq``) that contains every True of the mask;
+    passing them with the mask changes nothing but lets fastattn skip hidden key blocks.
+    ``keep_mask`` is False when the mask is exactly that band.
+    """
+    version = mask._version
+    cached = getattr(mask, "_fastattn_plan", None)
+    if cached is not None and cached[0] == (version, Lq, Lk):
+        return cached[1]
+    plan = _derive_plan(torch, mask, Lq, Lk)
+    try:
+        mask._fastattn_plan = ((version, Lq, Lk), plan)
+    except (AttributeError, RuntimeError):  # a tensor that takes no attributes: no cache
+        pass
+    return plan
+
+
+def _derive_plan(torch, mask, Lq, Lk):
+    if mask.shape[-2] != Lq or mask.shape[-1] != Lk or Lq == 0 or Lk == 0:
+        return False, None, True  # a broadcast mask row or empty call: use it as it is
+    off = Lk - Lq
+    rows = mask.reshape(-1, Lq, Lk)
+    seen = rows.any(dim=-1)  # (n, Lq)
+    if not bool(seen.any()):
+        return False, None, True
+    i = torch.arange(Lq)
+    # First and last visible key of each row (argmax returns the first maximum).
+    first = rows.to(torch.uint8).argmax(dim=-1)
+    last = Lk - 1 - rows.flip(-1).to(torch.uint8).argmax(dim=-1)
+    left = int((i + off - first)[seen].max())
+    right = int((last - i - off)[seen].max())
+    # A side is unbounded when it already reaches every key of every row.
+    left = -1 if left >= Lk - 1 else max(left, 0)
+    right = -1 if right >= Lq - 1 else max(right, 0)
+    causal = right == 0
+    if causal:
+        window = None if left == -1 else (left, 0)
+    else:
+        window = None if left == right == -1 else (left, right)
+    j = torch.arange(Lk)
+    d = j[None, :] - (i[:, None] + off)  # key j's offset from the row's diagonal
+    band = torch.ones(Lq, Lk, dtype=torch.bool)
+    if left != -1:
+        band &= d >= -left
+    if right != -1:
+        band &= d <= right
+    keep = not bool((rows == band).all())
+    return causal, window, keep
