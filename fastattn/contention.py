@@ -30,20 +30,21 @@ import time
 
 import numpy as np
 
-__all__ = ["SCENARIOS", "run_scenarios", "format_table"]
+__all__ = ["SCENARIOS", "run_scenarios", "format_table", "mean_call_seconds", "Neighbour",
+           "small_inputs", "decoder_step_inputs"]
 
 #: Scenario names, in the order they run.
 SCENARIOS = ("blas", "processes", "neighbour")
 WINDOW_S = 4.0
 
 
-def _small_inputs():
+def small_inputs():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 8, 128, 64)).astype(np.float32) for _ in range(3))
     return q, k, v
 
 
-def _decoder_step_inputs():
+def decoder_step_inputs():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 1024)).astype(np.float32)
     w = (rng.standard_normal((1024, 2816)) / 32).astype(np.float32)
@@ -107,10 +108,13 @@ def _child(role, threads, seconds):
             print("ready", flush=True)
             while True:        # until the parent terminates us
                 np.matmul(a, a, out=c)
-        q, k, v = _small_inputs()
+        q, k, v = small_inputs()
         out = np.empty_like(q)
         fastattn.attention(q, k, v, out=out)
         print("ready", flush=True)
+        if role == "small-forever":
+            while True:        # until the parent terminates us
+                fastattn.attention(q, k, v, out=out)
         sys.stdin.readline()   # "go": both processes start their window together
         mean = mean_call_seconds(lambda: fastattn.attention(q, k, v, out=out), seconds)
         print(repr(mean), flush=True)
@@ -131,14 +135,16 @@ def _run_small_processes(n_procs, threads, seconds):
             p.wait()
 
 
-class _Neighbour:
-    """A process running NumPy sgemm on ``threads`` threads until the block ends."""
+class Neighbour:
+    """Another process that runs NumPy sgemm (``role="sgemm"``) or fastattn on ``small``
+    (``role="small-forever"``) on ``threads`` threads until the block ends."""
 
-    def __init__(self, threads):
+    def __init__(self, threads, role="sgemm"):
         self.threads = threads
+        self.role = role
 
     def __enter__(self):
-        self.proc = _spawn("sgemm", self.threads)
+        self.proc = _spawn(self.role, self.threads)
         _wait_ready(self.proc)
         time.sleep(0.2)
         return self
@@ -153,7 +159,7 @@ class _Neighbour:
 # --------------------------------------------------------------------------- scenarios
 
 def scenario_blas(fa, threads, seconds):
-    x, w, q, k, v = _decoder_step_inputs()
+    x, w, q, k, v = decoder_step_inputs()
     y = np.empty((1, w.shape[1]), np.float32)
     out = np.empty_like(q)
 
@@ -186,13 +192,13 @@ def scenario_processes(fa, threads, seconds):
 
 
 def scenario_neighbour(fa, threads, seconds):
-    q, k, v = _small_inputs()
+    q, k, v = small_inputs()
     out = np.empty_like(q)
 
     def attend():
         fa.attention(q, k, v, out=out)
 
-    with _Neighbour(threads):
+    with Neighbour(threads):
         with fa.num_threads(1):
             fair = mean_call_seconds(attend, seconds)
         with fa.num_threads(threads):
