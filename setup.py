@@ -6,8 +6,13 @@ extension gets that ISA's flags.  fastattn/_dispatch.py checks the running CPU a
 the best variant that loads, falling back to the portable baseline.  Nothing here reads the
 build host's CPU: no -march=native, so a wheel runs on any x86-64 (or other) machine.
 
+Threads: the kernels run on fastattn's own pool of POSIX threads (src/fa_pool.h); OpenMP
+is the fallback where there are no POSIX threads (MSVC) and supplies the default thread
+count (OMP_NUM_THREADS) where it is available.
+
 Environment switches:
-  FASTATTN_NO_OPENMP=1   build without OpenMP (single-threaded kernels).
+  FASTATTN_NO_OPENMP=1   build without OpenMP (POSIX: still the thread pool; MSVC: one thread).
+  FASTATTN_NO_THREADS=1  build single-threaded kernels (no pool, no OpenMP).
   FASTATTN_ISAS=base,avx2  build only these variants (default: all the compiler targets).
 """
 import glob
@@ -64,7 +69,7 @@ class BuildExt(build_ext):
     """Adds OpenMP and optimisation flags according to the compiler actually used."""
 
     def openmp_flags(self):
-        if os.environ.get("FASTATTN_NO_OPENMP"):
+        if os.environ.get("FASTATTN_NO_OPENMP") or os.environ.get("FASTATTN_NO_THREADS"):
             return [], []
         ctype = self.compiler.compiler_type
         if ctype == "msvc":
@@ -87,8 +92,11 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             isa = ext.name.rsplit("_", 1)[-1]
             isa_flags = ISA_FLAGS[isa]["msvc" if ctype == "msvc" else "unix"]
-            ext.extra_compile_args = opt + omp_c + isa_flags
-            ext.extra_link_args = omp_l + (omp_c if ctype != "msvc" else [])
+            threads = [] if ctype == "msvc" else ["-pthread"]
+            ext.extra_compile_args = opt + omp_c + isa_flags + threads
+            ext.extra_link_args = omp_l + (omp_c if ctype != "msvc" else []) + threads
+            if os.environ.get("FASTATTN_NO_THREADS"):
+                ext.define_macros.append(("FA_POOL_SERIAL", "1"))
         super().build_extensions()
 
 

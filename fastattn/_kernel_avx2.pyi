@@ -16,6 +16,10 @@ CAUSAL_TOP_LEFT: int
 BLOCK_Q: int
 BLOCK_K: int
 
+class _PoolInfo(TypedDict):
+    backend: str
+    workers: int
+
 class _BuildInfo(TypedDict):
     isa: str
     compiler: str
@@ -52,6 +56,7 @@ def key_intervals(
 def vector_exp2(x: npt.NDArray[np.floating[Any]]) -> npt.NDArray[np.floating[Any]]: ...
 def build_info() -> _BuildInfo: ...
 def omp_max_threads() -> int: ...
+def pool_info() -> _PoolInfo: ...
 def cpu_supports(isa: str) -> bool: ...
 def attention_fast(
     q: object,
