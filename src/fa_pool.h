@@ -54,8 +54,6 @@ static void fa_pool_serial(Py_ssize_t n_work, fa_work_fn fn, void* ctx)
 
 #if defined(FA_POOL_PTHREADS)
 
-#include <errno.h>
-#include <stdlib.h>
 #include <pthread.h>
 #include <sched.h>
 #include <time.h>
@@ -157,9 +155,7 @@ static uint32_t fa_pool_wait_change(uint32_t* word, uint32_t value, uint32_t* fl
             return now;
         fa_pool_pause();
     }
-    static int64_t spin_ns = -1;
-    if (spin_ns < 0) { const char* e = getenv("FA_SPIN_NS"); spin_ns = e ? atoll(e) : FA_POOL_SPIN_NS; }
-    int64_t until = fa_pool_now_ns() + spin_ns;
+    int64_t until = fa_pool_now_ns() + FA_POOL_SPIN_NS;
     do {
         if ((now = __atomic_load_n(word, __ATOMIC_ACQUIRE)) != value)
             return now;
