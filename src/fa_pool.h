@@ -18,6 +18,9 @@
  *   - Work is claimed item by item from one atomic counter, and the caller starts on it at
  *     once.  A worker that has not woken up yet is never waited for: the threads that do
  *     run take its share.  The caller only waits for items already being computed.
+ *   - When the caller nevertheless waited long for a descheduled worker (the cores are
+ *     oversubscribed), the next calls run on the caller alone for a few milliseconds,
+ *     then try the threads again: a thread that cannot get a core cannot help.
  *   - An idle thread (a worker between calls, the caller waiting for the last items)
  *     polls for a few microseconds, then keeps polling but yields the core on every poll
  *     (sched_yield), so that any other runnable thread gets it, and after
@@ -73,6 +76,14 @@ static void fa_pool_serial(Py_ssize_t n_work, fa_work_fn fn, void* ctx)
 #define FA_POOL_SPIN_NS 300000
 #endif
 #define FA_POOL_MAX_WORKERS 255
+/* A call whose caller waited for other threads' items longer than 2x its own work plus
+ * this, waited for a thread the scheduler had taken off its core: the cores are
+ * oversubscribed.  The following calls then run on the calling thread alone for a
+ * backoff time, from FA_POOL_BACKOFF_NS, doubled while it keeps happening, up to
+ * FA_POOL_BACKOFF_MAX_NS; the first call after it uses the threads again. */
+#define FA_POOL_STALL_NS 100000
+#define FA_POOL_BACKOFF_NS 2000000
+#define FA_POOL_BACKOFF_MAX_NS 64000000
 
 /* The claim counter: epoch in the top 24 bits, next unclaimed item below.  CLOSED marks
  * an epoch whose parameters are still being written. */
@@ -93,12 +104,14 @@ static struct {
     uint32_t seq;               /* bumped when a call opens: idle workers wait on it */
     uint32_t sleepers;          /* workers asleep (or about to sleep) on seq */
     uint32_t caller_asleep;     /* the caller sleeps on done */
+    int64_t backoff_ns;         /* current backoff (0: the last call did not stall) */
+    int64_t serial_until;       /* calls run on the caller alone until then */
 #ifndef __linux__
     pthread_mutex_t wait_lock;
     pthread_cond_t wait_cond;
 #endif
 } fa_pool = {
-    PTHREAD_MUTEX_INITIALIZER, 0, 0, FA_POOL_CLOSED, NULL, NULL, 0, 0, 0, 0, 0, 0,
+    PTHREAD_MUTEX_INITIALIZER, 0, 0, FA_POOL_CLOSED, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0,
 #ifndef __linux__
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
 #endif
@@ -263,7 +276,8 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
     int workers = fa_pool_grow(n_threads - 1);
     if (n_threads > workers + 1)
         n_threads = workers + 1;
-    if (n_threads <= 1) {
+    int64_t t_start = fa_pool_now_ns();
+    if (n_threads <= 1 || t_start < fa_pool.serial_until) {
         pthread_mutex_unlock(&fa_pool.lock);
         fa_pool_serial(n_work, fn, ctx);
         return;
@@ -286,9 +300,19 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
     fa_pool_work(0);
 
     /* Wait for the items other threads are still computing. */
+    int64_t t_worked = fa_pool_now_ns();
     uint32_t done;
     while ((done = __atomic_load_n(&fa_pool.done, __ATOMIC_ACQUIRE)) != (uint32_t) n_work)
         fa_pool_wait_change(&fa_pool.done, done, &fa_pool.caller_asleep);
+    int64_t t_end = fa_pool_now_ns();
+    if (t_end - t_worked > 2 * (t_worked - t_start) + FA_POOL_STALL_NS) {
+        fa_pool.backoff_ns = fa_pool.backoff_ns ? 2 * fa_pool.backoff_ns : FA_POOL_BACKOFF_NS;
+        if (fa_pool.backoff_ns > FA_POOL_BACKOFF_MAX_NS)
+            fa_pool.backoff_ns = FA_POOL_BACKOFF_MAX_NS;
+        fa_pool.serial_until = t_end + fa_pool.backoff_ns;
+    } else {
+        fa_pool.backoff_ns = 0;
+    }
     pthread_mutex_unlock(&fa_pool.lock);
 }
 
