@@ -6,8 +6,12 @@ extension gets that ISA's flags.  fastattn/_dispatch.py checks the running CPU a
 the best variant that loads, falling back to the portable baseline.  Nothing here reads the
 build host's CPU: no -march=native, so a wheel runs on any x86-64 (or other) machine.
 
+Threads: the kernels run on fastattn's own pool of POSIX threads (src/fa_pool.h); OpenMP
+supplies the default thread count (OMP_NUM_THREADS) where it is available.
+
 Environment switches:
-  FASTATTN_NO_OPENMP=1   build without OpenMP (single-threaded kernels).
+  FASTATTN_NO_OPENMP=1   build without OpenMP (still the thread pool).
+  FASTATTN_NO_THREADS=1  build single-threaded kernels (no pool, no OpenMP).
   FASTATTN_ISAS=base,avx2  build only these variants (default: all the compiler targets).
 """
 import glob
@@ -67,7 +71,7 @@ class BuildExt(build_ext):
     """Adds OpenMP and optimisation flags according to the compiler actually used."""
 
     def openmp_flags(self):
-        if os.environ.get("FASTATTN_NO_OPENMP"):
+        if os.environ.get("FASTATTN_NO_OPENMP") or os.environ.get("FASTATTN_NO_THREADS"):
             return [], []
         candidates = [(["-fopenmp"], ["-fopenmp"])]
         if sys.platform == "darwin":
@@ -93,8 +97,10 @@ class BuildExt(build_ext):
         opt = ["-O3", "-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
         for ext in self.extensions:
             isa = ext.name.rsplit("_", 1)[-1]
-            ext.extra_compile_args = opt + omp_c + ISA_FLAGS[isa]
-            ext.extra_link_args = omp_l + omp_c
+            ext.extra_compile_args = opt + omp_c + ISA_FLAGS[isa] + ["-pthread"]
+            ext.extra_link_args = omp_l + omp_c + ["-pthread"]
+            if os.environ.get("FASTATTN_NO_THREADS"):
+                ext.define_macros.append(("FA_POOL_SERIAL", "1"))
         super().build_extensions()
 
 

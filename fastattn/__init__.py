@@ -8,7 +8,8 @@ length / mask visibility, never materialising the Lq x Lk score matrix.
 
 - ``fastattn/_api.py``      validates every argument (clear ValueError/TypeError before any
                             work), picks the compute dtype, maps broadcasting to offsets.
-- ``src/_kernel_impl.pxi``  the Cython kernel: OpenMP work items, the online-softmax loop.
+- ``src/_kernel_impl.pxi``  the Cython kernel: work items, the online-softmax loop.
+- ``src/fa_pool.h``         the thread pool that runs the work items (shares cores politely).
 - ``src/fa_kernels.h``      the visibility rule (one definition) and the SIMD micro-kernels
   ``src/fa_tile_impl.h``    (score tile, softmax step, output tile), compiled once per ISA.
 - ``fastattn/_dispatch.py`` imports the best compiled variant for the running CPU.

@@ -32,7 +32,7 @@ def _parser():
         "bench", help="time fastattn against the NumPy reference and PyTorch",
         description=bench.__doc__.split("\n\n")[0]))
     info.add_arguments(sub.add_parser(
-        "info", help="version, compiler, SIMD variant, OpenMP threads",
+        "info", help="version, compiler, SIMD variant, threads",
         description=info.__doc__.split("\n\n")[0]))
     # demo parses its own arguments (fastattn.demo.main); listed here for --help only.
     sub.add_parser("demo", help="classic self-attention examples with their attention weights",

@@ -42,6 +42,10 @@ absolute difference between fastattn's output and torch's (whole output) and the
 (whole output where the reference was timed; otherwise two heads x the last 64 query rows,
 which keeps the bottom-right causal alignment), and the run fails (exit status 1) when a
 difference exceeds the tolerance.
+
+``--contention`` times something else: fastattn on cores it shares with NumPy's BLAS, with a
+second process and with a busy neighbour, against its fair share of the machine (see
+``fastattn.contention``).
 """
 
 from __future__ import annotations
@@ -867,6 +871,9 @@ def add_arguments(parser):
     parser.add_argument("--variants", action="store_true",
                         help="time softcap, ALiBi, sinks and packed sequences against the "
                              "same calls without them and against torch")
+    parser.add_argument("--contention", action="store_true",
+                        help="instead of the shapes: time fastattn with the cores shared "
+                             "(next to NumPy's BLAS, a second process, a busy neighbour)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads for fastattn, torch and BLAS (default: fastattn's "
                              "default, which honours OMP_NUM_THREADS)")
@@ -903,6 +910,8 @@ def run(args, stdout=None, stderr=None):
     if getattr(args, "variants", False):
         from . import bench_variants
         return bench_variants.run(args, stdout)
+    if getattr(args, "contention", False):
+        return run_contention(args, stdout)
 
     try:
         import fastattn as fa
@@ -980,6 +989,29 @@ def run(args, stdout=None, stderr=None):
         else:
             print(f"wrote {args.plot}", file=stdout)
     return status
+
+
+def run_contention(args, stdout):
+    """``--contention``: the shared-core scenarios of fastattn.contention, as a table."""
+    from . import contention
+    import fastattn as fa
+
+    threads = args.threads or fa.get_num_threads()
+    seconds = 1.0 if args.quick else contention.WINDOW_S
+    print(f"fastattn {fa.__version__} bench --contention {_symbols()['dash']} {os.cpu_count()}"
+          f" CPUs; {threads} threads for fastattn and BLAS; mean per call over {seconds:g} s",
+          file=stdout, flush=True)
+    results = contention.run_scenarios(threads=threads, seconds=seconds)
+    print(file=stdout)
+    print(contention.format_table(results), file=stdout)
+    print("ratio = shared / fair share; fastattn aims for 1.5 or less", file=stdout)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_json_safe({"threads": threads, "window_s": seconds,
+                                  "scenarios": results}), f, indent=2, allow_nan=False)
+            f.write("\n")
+        print(f"wrote {args.json}", file=stdout)
+    return EXIT_OK
 
 
 def main(argv=None):

@@ -1,12 +1,13 @@
 """``python -m fastattn info``: what this installation of fastattn runs on.
 
 Prints the package version, Python and NumPy versions, the compiler and OpenMP support of
-the compiled kernel, the thread count, and the SIMD variant chosen at import time (see
-``fastattn._dispatch``) with the variants this CPU could run. Every fact is looked up
-defensively and shown as "unknown" when it cannot be found, so that ``info`` keeps working
--- and stays useful for bug reports -- on a partial or unusual build. When the ``fastattn``
-that Python imported is not the installed one (a folder named ``fastattn`` in the current
-directory comes first on ``sys.path``), a "problem:" line says which folder hides which.
+the compiled kernel, the thread count and the thread pool that runs the kernels, and the
+SIMD variant chosen at import time (see ``fastattn._dispatch``) with the variants this CPU
+could run. Every fact is looked up defensively and shown as "unknown" when it cannot be
+found, so that ``info`` keeps working -- and stays useful for bug reports -- on a partial
+or unusual build. When the ``fastattn`` that Python imported is not the installed one (a
+folder named ``fastattn`` in the current directory comes first on ``sys.path``), a
+"problem:" line says which folder hides which.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ def collect(fa=None):
                 info["isa"] = str(build.pop("isa"))
             else:
                 build.pop("isa", None)
+            try:
+                info["thread_pool"] = str(kernel.pool_info()["backend"])
+            except Exception:
+                pass
             # Remaining facts (vector width, block sizes, ...) are shown as they come.
             info["build"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v))
                              for k, v in build.items()}
@@ -171,6 +176,7 @@ def format_info(info):
         ("compiler", info["compiler"]),
         ("OpenMP", info["openmp"]),
         ("threads", info["threads"]),
+        ("thread pool", info.get("thread_pool", UNKNOWN)),
         ("SIMD variant", info["isa"]),
         ("variants this CPU runs", info["available_variants"]),
     ]

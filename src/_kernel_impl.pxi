@@ -11,15 +11,14 @@
 #   One work item = (batch element b, key/value head g, block of FA_BQ query rows).
 #   The query rows of a work item are the rows of all Hq/Hkv query heads that share the
 #   kv head g (row R -> head g*group + R // Lq, position R % Lq), so a GQA/MQA group reads
-#   its K/V once and decode steps of a group fill one tile.  Items are spread over OpenMP
-#   threads with a dynamic schedule (causal tiles have unequal work).  When there are
+#   its K/V once and decode steps of a group fill one tile.  Items are claimed one at a
+#   time by the threads of fastattn's pool (fa_pool.h: causal tiles have unequal work).  When there are
 #   fewer items than threads and several key chunks (a decode step of batch 1 with few kv
 #   heads), every (item, key chunk) pair is a work item instead (flash-decoding).
 # Extra memory: one workspace per thread, O(FA_BQ * (D + Dv + FA_BK)); never O(Lq * Lk).
 # Flash-decoding adds one chunk state per (item, chunk): O(items * Lk / FA_KCHUNK * rows
 # * Dv), with fewer items than threads.
 
-from cython.parallel cimport prange, parallel, threadid
 from libc.string cimport memset, memcpy
 from cpython.mem cimport PyMem_RawMalloc, PyMem_RawFree
 from libc.math cimport log, exp2, sqrt, isfinite, INFINITY
@@ -33,6 +32,12 @@ cnp.import_array()
 
 include "_tile_pipeline.pxi"
 
+cdef extern from "fa_pool.h" nogil:
+    ctypedef void (*fa_work_fn)(void* ctx, Py_ssize_t w, int tid) noexcept nogil
+    const char* FA_POOL_BACKEND
+    void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* ctx)
+    int fa_pool_workers()
+
 MASK_NONE = 0
 MASK_BOOL = 1
 MASK_ADD = 2
@@ -43,52 +48,75 @@ BLOCK_Q = FA_BQ
 BLOCK_K = FA_BK
 
 
+cdef struct Job:
+    # One call's work items, as _forward hands them to the thread pool.
+    const Problem* P
+    void* workspace             # one block of ws_elems per thread (floating)
+    Py_ssize_t ws_elems
+    Py_ssize_t* row_idx         # 2 * FA_BQ per thread
+    void* partial               # flash-decoding chunk states (floating), or NULL
+    Py_ssize_t pst, nchunk, n_rblk
+
+
+cdef inline void _job_item(const Job* J, floating* workspace, Py_ssize_t w,
+                           int tid) noexcept nogil:
+    cdef const Problem* P = J.P
+    cdef floating* partial = <floating*> J.partial
+    cdef Py_ssize_t* idx = J.row_idx + tid * 2 * FA_BQ
+    cdef Py_ssize_t item, rb, bg
+    if partial != NULL:
+        # Flash-decoding: w is an (item, key chunk) pair; its chunk state goes to partial.
+        item = w // J.nchunk
+        rb = item % J.n_rblk
+        bg = item // J.n_rblk
+        _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, w % J.nchunk, partial + w * J.pst,
+                     workspace + tid * J.ws_elems, idx, idx + FA_BQ)
+    else:
+        # Last row blocks first: under causal masking they see the most keys, and the
+        # dynamic claiming then ends on the cheap ones instead of waiting on a big one.
+        rb = J.n_rblk - 1 - w % J.n_rblk
+        bg = w // J.n_rblk
+        _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
+                     workspace + tid * J.ws_elems, idx, idx + FA_BQ)
+
+
+cdef void _job_item_f(void* ctx, Py_ssize_t w, int tid) noexcept nogil:
+    _job_item(<const Job*> ctx, <float*> (<const Job*> ctx).workspace, w, tid)
+
+
+cdef void _job_item_d(void* ctx, Py_ssize_t w, int tid) noexcept nogil:
+    _job_item(<const Job*> ctx, <double*> (<const Job*> ctx).workspace, w, tid)
+
+
 cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
                    Py_ssize_t* row_idx, floating* partial, Py_ssize_t nchunk,
                    int n_threads) noexcept nogil:
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
     cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
-    cdef Py_ssize_t item, rb, bg, tid, w, pst
+    cdef Py_ssize_t item, rb, bg
+    cdef Job J
+    J.P = P
+    J.workspace = workspace
+    J.ws_elems = ws_elems
+    J.row_idx = row_idx
+    J.partial = partial
+    J.pst = 0
+    J.nchunk = nchunk
+    J.n_rblk = n_rblk
     if partial != NULL:
         # Flash-decoding (fewer work items than threads, several key chunks): every
         # (item, chunk) pair is a work item whose chunk state goes to `partial`; then each
         # item's chunks are merged in key order, the same merge _attend_tile does inline.
-        pst = _partial_elems(P, vec_lanes(workspace))
-        with parallel(num_threads=n_threads):
-            for w in prange(n_items * nchunk, schedule='dynamic'):
-                tid = threadid()
-                item = w // nchunk
-                rb = item % n_rblk
-                bg = item // n_rblk
-                _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, w % nchunk, partial + w * pst,
-                             workspace + tid * ws_elems,
-                             row_idx + tid * 2 * FA_BQ, row_idx + tid * 2 * FA_BQ + FA_BQ)
+        J.pst = _partial_elems(P, vec_lanes(workspace))
+        fa_pool_run(n_threads, n_items * nchunk,
+                    _job_item_f if floating is float else _job_item_d, &J)
         for item in range(n_items):
             rb = item % n_rblk
             bg = item // n_rblk
-            _merge_partials(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, partial + item * nchunk * pst,
+            _merge_partials(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, partial + item * nchunk * J.pst,
                             nchunk, workspace)
         return
-    if n_threads == 1:
-        # No OpenMP region at all: small calls skip the team start-up (~1 us).
-        for item in range(n_items):
-            rb = item % n_rblk
-            bg = item // n_rblk
-            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
-                         workspace, row_idx, row_idx + FA_BQ)
-        return
-    with parallel(num_threads=n_threads):
-        for item in prange(n_items, schedule='dynamic'):
-            tid = threadid()
-            # Last row blocks first: under causal masking they see the most keys, and the
-            # dynamic schedule then ends on the cheap ones instead of waiting on a big one.
-            rb = n_rblk - 1 - item % n_rblk
-            bg = item // n_rblk
-            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
-                         workspace + tid * ws_elems,
-                         row_idx + tid * 2 * FA_BQ, row_idx + tid * 2 * FA_BQ + FA_BQ)
-        # end: for item
-    # end: with parallel
+    fa_pool_run(n_threads, n_items, _job_item_f if floating is float else _job_item_d, &J)
 
 
 cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
@@ -415,6 +443,11 @@ def build_info():
 def omp_max_threads():
     """OpenMP's default team size (honours OMP_NUM_THREADS); 1 without OpenMP."""
     return fa_omp_max_threads()
+
+
+def pool_info():
+    """The thread pool behind the kernels: its backend and how many workers it started."""
+    return {"backend": FA_POOL_BACKEND.decode(), "workers": fa_pool_workers()}
 
 
 def cpu_supports(str isa):
