@@ -37,7 +37,7 @@ done
 if [ ${#pytest_args[@]} -eq 0 ]; then
     pytest_args=(tests/test_attention.py tests/test_errors.py tests/test_bad_inputs.py
                  tests/test_properties.py tests/test_reproducibility.py
-                 tests/test_hardening.py -k "not every_isa_variant and not peak_memory and not two_threads_overlap and not no_leak")
+                 tests/test_attention_variants.py tests/test_hardening.py -k "not every_isa_variant and not peak_memory and not two_threads_overlap and not no_leak")
 fi
 
 work="$(mktemp -d /tmp/fastattn-san.XXXXXX)"
@@ -117,6 +117,11 @@ for n in (1, 2):
         fastattn.attention(f(1, 5), f(0, 5), f(0, 3))
         fastattn.attention(f(0, 5), f(3, 5), f(3, 3))
         fastattn.attention_weights(q, k, causal=True)
+        fastattn.attention(q, k, v, causal=True, softcap=2.0, alibi_slopes=[0.5, 0.25, 0.1, 0.05],
+                           sinks=f(2, 4, dt=np.float64), q_lengths=np.array([37, 3]),
+                           kv_lengths=np.array([70, 9]), return_lse=True)
+        fastattn.attention_varlen(q[0], k[0], v[0], [0, 30, 30, 37], [0, 50, 55, 70], causal=True,
+                                  return_lse=True)
         fastattn.softmax(f(4, 6))
 for bad in (dict(kv_lengths=np.array([99, 1])), dict(window=(-3, 0)), dict(out=out[..., :3])):
     try:
