@@ -8,7 +8,8 @@ Rows (float32, batch 1):
   sinks          decode-gqa-8k (32 query heads, 8 kv heads, 8192 keys, D 128) with sinks
   varlen         16 prompts, lengths drawn from 64-1024 (seed 0), 12 heads, D 64, causal:
                  attention_varlen on the packed batch against attention on the batch
-                 right-padded to the longest prompt with kv_lengths
+                 right-padded to the longest prompt with kv_lengths and causal="top-left"
+                 (each prompt's rows j <= i, keys j < len), padding rows computed too
 For each row: the variant's time, the plain call's time and their ratio; torch's
 scaled_dot_product_attention given the equivalent float mask where it can express the
 variant (ALiBi; the padded batch of the varlen row), and fastattn's speed-up over it.
@@ -80,7 +81,7 @@ def rows(torch, repeat):
         for p, a in zip(padded, packed):
             p[s, :, :lens[s]] = a[:, cu[s]:cu[s + 1]]
     calls = {"variant": lambda: fastattn.attention_varlen(*packed, cu, cu, causal=True),
-             "plain": lambda: fastattn.attention(*padded, causal=True, kv_lengths=lens)}
+             "plain": lambda: fastattn.attention(*padded, causal="top-left", kv_lengths=lens)}
     if torch is not None:
         tp = [torch.from_numpy(a) for a in padded]
         j = np.arange(L)

@@ -504,20 +504,30 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
     p = p * z + fa_bcast_f(2.0f / 15.0f);
     p = p * z + fa_bcast_f(-1.0f / 3.0f);
     const fa_vf small = ax + ax * (z * p);
-    const fa_vf e = fa_exp2_f(ax * fa_bcast_f(-2.0f * 1.44269504088896341f));
-    const fa_vf one = fa_bcast_f(1.0f);
-    const fa_vf r = fa_select_f(ax < fa_bcast_f(0.4f), small, (one - e) / (one + e));
+    const fa_vfi is_small = ax < fa_bcast_f(0.4f);
+    fa_vf r = small;
+    /* Capped scores are mostly well inside the cap (|s / softcap| < 0.4): the exp and the
+     * division run only for vectors with a lane outside.  Each lane's result is the same
+     * either way. */
+    int all_small = 1;
+    for (int i = 0; i < (int)FA_VL_F; i++) all_small &= is_small[i] != 0;
+    if (!all_small) {
+        const fa_vf e = fa_exp2_f(ax * fa_bcast_f(-2.0f * 1.44269504088896341f));
+        const fa_vf one = fa_bcast_f(1.0f);
+        r = fa_select_f(is_small, small, (one - e) / (one + e));
+    }
     return fa_select_f(x < 0, -r, r);
 }
 
-/* Softcapping, s <- c tanh(s / c), with c = softcap * log2 e for base-2 scores. */
+/* Softcapping, s <- c tanh(s / c), with c = softcap * log2 e for base-2 scores (s / c as
+ * a product with 1 / c, rounded once per call: a division per score doubled the cost). */
 static void fa_softcap_f(float* s, ptrdiff_t lds, ptrdiff_t nk, int nvec, float c)
 {
-    const fa_vf vc = fa_bcast_f(c);
+    const fa_vf vc = fa_bcast_f(c), inv = fa_bcast_f(1.0f / c);
     for (ptrdiff_t j = 0; j < nk; j++)
         for (int t = 0; t < nvec; t++) {
             float* p = s + j * lds + t * FA_VL_F;
-            fa_store_f(p, vc * fa_tanh_f(fa_load_f(p) / vc));
+            fa_store_f(p, vc * fa_tanh_f(fa_load_f(p) * inv));
         }
 }
 /* float64 scores take libm's tanh, lane by lane. */
