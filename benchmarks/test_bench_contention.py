@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn.contention import Neighbour, decoder_step_inputs, mean_call_seconds, small_inputs
+from fastattn.contention import Neighbour, decoder_step_calls, mean_call_seconds, small_inputs
 
 FAIR_WINDOW_S = 1.0
 
@@ -22,20 +22,7 @@ def _record(benchmark, fair, **info):
 
 @pytest.mark.benchmark(group="contention-blas")
 def test_alternating_with_blas(benchmark, threads):
-    x, w, q, k, v = decoder_step_inputs()
-    y = np.empty((1, w.shape[1]), np.float32)
-    out = np.empty_like(q)
-
-    def product():
-        np.matmul(x, w, out=y)
-
-    def attend():
-        fastattn.attention(q, k, v, out=out)
-
-    def pair():
-        product()
-        attend()
-
+    product, attend, pair = decoder_step_calls(fastattn)
     with fastattn.num_threads(threads):
         fair = mean_call_seconds(product, FAIR_WINDOW_S / 2)
         fair += mean_call_seconds(attend, FAIR_WINDOW_S / 2)

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 __all__ = ["SCENARIOS", "run_scenarios", "format_table", "mean_call_seconds", "Neighbour",
-           "small_inputs", "decoder_step_inputs"]
+           "small_inputs", "decoder_step_calls"]
 
 #: Scenario names, in the order they run.
 SCENARIOS = ("blas", "processes", "neighbour")
@@ -44,14 +44,29 @@ def small_inputs():
     return q, k, v
 
 
-def decoder_step_inputs():
+def decoder_step_calls(fa):
+    """The blas scenario's calls: ``x @ W`` (a decoder's projection), one GQA decode step
+    of ``fa.attention``, and the pair of them; each writes into its own buffer."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 1024)).astype(np.float32)
     w = (rng.standard_normal((1024, 2816)) / 32).astype(np.float32)
     q = rng.standard_normal((1, 16, 1, 64)).astype(np.float32)
     k = rng.standard_normal((1, 4, 520, 64)).astype(np.float32)
     v = rng.standard_normal((1, 4, 520, 64)).astype(np.float32)
-    return x, w, q, k, v
+    y = np.empty((1, w.shape[1]), np.float32)
+    out = np.empty_like(q)
+
+    def product():
+        np.matmul(x, w, out=y)
+
+    def attend():
+        fa.attention(q, k, v, out=out)
+
+    def pair():
+        product()
+        attend()
+
+    return product, attend, pair
 
 
 def mean_call_seconds(call, seconds):
@@ -159,20 +174,7 @@ class Neighbour:
 # --------------------------------------------------------------------------- scenarios
 
 def scenario_blas(fa, threads, seconds):
-    x, w, q, k, v = decoder_step_inputs()
-    y = np.empty((1, w.shape[1]), np.float32)
-    out = np.empty_like(q)
-
-    def product():
-        np.matmul(x, w, out=y)
-
-    def attend():
-        fa.attention(q, k, v, out=out)
-
-    def pair():
-        product()
-        attend()
-
+    product, attend, pair = decoder_step_calls(fa)
     with fa.num_threads(threads):
         _settle()
         t_product = mean_call_seconds(product, seconds / 2)
