@@ -519,8 +519,9 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
     return fa_select_f(x < 0, -r, r);
 }
 
-/* Softcapping, s <- c tanh(s / c), with c = softcap * log2 e for base-2 scores (s / c as
- * a product with 1 / c, rounded once per call: a division per score doubled the cost). */
+/* Softcapping, s <- c tanh(s / c), with c = softcap * log2 e for base-2 scores; s / c is a
+ * product with 1 / c, computed once per call, as a vector division costs several times a
+ * multiply. */
 static void fa_softcap_f(float* s, ptrdiff_t lds, ptrdiff_t nk, int nvec, float c)
 {
     const fa_vf vc = fa_bcast_f(c), inv = fa_bcast_f(1.0f / c);
@@ -557,39 +558,23 @@ FA_ALIBI(f, float, fa_vf, FA_VL_F, fa_load_f, fa_store_f, fa_bcast_f, fa_select_
 FA_ALIBI(d, double, fa_vd, FA_VL_D, fa_load_d, fa_store_d, fa_bcast_d, fa_select_d)
 #undef FA_ALIBI
 
-/* Whole-array tanh, for measuring its accuracy from the tests. */
-static inline void fa_tanh_array_f(const float* x, float* y, ptrdiff_t n)
-{
-    float buf[64];
-    for (ptrdiff_t i = 0; i < n; i += FA_VL_F) {
-        ptrdiff_t m = n - i < FA_VL_F ? n - i : FA_VL_F;
-        for (ptrdiff_t t = 0; t < FA_VL_F; t++) buf[t] = t < m ? x[i + t] : 0.0f;
-        fa_store_f(buf, fa_tanh_f(fa_load_f(buf)));
-        for (ptrdiff_t t = 0; t < m; t++) y[i + t] = buf[t];
-    }
+/* Whole-array versions of the vector functions, for measuring their accuracy from the
+ * tests: the array in vectors, the last one zero-padded. */
+#define FA_ARRAY_FN(NAME, T, VL, LOAD, STORE, FN) \
+static inline void NAME(const T* x, T* y, ptrdiff_t n) \
+{ \
+    T buf[64]; \
+    for (ptrdiff_t i = 0; i < n; i += VL) { \
+        ptrdiff_t m = n - i < VL ? n - i : VL; \
+        for (ptrdiff_t t = 0; t < VL; t++) buf[t] = t < m ? x[i + t] : (T)0; \
+        STORE(buf, FN(LOAD(buf))); \
+        for (ptrdiff_t t = 0; t < m; t++) y[i + t] = buf[t]; \
+    } \
 }
-
-/* Whole-array 2^x, for measuring the vector exp2's accuracy from the tests. */
-static inline void fa_exp2_array_f(const float* x, float* y, ptrdiff_t n)
-{
-    float buf[64];
-    for (ptrdiff_t i = 0; i < n; i += FA_VL_F) {
-        ptrdiff_t m = n - i < FA_VL_F ? n - i : FA_VL_F;
-        for (ptrdiff_t t = 0; t < FA_VL_F; t++) buf[t] = t < m ? x[i + t] : 0.0f;
-        fa_store_f(buf, fa_exp2_f(fa_load_f(buf)));
-        for (ptrdiff_t t = 0; t < m; t++) y[i + t] = buf[t];
-    }
-}
-static inline void fa_exp2_array_d(const double* x, double* y, ptrdiff_t n)
-{
-    double buf[32];
-    for (ptrdiff_t i = 0; i < n; i += FA_VL_D) {
-        ptrdiff_t m = n - i < FA_VL_D ? n - i : FA_VL_D;
-        for (ptrdiff_t t = 0; t < FA_VL_D; t++) buf[t] = t < m ? x[i + t] : 0.0;
-        fa_store_d(buf, fa_exp2_d(fa_load_d(buf)));
-        for (ptrdiff_t t = 0; t < m; t++) y[i + t] = buf[t];
-    }
-}
+FA_ARRAY_FN(fa_tanh_array_f, float, FA_VL_F, fa_load_f, fa_store_f, fa_tanh_f)
+FA_ARRAY_FN(fa_exp2_array_f, float, FA_VL_F, fa_load_f, fa_store_f, fa_exp2_f)
+FA_ARRAY_FN(fa_exp2_array_d, double, FA_VL_D, fa_load_d, fa_store_d, fa_exp2_d)
+#undef FA_ARRAY_FN
 
 /* ---- OpenMP and build facts ---- */
 static inline int fa_have_openmp(void)
