@@ -119,6 +119,28 @@ def _kernel_ready(a, dtype):
     return a if _kernel_layout(a) else np.ascontiguousarray(a)
 
 
+def _check_out(out, shape, dtype):
+    """``out`` (or None) checked as the preallocated result of that shape and dtype."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"out must have shape {shape}, got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    return out
+
+
+def _writes_in_place(target, cdt, inputs):
+    """Whether the kernel can write straight into ``target``: the compute dtype, rows it can
+    address, and no overlap with an input (tiles read the inputs while others are written)."""
+    return (target is not None and target.dtype == cdt and _kernel_layout(target)
+            and not any(np.may_share_memory(target, a) for a in inputs if a is not None))
+
+
 class _Call:
     """Validated arguments of one attention / attention_weights call."""
 
@@ -219,18 +241,7 @@ class _Call:
         return kvl
 
     def _out(self, out):
-        if out is None:
-            return None
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-        shape = self.result_shape(self.Dv)
-        if out.shape != shape:
-            raise ValueError(f"out must have shape {shape}, got {out.shape}")
-        if out.dtype != self.result_dtype:
-            raise TypeError(f"out must have dtype {self.result_dtype}, got {out.dtype}")
-        if not out.flags.writeable:
-            raise ValueError("out must be writeable")
-        return out
+        return _check_out(out, self.result_shape(self.Dv), self.result_dtype)
 
     def result_shape(self, last):
         shape = self.batch + (self.Hq, self.Lq, last)
@@ -331,17 +342,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     batch = call.batch
     full_shape = batch + (call.Hq, call.Lq, call.Dv)
 
-    # Write straight into the caller's `out` when the kernel can: right dtype, contiguous
-    # rows, and no overlap with an input (tiles read q/k/v while others are written).
+    # Write straight into the caller's `out` when the kernel can.
     target = call.out
     if target is not None and target.ndim == len(full_shape) - 1:
         target = target[None]
-    direct = (
-        target is not None
-        and target.dtype == cdt
-        and _kernel_layout(target)
-        and not any(np.may_share_memory(target, a) for a in (q, k, v, call.mask) if a is not None)
-    )
+    direct = _writes_in_place(target, cdt, (q, k, v, call.mask))
     res = target if direct else np.empty(full_shape, dtype=cdt)
     lse = np.empty(batch + (call.Hq, call.Lq), dtype=cdt) if call.return_lse else None
 
@@ -423,18 +428,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     per_seq = lambda a: None if a is None else np.ascontiguousarray(np.broadcast_to(a, (n_seq, Hq)))
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if out is not None:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-        if out.shape != (Hq, total_q, Dv):
-            raise ValueError(f"out must have shape {(Hq, total_q, Dv)}, got {out.shape}")
-        if out.dtype != rdt:
-            raise TypeError(f"out must have dtype {rdt}, got {out.dtype}")
-        if not out.flags.writeable:
-            raise ValueError("out must be writeable")
+    out = _check_out(out, (Hq, total_q, Dv), rdt)
     q, k, v = (_kernel_ready(a, cdt) for a in arrays.values())
-    direct = (out is not None and out.dtype == cdt and _kernel_layout(out)
-              and not any(np.may_share_memory(out, a) for a in (q, k, v)))
+    direct = _writes_in_place(out, cdt, (q, k, v))
     res = out if direct else np.empty((Hq, total_q, Dv), dtype=cdt)
     lse = np.empty((Hq, total_q), dtype=cdt) if return_lse else None
     _kernel.forward_packed(q, k, v, res, lse, cu_q, cu_k, causal_mode, wl, wr, sc,
