@@ -239,16 +239,19 @@ def test_closed_pipe_ends_quietly(command):
 
 def test_info_in_an_unbuilt_source_tree_says_so(tmp_path):
     # A copy of the package's Python files without the compiled kernel, in the current
-    # directory, hides the working package that PYTHONPATH points to.
+    # directory, hides the working package that PYTHONPATH points to.  The child runs
+    # without site (-S), with NumPy's directory on PYTHONPATH: an editable install's import
+    # hook (a .pth file) would otherwise supply the kernel modules to the copy.
     shadow = tmp_path / "fastattn"
     shadow.mkdir()
     package = os.path.dirname(os.path.abspath(fastattn.__file__))
     for name in os.listdir(package):
         if name.endswith(".py"):
             (shadow / name).write_bytes(open(os.path.join(package, name), "rb").read())
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(package))
-    proc = subprocess.run([sys.executable, "-m", "fastattn", "info"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    numpy_dir = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(package), numpy_dir]))
+    proc = subprocess.run([sys.executable, "-S", "-m", "fastattn", "info"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert f"fastattn in {shadow} has no compiled kernel" in proc.stderr
     assert "run from another directory" in proc.stderr
