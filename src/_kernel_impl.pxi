@@ -11,9 +11,9 @@
 #   One work item = (batch element b, key/value head g, block of FA_BQ query rows).
 #   The query rows of a work item are the rows of all Hq/Hkv query heads that share the
 #   kv head g (row R -> head g*group + R // Lq, position R % Lq), so a GQA/MQA group reads
-#   its K/V once and decode steps of a group fill one tile.  Items are claimed one at a
-#   time by the threads of fastattn's pool (fa_pool.h: causal tiles have unequal work).  When there are
-#   fewer items than threads and several key chunks (a decode step of batch 1 with few kv
+#   its K/V once and decode steps of a group fill one tile.  The threads of fastattn's
+#   pool (fa_pool.h) claim items one at a time (causal tiles have unequal work).  When
+#   there are fewer items than threads and several key chunks (a decode step of batch 1 with few kv
 #   heads), every (item, key chunk) pair is a work item instead (flash-decoding).
 # Extra memory: one workspace per thread, O(FA_BQ * (D + Dv + FA_BK)); never O(Lq * Lk).
 # Flash-decoding adds one chunk state per (item, chunk): O(items * Lk / FA_KCHUNK * rows
