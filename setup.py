@@ -34,8 +34,8 @@ X86 = sysconfig.get_platform().rsplit("-", 1)[-1].lower() in {"x86_64", "amd64",
 # Per-ISA compile flags (GCC and Clang).
 ISA_FLAGS = {
     "base": [],
-    "avx2": ["-mavx2", "-mfma"],
-    "avx512": ["-mavx512f", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
 }
 
 

@@ -5,7 +5,8 @@ Everything a caller can get wrong is checked here, before any work starts and be
 front end also decides the compute dtype, makes the last axis of q/k/v contiguous when it
 is not (the only copies it makes besides dtype casts), and turns NumPy broadcasting of the
 batch dimensions into one element offset per flattened batch element, so broadcast inputs
-are read in place.
+are read in place.  float16 and bfloat16 inputs are never cast: the kernel reads them in
+place and widens them itself, and writes a 16-bit result directly.
 """
 import math
 import numbers
@@ -36,24 +37,17 @@ def _as_array(x, name):
             a = np.asarray(x)
         except (ValueError, TypeError) as e:  # ragged nested lists, odd objects
             raise ValueError(f"{name} could not be converted to an array: {e}") from None
-    if a.dtype.kind not in "biuf":
+    if a.dtype.kind not in "biuf" and not _variants.is_bfloat16(a.dtype):
         raise TypeError(
-            f"{name} must hold real numbers (bool, integer or floating), got dtype {a.dtype}")
+            f"{name} must hold real numbers (bool, integer, float16, bfloat16, float32 or "
+            f"float64), got dtype {a.dtype}")
     return a
 
 
-def _dtypes(**arrays):
-    """(compute dtype, result dtype) for the named inputs, following SPEC §1."""
-    res = np.result_type(*arrays.values())
-    if res.kind in "biu":
-        res = np.dtype(np.float64)
-    if res == np.float16:
-        return np.dtype(np.float32), res
-    if res not in (np.float32, np.float64):
-        culprits = ", ".join(f"{n}.dtype={a.dtype}" for n, a in arrays.items()
-                             if a.dtype.kind == "f" and a.dtype.itemsize > 8) or str(res)
-        raise TypeError(f"unsupported floating dtype ({culprits}): use float16, float32 or float64")
-    return res, res
+
+def _is_16bit(dtype):
+    """float16 or bfloat16: read and written in place by the kernel, widened to float32."""
+    return dtype == np.float16 or _variants.is_bfloat16(dtype)
 
 
 def _scale(scale, D):
@@ -114,8 +108,10 @@ def _kernel_layout(a):
 
 
 def _kernel_ready(a, dtype):
-    """``a`` cast to the compute dtype, copied only if the kernel cannot read it in place."""
-    a = a.astype(dtype, copy=False)
+    """``a`` as the kernel reads it: 16-bit floats as they are, anything else cast to the
+    compute dtype; copied only if the kernel cannot read it in place."""
+    if not _is_16bit(a.dtype):
+        a = a.astype(dtype, copy=False)
     return a if _kernel_layout(a) else np.ascontiguousarray(a)
 
 
@@ -135,10 +131,16 @@ def _check_out(out, shape, dtype):
 
 
 def _writes_in_place(target, cdt, inputs):
-    """Whether the kernel can write straight into ``target``: the compute dtype, rows it can
-    address, and no overlap with an input (tiles read the inputs while others are written)."""
-    return (target is not None and target.dtype == cdt and _kernel_layout(target)
+    """Whether the kernel can write straight into ``target``: the compute dtype (or a 16-bit
+    result of float32 compute), rows it can address, and no overlap with an input (tiles
+    read the inputs while others are written)."""
+    return (target is not None and _kernel_writes(target.dtype, cdt) and _kernel_layout(target)
             and not any(np.may_share_memory(target, a) for a in inputs if a is not None))
+
+
+def _kernel_writes(dtype, cdt):
+    """Whether the kernel writes results of compute dtype ``cdt`` as ``dtype`` itself."""
+    return dtype == cdt or (cdt == np.float32 and _is_16bit(dtype))
 
 
 class _Call:
@@ -184,7 +186,7 @@ class _Call:
                 + ", ".join(f"{n}.shape={a.shape}" for n, a in zip("qkv", (q, k, v)) if a is not None)
             ) from None
 
-        self.compute_dtype, self.result_dtype = _dtypes(**dict(zip("qkv", arrays)))
+        self.compute_dtype, self.result_dtype = _variants.dtypes(**dict(zip("qkv", arrays)))
         self.scale = _scale(scale, D)
         self.causal = _causal(causal)
         self.wl, self.wr = _window(window)
@@ -209,7 +211,7 @@ class _Call:
         mask = _as_array(mask, "mask")
         if mask.dtype.kind == "b":
             kind = _kernel.MASK_BOOL
-        elif mask.dtype.kind == "f":
+        elif mask.dtype.kind == "f" or _variants.is_bfloat16(mask.dtype):
             kind = _kernel.MASK_ADD
         else:
             raise TypeError(f"mask must be bool (True = may attend) or floating (added to the "
@@ -306,8 +308,10 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     Returns
     -------
     out : ndarray, shape (..., Hq, Lq, Dv)
-        dtype ``result_type(q, k, v)`` promoted to floating (float16 is computed in float32;
-        integers and bools in float64).  Rows that see no key are zeros.
+        float16 or bfloat16 when q, k and v all have that dtype (computed in float32,
+        rounded once at the end); otherwise ``result_type(q, k, v)`` promoted to float32
+        or float64 (bfloat16 counts as float32; integers and bools give float64).  Rows
+        that see no key are zeros.
     lse : ndarray, shape (..., Hq, Lq)
         Only with ``return_lse=True``; compute dtype; ``-inf`` for rows that see no key.
 
@@ -315,6 +319,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     -----
     The result of a query row is bitwise identical whatever the thread count, batch size,
     ``Lq`` or the other rows in the call: a decode step reproduces the prefill row exactly.
+
+    float16 and bfloat16 (``ml_dtypes.bfloat16``) inputs are read in place, never copied:
+    the kernel widens K and V one key block at a time (exactly: every 16-bit value is a
+    float32) and computes in float32, so a float16 cache reads half the bytes of a float32
+    one.
 
     Examples
     --------
@@ -347,7 +356,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     if target is not None and target.ndim == len(full_shape) - 1:
         target = target[None]
     direct = _writes_in_place(target, cdt, (q, k, v, call.mask))
-    res = target if direct else np.empty(full_shape, dtype=cdt)
+    rdt = call.result_dtype if _kernel_writes(call.result_dtype, cdt) else cdt
+    res = target if direct else np.empty(full_shape, dtype=rdt)
     lse = np.empty(batch + (call.Hq, call.Lq), dtype=cdt) if call.return_lse else None
 
     mask = call.mask
@@ -418,7 +428,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     Hq, Hkv, total_q, total_k, D, Dv = _variants.check_varlen_shapes(*arrays.values())
     cu_q, cu_k = _variants.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     n_seq = cu_q.shape[0] - 1
-    cdt, rdt = _dtypes(**arrays)
+    cdt, rdt = _variants.dtypes(**arrays)
     sc = _scale(scale, D)
     causal_mode = _causal(causal)
     wl, wr = _window(window)
@@ -431,7 +441,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     out = _check_out(out, (Hq, total_q, Dv), rdt)
     q, k, v = (_kernel_ready(a, cdt) for a in arrays.values())
     direct = _writes_in_place(out, cdt, (q, k, v))
-    res = out if direct else np.empty((Hq, total_q, Dv), dtype=cdt)
+    res = out if direct else np.empty((Hq, total_q, Dv),
+                                      dtype=rdt if _kernel_writes(rdt, cdt) else cdt)
     lse = np.empty((Hq, total_q), dtype=cdt) if return_lse else None
     _kernel.forward_packed(q, k, v, res, lse, cu_q, cu_k, causal_mode, wl, wr, sc,
                            _threads.get_num_threads(), cap or 0.0, per_seq(slopes),
@@ -522,7 +533,7 @@ def softmax(x, axis=-1):
     Integer and bool input is computed in float64, float16 in float32 (returned as float16).
     """
     x = _as_array(x, "x")
-    cdt, rdt = _dtypes(x=x)
+    cdt, rdt = _variants.dtypes(x=x)
     x = x.astype(cdt, copy=False)
     m = np.max(x, axis=axis, keepdims=True) if x.size else np.zeros_like(x)
     # Subtract the row max (stability); a row with no finite max subtracts 0 instead.

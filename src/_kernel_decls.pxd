@@ -2,11 +2,11 @@
 # per micro-kernel, so that the tile pipeline (_tile_pipeline.pxi) calls `score_tile(...)`
 # once instead of choosing between the _f and _d instantiations at every call site.
 #
-# K and V rows are passed as `const char*`: their element type is the storage type of the
-# call, which the wrappers map to the C instantiation.  Today the storage type is the
-# compute type (float or double); a reduced-precision storage type adds its own
-# instantiation of the K/V-reading kernels (fa_tile_impl.h, FA_KV_KERNELS_ONLY) and a
-# branch in the wrappers below that read K or V.
+# K and V rows reach the micro-kernels as `const char*` in the compute type: read in place
+# when stored in it, else widened block by block from their 16-bit storage type
+# (fa_half.h, the tile pipeline's _load_block).
+
+from libc.stdint cimport uint16_t
 
 ctypedef fused floating:
     float
@@ -25,6 +25,9 @@ cdef extern from "fa_kernels.h" nogil:
         FA_CAUSAL_NONE
         FA_CAUSAL_BOTTOM_RIGHT
         FA_CAUSAL_TOP_LEFT
+        FA_STORE_NATIVE
+        FA_STORE_F16
+        FA_STORE_BF16
     const Py_ssize_t FA_VL_F
     const Py_ssize_t FA_VL_D
     const char* FA_COMPILER
@@ -115,6 +118,50 @@ cdef extern from "fa_kernels.h" nogil:
                       Py_ssize_t ldv, double* acc, const double* alpha, const char* pf,
                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
 
+    # the K/V-reading decode kernels for float16 (_fh) and bfloat16 (_fb) K and V
+    void fa_score_keyrows1_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows1_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_pv_tile1_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile1_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_rows4_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
+                        const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                        Py_ssize_t pf_bytes)
+    void fa_pv_rows4_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
+                        const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                        Py_ssize_t pf_bytes)
+    void fa_pv_row8_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
+                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+    void fa_pv_row8_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
+                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+
     void fa_softcap_f(float* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, float c)
     void fa_softcap_d(double* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, double c)
     void fa_alibi_f(float* s, Py_ssize_t lds, Py_ssize_t j0, Py_ssize_t nk, const float* nslope,
@@ -124,6 +171,18 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_tanh_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
+    # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
+    void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
+                         Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,
+                         Py_ssize_t pf_rows)
+    void fa_widen_rows_d(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
+                         Py_ssize_t n, double* dst, Py_ssize_t ldd, const uint16_t* pf,
+                         Py_ssize_t pf_rows)
+    float fa_f16_to_f32(uint16_t h)
+    float fa_bf16_to_f32(uint16_t h)
+    void fa_narrow_f(int kind, const float* src, Py_ssize_t n, uint16_t* dst)
+    void fa_widen_array_f(int kind, const uint16_t* x, float* y, Py_ssize_t n)
+    void fa_narrow_array_f(int kind, const float* x, uint16_t* y, Py_ssize_t n)
     int fa_have_openmp()
     int fa_omp_max_threads()
     int fa_cpu_supports(const char* isa)
@@ -162,10 +221,14 @@ cdef inline void score_tile(const char** krows, const floating* qt, Py_ssize_t D
 cdef inline void score_keyrows(Py_ssize_t nr, const char** krows, Py_ssize_t ldk, int nk,
                                const floating* qt, Py_ssize_t ldqt, Py_ssize_t D,
                                floating scale, floating* s, int nstore, const char** pf,
-                               Py_ssize_t pf_bytes) noexcept nogil:
-    # One decode score pass of nr (8, 4, 2 or 1) query rows over a call of keys (lanes).
+                               Py_ssize_t pf_bytes, int kind) noexcept nogil:
+    # One decode score pass of nr (8, 4, 2 or 1) query rows over a call of keys (lanes),
+    # K stored as `kind` (16-bit kinds with float compute only).
     if floating is float:
-        if nr == 8:
+        if kind != FA_STORE_NATIVE:
+            _score_keyrows_16(nr, <const uint16_t**> krows, ldk, nk, qt, ldqt, D, scale, s,
+                              nstore, pf, pf_bytes, kind)
+        elif nr == 8:
             fa_score_keyrows8_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
                                 nstore, pf, pf_bytes)
         elif nr == 4:
@@ -190,6 +253,30 @@ cdef inline void score_keyrows(Py_ssize_t nr, const char** krows, Py_ssize_t ldk
         else:
             fa_score_keyrows1_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
                                 nstore, pf, pf_bytes)
+
+
+cdef inline void _score_keyrows_16(Py_ssize_t nr, const uint16_t** kr, Py_ssize_t ldk, int nk,
+                                   const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale,
+                                   float* s, int nstore, const char** pf, Py_ssize_t pf_bytes,
+                                   int kind) noexcept nogil:
+    if kind == FA_STORE_F16:
+        if nr == 8:
+            fa_score_keyrows8_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+    else:
+        if nr == 8:
+            fa_score_keyrows8_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
 
 
 cdef inline void hide_keys(floating* s, Py_ssize_t nk, int nvec) noexcept nogil:
@@ -251,10 +338,15 @@ cdef inline void merge_acc(floating* ACC, const floating* acc, Py_ssize_t n, flo
 
 cdef inline void pv_tile(const floating* p, Py_ssize_t nj, const char* v, Py_ssize_t ldv,
                          floating* acc, Py_ssize_t ldacc, const floating* alpha,
-                         Py_ssize_t nrows) noexcept nogil:
-    # One output micro-tile of FA_MR_PV rows or of a single row, 2 vectors of columns.
+                         Py_ssize_t nrows, int kind) noexcept nogil:
+    # One output micro-tile of FA_MR_PV rows or of a single row, 2 vectors of columns; V
+    # stored as `kind` (16-bit kinds: single rows with float compute only).
     if floating is float:
-        if nrows == FA_MR_PV:
+        if kind == FA_STORE_F16:
+            fa_pv_tile1_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+        elif kind == FA_STORE_BF16:
+            fa_pv_tile1_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+        elif nrows == FA_MR_PV:
             fa_pv_tile_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
         else:
             fa_pv_tile1_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
@@ -284,11 +376,23 @@ cdef inline void pv_tile_widened(const floating* p, Py_ssize_t nj, const floatin
 cdef inline void pv_wide(Py_ssize_t nr, const floating* p, Py_ssize_t nj, const char* v,
                          Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
                          const floating* alpha, const char* pf, Py_ssize_t pf_stride,
-                         Py_ssize_t pf_rows, Py_ssize_t pf_bytes) noexcept nogil:
+                         Py_ssize_t pf_rows, Py_ssize_t pf_bytes, int kind) noexcept nogil:
     # The wide output tiles: 4 rows x 4 vectors (nr == 4) or 1 row x 8 vectors (nr == 1),
-    # prefetching pf_rows rows of pf as they go.
+    # prefetching pf_rows rows of pf as they go; V stored as `kind`.
     if floating is float:
-        if nr == 4:
+        if kind == FA_STORE_F16 and nr == 4:
+            fa_pv_rows4_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha,
+                           pf, pf_stride, pf_rows, pf_bytes)
+        elif kind == FA_STORE_F16:
+            fa_pv_row8_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        elif kind == FA_STORE_BF16 and nr == 4:
+            fa_pv_rows4_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha,
+                           pf, pf_stride, pf_rows, pf_bytes)
+        elif kind == FA_STORE_BF16:
+            fa_pv_row8_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        elif nr == 4:
             fa_pv_rows4_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha,
                           pf, pf_stride, pf_rows, pf_bytes)
         else:
@@ -303,6 +407,32 @@ cdef inline void pv_wide(Py_ssize_t nr, const floating* p, Py_ssize_t nj, const 
                          pf, pf_stride, pf_rows, pf_bytes)
 
 
-cdef inline floating load_kv(const char* row, Py_ssize_t c, floating* like) noexcept nogil:
-    # Element c of a K or V row, widened to the compute type (scalar paths only).
+cdef inline floating load_elem(const char* row, Py_ssize_t c, int kind,
+                               floating* like) noexcept nogil:
+    # Element c of a row stored as `kind` (the compute type, float16 or bfloat16), widened.
+    if kind == FA_STORE_F16:
+        return fa_f16_to_f32((<const uint16_t*> row)[c])
+    if kind == FA_STORE_BF16:
+        return fa_bf16_to_f32((<const uint16_t*> row)[c])
     return (<const floating*> row)[c]
+
+
+cdef inline void widen_rows(int kind, const char* src, Py_ssize_t ld, Py_ssize_t nrows,
+                            Py_ssize_t n, floating* dst, Py_ssize_t ldd, const char* pf,
+                            Py_ssize_t pf_rows) noexcept nogil:
+    # nrows rows of n 16-bit elements (ld elements apart) widened to rows ldd apart,
+    # prefetching pf_rows rows of pf (the next block) meanwhile.
+    if floating is float:
+        fa_widen_rows_f(kind, <const uint16_t*> src, ld, nrows, n, dst, ldd,
+                        <const uint16_t*> pf, pf_rows)
+    else:
+        fa_widen_rows_d(kind, <const uint16_t*> src, ld, nrows, n, dst, ldd,
+                        <const uint16_t*> pf, pf_rows)
+
+
+cdef inline void narrow_row(int kind, const floating* src, Py_ssize_t n,
+                            char* dst) noexcept nogil:
+    # n results rounded once to a 16-bit kind (float16 or bfloat16 results are computed in
+    # float32 only).
+    if floating is float:
+        fa_narrow_f(kind, src, n, <uint16_t*> dst)

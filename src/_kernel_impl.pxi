@@ -15,7 +15,8 @@
 #   pool (fa_pool.h) claim items one at a time (causal tiles have unequal work).  When
 #   there are fewer items than threads and several key chunks (a decode step of batch 1 with few kv
 #   heads), every (item, key chunk) pair is a work item instead (flash-decoding).
-# Extra memory: one workspace per thread, O(FA_BQ * (D + Dv + FA_BK)); never O(Lq * Lk).
+# Extra memory: one workspace per thread, O(FA_BQ * (D + Dv + FA_BK) + FA_BK * (D + Dv)),
+# the last term a key block of 16-bit K/V widened; never O(Lq * Lk), nor a copy of K or V.
 # Flash-decoding adds one chunk state per (item, chunk): O(items * Lk / FA_KCHUNK * rows
 # * Dv), with fewer items than threads.
 
@@ -218,6 +219,21 @@ cdef void _fill_offsets(cnp.ndarray a, int n_core, int nb, const Py_ssize_t* bsh
             d -= 1
 
 
+cdef inline int _store_kind(cnp.ndarray a):
+    # How the kernel reads (or writes) an array's elements: the compute type itself, or one
+    # of the 16-bit types (the front end passes nothing else).
+    if cnp.PyArray_ITEMSIZE(a) != 2:
+        return FA_STORE_NATIVE
+    return FA_STORE_F16 if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT16 else FA_STORE_BF16
+
+
+cdef inline bint _computes_float(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
+    # The compute type of a call: float32 unless an input is float64 (the others are then
+    # float64 or 16-bit).
+    return not (cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT64 or cnp.PyArray_TYPE(k) == cnp.NPY_FLOAT64
+                or cnp.PyArray_TYPE(v) == cnp.NPY_FLOAT64)
+
+
 cdef inline Py_ssize_t _estride(cnp.ndarray a, int axis):
     # Element stride of an axis counted from the end (-3: heads, -2: rows, -1: columns).
     if cnp.PyArray_NDIM(a) + axis < 0:
@@ -267,7 +283,10 @@ cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.nda
     P.Hq, P.Hkv = _dim(q, -3), _dim(k, -3)
     P.group = P.Hq // P.Hkv
     P.Lq, P.Lk, P.D, P.Dv = _dim(q, -2), _dim(k, -2), _dim(q, -1), _dim(v, -1)
-    P.kv_isz = cnp.PyArray_ITEMSIZE(k)
+    P.q_isz, P.k_isz = cnp.PyArray_ITEMSIZE(q), cnp.PyArray_ITEMSIZE(k)
+    P.v_isz, P.o_isz = cnp.PyArray_ITEMSIZE(v), cnp.PyArray_ITEMSIZE(out)
+    P.q_kind, P.k_kind, P.v_kind, P.o_kind = (_store_kind(q), _store_kind(k), _store_kind(v),
+                                              _store_kind(out))
     P.q_sh, P.q_si = _estride(q, -3), _estride(q, -2)
     P.k_sh, P.k_sj = _estride(k, -3), _estride(k, -2)
     P.v_sh, P.v_sj = _estride(v, -3), _estride(v, -2)
@@ -312,7 +331,8 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
             double softcap=0, object alibi=None, object sinks=None, object q_len=None):
     """Run the fused kernel on validated arrays (called only by fastattn._api).
 
-    q, k, v, out: compute dtype (float32/float64), (..., heads, rows, cols) with a
+    q, k, v, out: the compute dtype (float32/float64) or, read and written in place,
+    float16 / bfloat16 (out only with float32 compute), (..., heads, rows, cols) with a
     contiguous last axis (kernel_layout), their batch axes broadcasting to ``batch``.
     lse: None or (..., Hq, Lq) of the compute dtype; mask: None, a uint8 view of a bool
     mask or an array of the compute dtype, (..., Hq, Lq, Lk) broadcasting likewise.
@@ -333,7 +353,7 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
     P.sinks = <const double*> _data_or_null(sinks)
     P.q_len = <const Py_ssize_t*> _data_or_null(q_len)
     try:
-        _run(&P, q.dtype == np.float32, n_threads)
+        _run(&P, _computes_float(q, k, v), n_threads)
     finally:
         PyMem_RawFree(offs)
 
@@ -345,7 +365,8 @@ def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     """Run the fused kernel on packed sequences (called only by fastattn._api).
 
     q (Hq, total_q, D), k (Hkv, total_k, D), v (Hkv, total_k, Dv), out (Hq, total_q, Dv),
-    lse None or (Hq, total_q), in the compute dtype with a contiguous last axis; cu_q, cu_k:
+    lse None or (Hq, total_q), in the compute dtype (q, k, v, out may be 16-bit, as in
+    forward) with a contiguous last axis; cu_q, cu_k:
     intp (n_seq + 1,) offsets.  Sequence s is a batch element whose rows and keys start at
     cu_q[s] and cu_k[s]; its q_len and kv_len are its lengths.  alibi, sinks: None or
     float64 (n_seq, Hq).  No validation happens here.
@@ -380,7 +401,7 @@ def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     P.alibi = <const double*> _data_or_null(alibi)
     P.sinks = <const double*> _data_or_null(sinks)
     try:
-        _run(&P, q.dtype == np.float32, n_threads)
+        _run(&P, _computes_float(q, k, v), n_threads)
     finally:
         PyMem_RawFree(offs)
 
@@ -424,6 +445,24 @@ def vector_exp2(cnp.ndarray x):
         fa_exp2_array_f(<const float*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
     else:
         fa_exp2_array_d(<const double*> cnp.PyArray_DATA(x), <double*> cnp.PyArray_DATA(y), x.size)
+    return y
+
+
+def vector_widen(cnp.ndarray x, str kind):
+    """The kernel's widening of a contiguous uint16 array of float16 or bfloat16 bits
+    (kind "float16" / "bfloat16") to float32 (for tests)."""
+    cdef cnp.ndarray y = np.empty(x.size, dtype=np.float32)
+    fa_widen_array_f(FA_STORE_F16 if kind == "float16" else FA_STORE_BF16,
+                     <const uint16_t*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
+    return y
+
+
+def vector_narrow(cnp.ndarray x, str kind):
+    """The kernel's rounding of a contiguous float32 array to float16 or bfloat16 bits,
+    returned as uint16 (for tests)."""
+    cdef cnp.ndarray y = np.empty(x.size, dtype=np.uint16)
+    fa_narrow_array_f(FA_STORE_F16 if kind == "float16" else FA_STORE_BF16,
+                      <const float*> cnp.PyArray_DATA(x), <uint16_t*> cnp.PyArray_DATA(y), x.size)
     return y
 
 

@@ -4,6 +4,7 @@
 #   _setup            geometry, each row's visible key interval, Q^T packed, empty state
 #   for each key chunk (FA_KCHUNK keys) the rows can see, in key order:
 #     for each key block (FA_BK keys) of the chunk, in key order:
+#       _load_block       the block's K and V rows: in place, or widened from 16 bits
 #       _scores_prefill   S^T = scale K Q^T, query rows as lanes (score micro-tiles)
 #       _scores_decode    the same with keys as lanes (decode-sized tiles)
 #       _finish_scores    score modifiers, then the visibility rule: the only code that
@@ -22,8 +23,9 @@ cdef double LN2 = 0.69314718055994530942
 
 
 cdef struct Problem:
-    # Base pointers of element [0, ..., 0] of each array: q, out, lse in the compute type;
-    # k and v in their storage type (kv_isz bytes per element); mask in its own.
+    # Base pointers of element [0, ..., 0] of each array: q, k, v, out in their storage
+    # type (*_isz bytes per element; *_kind FA_STORE_NATIVE for the compute type, or
+    # float16 / bfloat16), lse in the compute type, mask in its own.
     char* q
     char* k
     char* v
@@ -38,7 +40,9 @@ cdef struct Problem:
     const Py_ssize_t* lse_boff
     const Py_ssize_t* m_boff
     const Py_ssize_t* kv_len
-    Py_ssize_t nbatch, Hq, Hkv, group, Lq, Lk, D, Dv, kv_isz
+    Py_ssize_t nbatch, Hq, Hkv, group, Lq, Lk, D, Dv
+    Py_ssize_t q_isz, k_isz, v_isz, o_isz
+    int q_kind, k_kind, v_kind, o_kind
     # Element strides (the last axis of q, k, v, out is contiguous).
     Py_ssize_t q_sh, q_si, k_sh, k_sj, v_sh, v_sj, o_sh, o_si, lse_sh, lse_si
     Py_ssize_t m_sh, m_si, m_sj
@@ -59,7 +63,8 @@ cdef struct Problem:
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
-    Py_ssize_t qt, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow, elems
+    Py_ssize_t qt, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
+    Py_ssize_t kblk, vblk, orow, elems
 
 
 cdef struct Tile:
@@ -78,9 +83,16 @@ cdef struct Tile:
     # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.
     const char* kb
     const char* vb
-    Py_ssize_t kv_isz, k_sj, v_sj, k_row, v_row
-    # The key block being processed: keys [j0, j1).
+    Py_ssize_t k_row, v_row
+    bint widen_k, widen_v         # 16-bit K, V widened block by block (_load_block)
+    # The key block being processed: keys [j0, j1), and its K and V rows in the compute
+    # type as the kernels read them: key j0 + u at kblk + u * kblk_row bytes (kblk_sj
+    # elements apart), likewise V.
     Py_ssize_t j0, j1, nj
+    const char* kblk
+    const char* vblk
+    Py_ssize_t kblk_sj, vblk_sj, kblk_row, vblk_row, vblk_esz
+    int kblk_kind, vblk_kind      # how the kernels read them: FA_STORE_NATIVE, or 16-bit
     # Per row: visible keys [lo, hi); per vector of rows: the union of its rows' intervals.
     Py_ssize_t* lo
     Py_ssize_t* hi
@@ -114,6 +126,9 @@ cdef void _carve(Workspace* w, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t VL) noexc
     w.nslope = o; o += FA_BQ                    # ALiBi per row: -slope log2 e
     w.diag = o; o += FA_BQ                      # and the row's diagonal
     w.zrow = o; o += D + 1                      # a zero key row for padding keys
+    w.kblk = o; o += FA_BK * D                  # a key block of 16-bit K, widened
+    w.vblk = o; o += FA_BK * Dv                 # and of V
+    w.orow = o; o += dv_pad                     # an output row before rounding to 16 bits
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
 
 
@@ -178,15 +193,23 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # instead of D -- the decode score kernels read a line per dimension, beside 32 K rows
     # and the prefetched V rows in L1.
     t.ldqt = t.nlanes if t.decode else FA_BQ
-    t.pv_next_v = t.decode and floating is float and t.nrows == 1
+    # 16-bit K and V are widened a block at a time into the workspace, once for all the rows
+    # of a tile, except in decode tiles of float compute: there V is widened in registers by
+    # the output kernels, and so is K for 4 or more rows (a GQA group; its score kernel is
+    # bound by arithmetic).  Fewer rows widen K block by block, read sequentially: their
+    # score kernel would read 32 rows at once, 8 bytes of each at a time, which the memory
+    # system streams more slowly.
+    t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float
+                                                     and t.nrows >= 4)
+    t.widen_v = P.v_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
+    t.pv_next_v = t.decode and floating is float and t.nrows == 1 and not t.widen_v
     t.first_blk = True
     t.scale_log2 = P.scale * LOG2E
     t.kv_len = P.kv_len[b]
     t.q_len = P.q_len[b] if P.q_len != NULL else P.Lq
-    t.kv_isz, t.k_sj, t.v_sj = P.kv_isz, P.k_sj, P.v_sj
-    t.k_row, t.v_row = P.k_sj * P.kv_isz, P.v_sj * P.kv_isz
-    t.kb = P.k + (P.k_boff[b] + g * P.k_sh) * P.kv_isz
-    t.vb = P.v + (P.v_boff[b] + g * P.v_sh) * P.kv_isz
+    t.k_row, t.v_row = P.k_sj * P.k_isz, P.v_sj * P.v_isz
+    t.kb = P.k + (P.k_boff[b] + g * P.k_sh) * P.k_isz
+    t.vb = P.v + (P.v_boff[b] + g * P.v_sh) * P.v_isz
     t.lo, t.hi = lo, hi
 
 
@@ -198,7 +221,7 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     # padding too.
     cdef floating* qt = ws + w.qt
     cdef floating* s = ws + w.s
-    cdef const floating* qrow
+    cdef const char* qrow
     cdef Py_ssize_t r, d, h, i, ic, j, nj, ldqt = t.ldqt, D = P.D
     t.tile_lo = t.kv_len
     t.tile_hi = 0
@@ -215,9 +238,9 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             if t.lo[r] < t.hi[r]:
                 t.tile_lo = min(t.tile_lo, t.lo[r])
                 t.tile_hi = max(t.tile_hi, t.hi[r])
-            qrow = (<const floating*> P.q) + P.q_boff[t.b] + h * P.q_sh + i * P.q_si
+            qrow = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
             for d in range(D):
-                qt[d * ldqt + r] = qrow[d]
+                qt[d * ldqt + r] = load_elem(qrow, d, P.q_kind, ws)
         else:
             t.lo[r] = 0
             t.hi[r] = 0
@@ -241,6 +264,35 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     memset(ws + w.zrow, 0, D * sizeof(floating))
 
 
+# ---------------------------------------------------------------------------- key block
+
+cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
+                      floating* ws) noexcept nogil:
+    # The block's K and V rows as the kernels read them.  Stored in the compute type, or
+    # in 16 bits for a decode tile of float compute (its kernels widen in registers), they
+    # are read in place.  Otherwise 16-bit rows are widened into the workspace while the
+    # next block's rows are prefetched: one pass over the block serves every row of the
+    # tile.  Widening is exact (every float16 and bfloat16 value is a float32), so the
+    # kernels compute the same bits whichever way a value arrives.
+    cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
+    t.kblk_kind = t.vblk_kind = FA_STORE_NATIVE
+    t.vblk_esz = sizeof(floating)
+    if not t.widen_k:
+        t.kblk, t.kblk_row, t.kblk_sj = t.kb + t.j0 * t.k_row, t.k_row, P.k_sj
+        t.kblk_kind = P.k_kind
+    else:
+        widen_rows(P.k_kind, t.kb + t.j0 * t.k_row, P.k_sj, t.nj, P.D, ws + w.kblk, P.D,
+                   t.kb + t.j1 * t.k_row, nxt)
+        t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
+    if not t.widen_v:
+        t.vblk, t.vblk_row, t.vblk_sj = t.vb + t.j0 * t.v_row, t.v_row, P.v_sj
+        t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
+    else:
+        widen_rows(P.v_kind, t.vb + t.j0 * t.v_row, P.v_sj, t.nj, P.Dv, ws + w.vblk, P.Dv,
+                   t.vb + t.j1 * t.v_row, nxt)
+        t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * sizeof(floating), P.Dv
+
+
 # ---------------------------------------------------------------------------- scores
 
 cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
@@ -254,8 +306,8 @@ cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
     cdef const char* zrow = <const char*> (ws + w.zrow)
     cdef floating scale = <floating> t.scale_log2
     cdef Py_ssize_t VL = t.VL, NL = t.NL, nlanes = t.nlanes, j0 = t.j0, j1 = t.j1
-    cdef Py_ssize_t nj = t.nj, k_row = t.k_row, c, ic, jj, ja, mk, g_lo, g_hi, u
-    cdef const char* kb = t.kb
+    cdef Py_ssize_t nj = t.nj, k_row = t.kblk_row, c, ic, jj, ja, mk, g_lo, g_hi, u
+    cdef const char* kb = t.kblk
     cdef int nvec
     for ic in range((nlanes + NL - 1) // NL):
         c = ic * NL
@@ -267,7 +319,7 @@ cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
             ja = j0 + jj
             if ja + mk > g_lo and ja < g_hi:
                 for u in range(mk):
-                    t.krows[u] = kb + (ja + u) * k_row if ja + u < j1 else zrow
+                    t.krows[u] = kb + (jj + u) * k_row if ja + u < j1 else zrow
                 score_tile(t.krows, qt + c, P.D, scale, s + jj * FA_BQ + c, nvec, mk)
             jj += mk
 
@@ -287,32 +339,32 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     # S^T of a decode-sized tile, keys as the lanes: KC keys per call (zero keys pad the
     # last call), each against the rows in passes of 8/4/2/1; only rows < nrows are
     # stored.  The first pass prefetches the V rows of its keys, unless the output kernel
-    # streams the next block's V instead (pv_next_v; then only for the first block).
+    # streams the next block's V instead (pv_next_v; then only for the first block) or the
+    # block was widened (_load_block prefetched it).
     # KC: one vector of lanes, or 32 (4 groups of 8) with 32-byte float vectors.
     cdef floating* s = ws + w.s
     cdef const floating* qt = ws + w.qt
     cdef const char* zrow = <const char*> (ws + w.zrow)
     cdef floating scale = <floating> t.scale_log2
     cdef Py_ssize_t KC = FA_DEC_KEYS_F if floating is float else FA_VL_D
-    cdef Py_ssize_t nj = t.nj, nrows = t.nrows, ja, u, r, ig, jb, nr, pf_bytes, ldk
-    cdef bint pf_v = not t.pv_next_v or t.first_blk
+    cdef Py_ssize_t nj = t.nj, nrows = t.nrows, u, r, ig, jb, nr, pf_bytes, ldk
+    cdef bint pf_v = (not t.pv_next_v or t.first_blk) and not t.widen_v
     cdef int nk
     for ig in range((nj + KC - 1) // KC):
         jb = ig * KC
-        ja = t.j0 + jb
         nk = <int> min(KC, nj - jb)
         for u in range(KC):
-            t.krows[u] = t.kb + (ja + u) * t.k_row if jb + u < nj else zrow
-            t.vrows[u] = t.vb + (ja + u) * t.v_row if jb + u < nj else zrow
+            t.krows[u] = t.kblk + (jb + u) * t.kblk_row if jb + u < nj else zrow
+            t.vrows[u] = t.vblk + (jb + u) * t.vblk_row if jb + u < nj else zrow
         # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
-        ldk = t.k_sj if nk == KC and t.k_sj != 0 else 0
-        pf_bytes = P.Dv * t.kv_isz
+        ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 else 0
+        pf_bytes = P.Dv * t.vblk_esz if pf_v else 0
         r = 0
         while r < nrows:
             nr = _keyrows_pass(nrows - r)
             score_keyrows(nr, t.krows, ldk, nk, qt + r, t.ldqt, P.D, scale,
                           s + jb * FA_BQ + r, <int> (nrows - r),
-                          t.vrows if pf_v else NULL, pf_bytes)
+                          t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind)
             r += nr
             pf_bytes = 0
     t.first_blk = False
@@ -424,9 +476,10 @@ cdef void _load_vtail(const Tile* t, const Workspace* w, floating* ws) noexcept 
     cdef const char* vrow
     cdef Py_ssize_t j, u, NL = t.NL
     for j in range(t.nj):
-        vrow = t.vb + (t.j0 + j) * t.v_row
+        vrow = t.vblk + j * t.vblk_row
         for u in range(NL):
-            vtail[j * NL + u] = load_kv(vrow, t.dv_main + u, ws) if u < t.dv_tail else 0
+            vtail[j * NL + u] = (load_elem(vrow, t.dv_main + u, t.vblk_kind, ws)
+                                 if u < t.dv_tail else 0)
 
 
 cdef inline void _pv_strips(const Tile* t, const Workspace* w, floating* ws,
@@ -437,7 +490,8 @@ cdef inline void _pv_strips(const Tile* t, const Workspace* w, floating* ws,
     cdef floating* acc = ws + w.acc + r * t.dv_pad
     cdef const floating* alpha = ws + w.alpha + r
     while c < t.dv_main:
-        pv_tile(p, na, v + c * t.kv_isz, t.v_sj, acc + c, t.dv_pad, alpha, nr)
+        pv_tile(p, na, v + c * t.vblk_esz, t.vblk_sj, acc + c, t.dv_pad, alpha, nr,
+                t.vblk_kind)
         c += t.NL
     if t.dv_tail:
         pv_tile_widened(p, na, ws + w.vtail + (ja - t.j0) * t.NL, t.NL, acc + t.dv_main,
@@ -451,18 +505,18 @@ cdef void _pv_rows(const Tile* t, const Workspace* w, floating* ws, Py_ssize_t r
     # others have p == 0 exactly): wide tiles first (4 rows x 4 vectors, 1 row x 8
     # vectors), then 2-vector strips, row by row for a 4-row group.  pf: pf_rows rows of
     # another block (pf_stride bytes apart) to prefetch beside the first pf_cols columns.
-    cdef Py_ssize_t isz = t.kv_isz, dv_pad = t.dv_pad, ja, z, na, c = 0, cw, r
+    cdef Py_ssize_t isz = t.vblk_esz, dv_pad = t.dv_pad, ja, z, na, c = 0, cw, r
     _keys_seen(t, rg, rg + nr, &ja, &z)
     ja = min(max(t.j0, ja), t.j1)
     na = max(0, min(t.j1, z) - ja)
     cdef const floating* p = ws + w.s + (ja - t.j0) * FA_BQ
-    cdef const char* v = t.vb + ja * t.v_row
+    cdef const char* v = t.vblk + (ja - t.j0) * t.vblk_row
     if nr == 4 or nr == 1:
         cw = 2 * t.NL if nr == 4 else 4 * t.NL
         while c + cw <= t.dv_main:
-            pv_wide(nr, p + rg, na, v + c * isz, t.v_sj, ws + w.acc + rg * dv_pad + c, dv_pad,
+            pv_wide(nr, p + rg, na, v + c * isz, t.vblk_sj, ws + w.acc + rg * dv_pad + c, dv_pad,
                     ws + w.alpha + rg, pf + c * isz if pf != NULL else NULL, pf_stride,
-                    pf_rows if c < pf_cols else 0, min(cw, pf_cols - c) * isz)
+                    pf_rows if c < pf_cols else 0, min(cw, pf_cols - c) * isz, t.vblk_kind)
             c += cw
     if nr == 4:
         for r in range(rg, min(rg + 4, t.nrows)):
@@ -495,7 +549,9 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     cdef const char* pf
     _keys_seen(t, 0, nr, &ja, &z)
     ja = min(max(t.j0, ja), t.j1)
-    if t.pv_next_v or not (floating is float and t.nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F):
+    if t.widen_k or t.widen_v:
+        pf_rows = 0
+    elif t.pv_next_v or not (floating is float and t.nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F):
         pf_rows = max(0, min(max(0, min(t.j1, z) - ja), t.tile_hi - (ja + FA_BK)))
     if t.pv_next_v:
         pf, pf_stride, pf_cols = t.vb + (ja + FA_BK) * t.v_row, t.v_row, P.Dv
@@ -521,6 +577,7 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
         t.j0 = max(ib * FA_BK, t.tile_lo)
         t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
         t.nj = t.j1 - t.j0
+        _load_block(P, t, w, ws)
         if t.decode:
             _scores_decode(P, t, w, ws)
         else:
@@ -576,30 +633,45 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
     cdef const floating* M = ws + w.M
     cdef const floating* L = ws + w.L
     cdef const floating* ACC
-    cdef Py_ssize_t r, h, i, c
-    cdef floating inv_l
-    cdef floating* orow
+    cdef Py_ssize_t r, h, i
+    cdef char* orow
+    # A 16-bit output row is computed into the workspace and rounded once.
+    cdef bint narrow = P.o_kind != FA_STORE_NATIVE
+    cdef floating* dst = ws + w.orow
     for r in range(t.nrows):
         _row_position(P, t, r, &h, &i)
-        orow = (<floating*> P.out) + P.o_boff[t.b] + h * P.o_sh + i * P.o_si
-        ACC = ws + w.ACC + r * t.dv_pad
         if P.packed and i >= t.q_len:
             continue
+        orow = P.out + (P.o_boff[t.b] + h * P.o_sh + i * P.o_si) * P.o_isz
+        if not narrow:
+            dst = <floating*> orow
+        ACC = ws + w.ACC + r * t.dv_pad
         if P.sinks != NULL and i < t.q_len:
-            _write_row_sink(P, t, orow, ACC, M[r], L[r], P.sinks[t.b * P.Hq + h], h, i)
-            continue
-        # L == 0 exactly iff no key was visible (the max key alone contributes p = 1);
-        # a NaN or +inf score makes L NaN, and the row NaN, as in the reference.
-        if L[r] != 0:
-            inv_l = 1 / L[r]
-            for c in range(P.Dv):
-                orow[c] = ACC[c] * inv_l
+            _write_row_sink(P, t, dst, ACC, M[r], L[r], P.sinks[t.b * P.Hq + h], h, i)
         else:
-            for c in range(P.Dv):
-                orow[c] = 0
-        if P.lse != NULL:
-            (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = (
-                M[r] * LN2 + log(L[r]) if L[r] != 0 else -INFINITY)
+            _write_row(P, t, dst, ACC, M[r], L[r], h, i)
+        if narrow:
+            narrow_row(P.o_kind, dst, P.Dv, orow)
+
+
+cdef inline void _write_row(const Problem* P, const Tile* t, floating* orow,
+                            const floating* ACC, floating M, floating L, Py_ssize_t h,
+                            Py_ssize_t i) noexcept nogil:
+    # out = ACC / L, lse = M ln 2 + log L.  L == 0 exactly iff no key was visible (the max
+    # key alone contributes p = 1); a NaN or +inf score makes L NaN, and the row NaN, as in
+    # the reference.
+    cdef Py_ssize_t c
+    cdef floating inv_l
+    if L != 0:
+        inv_l = 1 / L
+        for c in range(P.Dv):
+            orow[c] = ACC[c] * inv_l
+    else:
+        for c in range(P.Dv):
+            orow[c] = 0
+    if P.lse != NULL:
+        (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = (
+            M * LN2 + log(L) if L != 0 else -INFINITY)
 
 
 cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow,

@@ -90,6 +90,30 @@ static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
     for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+#include "fa_half.h"
+FA_WIDEN_ROWS(f, float)
+FA_WIDEN_ROWS(d, double)
+#undef FA_WIDEN_ROWS
+
+/* VL x VL 16-bit elements of VL rows, transposed and widened: each row widened into a small
+ * buffer, then the float transpose (the generic decode kernel's loads; the 32-byte builds
+ * use fa_keys32.h instead). */
+#define FA_LOAD_TRANSPOSE_16(SUF, LOADW)                                                      \
+FA_INLINE void fa_load_transpose_vf##SUF(const uint16_t* const* rows, ptrdiff_t d0, fa_vf* t) \
+{                                                                                             \
+    float tmp[FA_VL_F][FA_VL_F];                                                              \
+    const float* p[FA_VL_F];                                                                  \
+    for (int i = 0; i < FA_VL_F; i++) {                                                       \
+        const fa_vf x = LOADW(rows[i] + d0);                                                  \
+        memcpy(tmp[i], &x, sizeof x);                                                         \
+        p[i] = tmp[i];                                                                        \
+    }                                                                                         \
+    fa_load_transpose_vf(p, 0, t);                                                            \
+}
+FA_LOAD_TRANSPOSE_16(h, fa_load_fh)
+FA_LOAD_TRANSPOSE_16(b, fa_load_fb)
+#undef FA_LOAD_TRANSPOSE_16
+
 /* ---- decode score kernel for 32-byte float vectors (AVX2 and the SSE2 baseline) ----
  * With 8 float lanes, transposing whole 8x8 blocks of K (fa_score_keyrows) leaves one
  * query row a single FMA chain per 8 keys: bound by the FMA latency, not by loads.
@@ -110,60 +134,6 @@ static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
 #define FA_DEC_SCORES_PREFETCH_K_ROWS_F 2
 #endif
 typedef float fa_v4f __attribute__((vector_size(16)));
-
-/* t[i][lane] = k[lane][d0 + i] for 8 key rows k, i < 4. */
-FA_INLINE void fa_load_transpose_8x4_f(const float* const* k, ptrdiff_t d0, fa_vf* t)
-{
-    /* y_i = [k_i | k_(i+4)]: keys 0-3 in the low 128-bit lane, 4-7 in the high one */
-#if defined(__AVX__)
-    /* two broadcast loads and a blend (vinsertf128 would take a shuffle-port uop) */
-#define FA_Y(i) (fa_vf)_mm256_blend_ps(_mm256_broadcast_ps((const __m128*)(k[i] + d0)), \
-                                       _mm256_broadcast_ps((const __m128*)(k[i + 4] + d0)), 0xF0)
-    const fa_vf y0 = FA_Y(0), y1 = FA_Y(1), y2 = FA_Y(2), y3 = FA_Y(3);
-#undef FA_Y
-#else
-    fa_v4f h[8];
-    for (int i = 0; i < 8; i++) memcpy(&h[i], k[i] + d0, sizeof h[i]);
-    const fa_vf y0 = __builtin_shufflevector(h[0], h[4], 0, 1, 2, 3, 4, 5, 6, 7);
-    const fa_vf y1 = __builtin_shufflevector(h[1], h[5], 0, 1, 2, 3, 4, 5, 6, 7);
-    const fa_vf y2 = __builtin_shufflevector(h[2], h[6], 0, 1, 2, 3, 4, 5, 6, 7);
-    const fa_vf y3 = __builtin_shufflevector(h[3], h[7], 0, 1, 2, 3, 4, 5, 6, 7);
-#endif
-    /* then a 4x4 transpose inside each lane: unpack, then 64-bit shuffles */
-    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
-    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
-    t[0] = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13);
-    t[1] = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15);
-    t[2] = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13);
-    t[3] = __builtin_shufflevector(u1, u3, 2, 3, 10, 11, 6, 7, 14, 15);
-}
-
-/* The same from 8 equally spaced rows k, k + ldk, ..., k + 7 ldk: with one base pointer
- * and a stride the addresses come from addressing modes instead of 32 row pointers
- * reloaded from memory every step (which made the loop load-port bound). */
-FA_INLINE void fa_load_transpose_8x4s_f(const float* k, ptrdiff_t ldk, ptrdiff_t d0, fa_vf* t)
-{
-    const float* rows[8];
-    for (int i = 0; i < 8; i++) rows[i] = k + i * ldk;
-    fa_load_transpose_8x4_f(rows, d0, t);
-}
-
-/* One step: 4 dims of the 8 keys of group g into the nr accumulators a[r]. */
-FA_INLINE void fa_keys32_step_f(const float* const* kr, ptrdiff_t ldk, int g, ptrdiff_t d0,
-                                const float* qt, ptrdiff_t ldqt, const int nr, fa_vf* a)
-{
-    fa_vf t[4];
-    if (ldk)
-        fa_load_transpose_8x4s_f(kr[0] + 8 * g * ldk, ldk, d0, t);
-    else
-        fa_load_transpose_8x4_f(kr + 8 * g, d0, t);
-    for (int i = 0; i < 4; i++) {
-        const float* qd = qt + (d0 + i) * ldqt;
-        for (int r = 0; r < nr; r++) a[r] += fa_bcast_f(qd[r]) * t[i];
-    }
-}
 
 /* The two prefetch streams of a decode score call (its first row pass, pf_bytes > 0):
  * the V rows of its 32 keys (into L2, for the output kernel that follows; not when pf is
@@ -189,17 +159,18 @@ typedef struct {
 } fa_dec_pf;
 
 FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_bytes,
-                              const float* k0, ptrdiff_t ldk, ptrdiff_t D, ptrdiff_t nsteps)
+                              const char* k0, ptrdiff_t ldk, ptrdiff_t esz, ptrdiff_t D,
+                              ptrdiff_t nsteps)
 {
     p->on = pf_bytes > 0 && nsteps > 0;
     p->v_rows = pf;
     p->nsteps = nsteps;
     p->v_row_lines = (pf_bytes + 63) / 64;
     p->v_lines = pf ? 32 * p->v_row_lines : 0;          /* pf NULL: the K stream only */
-    p->k_row_lines = (D * (ptrdiff_t)sizeof(float) + 63) / 64;
+    p->k_row_lines = (D * esz + 63) / 64;
     p->k_lines = ldk ? 32 * p->k_row_lines : 0;          /* rows k0 + (32 + i) ldk */
-    p->k_stride = ldk * (ptrdiff_t)sizeof(float);
-    p->k_lin = (const char*)(k0 + 32 * ldk);
+    p->k_stride = ldk * esz;
+    p->k_lin = k0 + (esz == 2 ? 64 : 32) * ldk * esz;
     p->v_lin = p->on && pf ? pf[0] : NULL;
     p->v_err = p->v_row = p->v_col = p->k_err = p->k_row = p->k_col = 0;
     const ptrdiff_t v_bytes = 64 * p->v_row_lines, k_bytes = 64 * p->k_row_lines;
@@ -233,183 +204,57 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
     }
 }
 
-FA_INLINE void fa_score_keys32_body_f(const float* const* kr, ptrdiff_t ldk, int nk,
-                                      const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                                      float scale, float* s, ptrdiff_t lds, const int nr,
-                                      int nstore, const char* const* pf, ptrdiff_t pf_bytes)
-{
-    /* groups of 8 keys per sweep over d: nr * ng = 4 accumulator chains (nr <= 4) */
-    const int ng = nr >= 4 ? 1 : 4 / nr;
-    const fa_vf sc = fa_bcast_f(scale);
-    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
-    fa_dec_pf_init(&pfs, pf, pf_bytes, kr[0], ldk, D,
-                   (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng));
-    for (int g0 = 0; g0 < 4 && 8 * g0 < nk; g0 += ng) {
-        fa_vf a[4][8];   /* nr <= 4 is called; 8 keeps the unused 8-row wrapper in bounds */
-        float part[4][8][8];   /* the sums of the chunks before the current one */
-        for (int g = 0; g < ng; g++)
-            for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f(0);
-#define FA_FOLD(d) \
-        if ((d) && (d) % FA_DCHUNK == 0) \
-            for (int g = 0; g < ng; g++) \
-                for (int r = 0; r < nr; r++) { \
-                    fa_store_f(part[g][r], (d) == FA_DCHUNK ? a[g][r] \
-                                                            : fa_load_f(part[g][r]) + a[g][r]); \
-                    a[g][r] = fa_bcast_f(0); \
-                }
-        ptrdiff_t d0 = 0;
-        for (; d0 + 4 <= D; d0 += 4) {
-            FA_FOLD(d0)
-            fa_dec_pf_step(&pfs);
-            /* unrolled, so that a[g] stays in registers (a loop over g kept the accumulator
-             * array in memory: a store and reload in every step of every FMA chain) */
-#pragma GCC unroll 4
-            for (int g = 0; g < ng; g++)
-                fa_keys32_step_f(kr, ldk, g0 + g, d0, qt, ldqt, nr, a[g]);
-        }
-        for (; d0 < D; d0++) {   /* D % 4 leftover dimensions, lane-gathered */
-            FA_FOLD(d0)
-            const float* qd = qt + d0 * ldqt;
-            for (int g = 0; g < ng; g++) {
-                float col[8];
-                for (int i = 0; i < 8; i++) col[i] = kr[8 * (g0 + g) + i][d0];
-                const fa_vf kd = fa_load_f(col);
-                for (int r = 0; r < nr; r++) a[g][r] += fa_bcast_f(qd[r]) * kd;
-            }
-        }
-        /* Out through a buffer indexed by constants only: a runtime bound on r here (nstore)
-         * kept the accumulator array in memory, a store on every step of every FMA chain. */
-#undef FA_FOLD
-        float out[4][8][8];
-        for (int g = 0; g < ng; g++)
-            for (int r = 0; r < nr; r++)
-                fa_store_f(out[g][r], (D > FA_DCHUNK ? fa_load_f(part[g][r]) + a[g][r]
-                                                     : a[g][r]) * sc);
-        for (int g = 0; g < ng; g++) {
-            const int kg = nk - 8 * (g0 + g) < 8 ? nk - 8 * (g0 + g) : 8;
-            for (int r = 0; r < nr && r < nstore; r++)
-                for (int t = 0; t < kg; t++) s[(8 * (g0 + g) + t) * lds + r] = out[g][r][t];
-        }
-    }
-}
-/* ldk != 0: kr[t] = kr[0] + t * ldk for all 32 rows (a full call of evenly spaced keys),
- * the common case; the body is instantiated for it and for arbitrary row pointers. */
-FA_INLINE void fa_score_keys32_f(const float* const* kr, ptrdiff_t ldk, int nk,
-                                 const float* qt, ptrdiff_t ldqt, ptrdiff_t D, float scale,
-                                 float* s, ptrdiff_t lds, const int nr, int nstore,
-                                 const char* const* pf, ptrdiff_t pf_bytes)
-{
-    if (ldk)
-        fa_score_keys32_body_f(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
-    else
-        fa_score_keys32_body_f(kr, 0, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
-}
-#if !defined(__AVX__)
-/* SSE2, 4 (or 8) rows: 4 rows x 8-lane accumulators and the 8x4 transposes do not fit 16
- * xmm registers (they spill), so these passes take the 32 keys
- * as 4 groups of 8 with whole 8x8 blocks (fa_score_keyrows, fa_tile_impl.h); the output
- * kernel prefetches the next K rows for such tiles (FA_DEC_SCORES_PREFETCH_K_ROWS_F). */
-static inline void fa_score_keyrows_f(const float* const* kr, ptrdiff_t ldk, int nk,
-                                      const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                                      float scale, float* s, ptrdiff_t lds, const int nr,
-                                      int nstore, const char* const* pf, ptrdiff_t pf_bytes);
-FA_INLINE void fa_score_keys32_by8_f(const float* const* kr, ptrdiff_t ldk, int nk,
-                                     const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                                     float scale, float* s, ptrdiff_t lds, const int nr,
-                                     int nstore, const char* const* pf, ptrdiff_t pf_bytes)
-{
-    (void)ldk;
-    for (int g = 0; 8 * g < nk; g++)
-        fa_score_keyrows_f(kr + 8 * g, 0, nk - 8 * g < 8 ? nk - 8 * g : 8, qt, ldqt, D, scale,
-                           s + 8 * g * lds, lds, nr, nstore, pf ? pf + 8 * g : NULL, pf_bytes);
-}
-#define KEYROWS_IMPL_WIDE fa_score_keys32_by8_f
-#endif
+/* 4 elements of two rows as one vector [lo | hi] (keys 0-3 in the low 128-bit lane, 4-7
+ * in the high one) for the decode transposes; 16-bit rows widen the pair in one conversion. */
 #if defined(__AVX__)
-/* AVX2, 4 rows (a GQA group of 4 query heads), 32 evenly spaced keys: two sweeps of 16
- * keys, so that 4 rows x 2 groups = 8 accumulator chains are in flight -- as many as
- * the FMA latency x throughput of a Zen 3 or Skylake core needs -- while the 8
- * accumulators, the 4 half-transposed vectors of one group and a broadcast still fit 16
- * ymm registers.  The 8 rows of a group are addressed from two base pointers and the
- * stride (b, b + 3 ldk), so no row pointer lives in memory.  It is bound by loads more
- * than by FMAs (16 broadcasts of q and 8 half-row loads per 16 FMAs), like the 4-chain
- * body it replaces, and slightly faster.
- * Per score: the same chain acc += k[d] * q[d], d = 0, 1, ... then * scale. */
-FA_INLINE void fa_keys8x4s_r4_f(const float* b, const float* b3, ptrdiff_t ldk,
-                                const float* qt, ptrdiff_t ldqt, fa_vf* a)
+/* two broadcast loads and a blend (vinsertf128 would take a shuffle-port uop) */
+#define fa_yrows_f(lo, hi) (fa_vf)_mm256_blend_ps(_mm256_broadcast_ps((const __m128*)(lo)), \
+                                                  _mm256_broadcast_ps((const __m128*)(hi)), 0xF0)
+#else
+FA_INLINE fa_vf fa_yrows_f(const float* lo, const float* hi)
 {
-    /* y_i = [k_i | k_(i+4)] over 4 dims: rows b, b+ldk, b+2ldk, b3 | b+4ldk, b3+2ldk, ... */
-#define FA_Y(lo, hi) (fa_vf)_mm256_blend_ps(_mm256_broadcast_ps((const __m128*)(lo)), \
-                                            _mm256_broadcast_ps((const __m128*)(hi)), 0xF0)
-    const fa_vf y0 = FA_Y(b, b + 4 * ldk), y1 = FA_Y(b + ldk, b3 + 2 * ldk);
-    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
-    const fa_vf y2 = FA_Y(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_Y(b3, b3 + 4 * ldk);
-#undef FA_Y
-    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
-    fa_vf t;
-#define FA_FMA4(i) \
-    a[0] += fa_bcast_f(qt[(i) * ldqt + 0]) * t; a[1] += fa_bcast_f(qt[(i) * ldqt + 1]) * t; \
-    a[2] += fa_bcast_f(qt[(i) * ldqt + 2]) * t; a[3] += fa_bcast_f(qt[(i) * ldqt + 3]) * t;
-    t = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13); FA_FMA4(0)
-    t = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15); FA_FMA4(1)
-    t = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13); FA_FMA4(2)
-    t = __builtin_shufflevector(u1, u3, 2, 3, 10, 11, 6, 7, 14, 15); FA_FMA4(3)
-#undef FA_FMA4
+    fa_v4f a, b;
+    memcpy(&a, lo, sizeof a);
+    memcpy(&b, hi, sizeof b);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7);
 }
-
-FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int nk,
-                                      const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                                      float scale, float* s, ptrdiff_t lds, const int nr,
-                                      int nstore, const char* const* pf, ptrdiff_t pf_bytes)
-{
-    if (nr != 4 || !ldk || nk != 32 || D % 4) {
-        fa_score_keys32_f(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
-        return;
-    }
-    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
-    fa_dec_pf_init(&pfs, pf, pf_bytes, kr[0], ldk, D, 2 * (D / 4));
-    const fa_vf sc = fa_bcast_f(scale);
-    for (int h = 0; h < 2; h++) {
-        const float* b = kr[0] + 16 * h * ldk;        /* group 0: keys 16h .. 16h+7 */
-        const float* c = b + 8 * ldk;                 /* group 1: the next 8 */
-        fa_vf a0[4], a1[4];
-        float part[4][16];   /* the sums of the chunks before the current one */
-        for (int r = 0; r < 4; r++) a0[r] = a1[r] = fa_bcast_f(0);
-        for (ptrdiff_t d0 = 0; d0 < D; d0 += 4) {
-            if (d0 && d0 % FA_DCHUNK == 0)
-                for (int r = 0; r < 4; r++) {
-                    const int first = d0 == FA_DCHUNK;
-                    fa_store_f(part[r], first ? a0[r] : fa_load_f(part[r]) + a0[r]);
-                    fa_store_f(part[r] + 8, first ? a1[r] : fa_load_f(part[r] + 8) + a1[r]);
-                    a0[r] = a1[r] = fa_bcast_f(0);
-                }
-            fa_dec_pf_step(&pfs);
-            const float* q = qt + d0 * ldqt;
-            fa_keys8x4s_r4_f(b + d0, b + 3 * ldk + d0, ldk, q, ldqt, a0);
-            /* an opaque copy of q: the second group broadcasts q again instead of the
-             * compiler keeping 16 broadcasts alive across both groups (they spilled) */
-            __asm__("" : "+r"(q));
-            fa_keys8x4s_r4_f(c + d0, c + 3 * ldk + d0, ldk, q, ldqt, a1);
-        }
-        /* all 4 rows out by constant indices (a runtime bound on r would keep the
-         * accumulator arrays in memory, a store and reload on every FMA chain step) */
-        float o[4][16];
-        for (int r = 0; r < 4; r++) {
-            if (D > FA_DCHUNK) {
-                a0[r] += fa_load_f(part[r]);
-                a1[r] += fa_load_f(part[r] + 8);
-            }
-            fa_store_f(o[r], a0[r] * sc);
-            fa_store_f(o[r] + 8, a1[r] * sc);
-        }
-        for (int r = 0; r < nstore && r < 4; r++)
-            for (int t = 0; t < 16; t++) s[(16 * h + t) * lds + r] = o[r][t];
-    }
-}
-#define KEYROWS_IMPL_WIDE fa_score_keys32_wide_f
 #endif
+FA_INLINE fa_vf fa_yrows_fh(const uint16_t* lo, const uint16_t* hi)
+{ return fa_widen_f16x8(fa_h8_rows(lo, hi)); }
+FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
+{ return fa_widen_bf16x8(fa_h8_rows(lo, hi)); }
+
+#define KE float
+#define K32(name) name##_f
+#define KE_SCALAR(x) (x)
+#define FA_YROWS fa_yrows_f
+#include "fa_keys32.h"
+#undef KE
+#undef K32
+#undef KE_SCALAR
+#undef FA_YROWS
+#define KE uint16_t
+#define K32(name) name##_fh
+#define KE_SCALAR(x) fa_f16_to_f32(x)
+#define FA_YROWS fa_yrows_fh
+#include "fa_keys32.h"
+#undef K32
+#undef KE_SCALAR
+#undef FA_YROWS
+#define K32(name) name##_fb
+#define KE_SCALAR(x) fa_bf16_to_f32(x)
+#define FA_YROWS fa_yrows_fb
+#include "fa_keys32.h"
+#undef KE
+#undef K32
+#undef KE_SCALAR
+#undef FA_YROWS
+#if defined(__AVX__)
+#define FA_KEYS32_WIDE(suf) fa_score_keys32_wide##suf
+#else
+#define FA_KEYS32_WIDE(suf) fa_score_keys32_by8##suf
+#endif
+#define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_f)
 #define KEYROWS_IMPL fa_score_keys32_f
 #else
 #define FA_DEC_KEYS_F FA_VL_F
@@ -478,6 +323,61 @@ FA_INLINE void fa_score_keys32_wide_f(const float* const* kr, ptrdiff_t ldk, int
 #undef V
 #undef VL
 #undef FA_FN
+#undef LOAD
+#undef STORE
+#undef BCAST
+#undef MAX
+#undef SELECT
+#undef EXP2
+#undef LOAD_TRANSPOSE
+
+/* ---- the K/V-reading micro-kernels, float compute, float16 / bfloat16 storage ----
+ * Used where K and V are read in place (decode tiles): every load widens in registers.
+ * Prefill tiles widen a key block into the workspace once instead (the tile pipeline's
+ * _load_block) and run the float-storage kernels above. */
+#define T float
+#define V fa_vf
+#define VL FA_VL_F
+#define LOAD fa_load_f
+#define STORE fa_store_f
+#define BCAST fa_bcast_f
+#define MAX fa_max_f
+#define SELECT fa_select_f
+#define EXP2 fa_exp2_f
+#define LOAD_TRANSPOSE fa_load_transpose_vf
+#define FA_KV_KERNELS_ONLY
+#define KV uint16_t
+#define FA_FN(name) name##_fh
+#define LOAD_KV fa_load_fh
+#define KV_SCALAR(x) fa_f16_to_f32(x)
+#define LOAD_TRANSPOSE_KV fa_load_transpose_vfh
+#if FA_VBYTES == 32
+#define KEYROWS_IMPL fa_score_keys32_fh
+#define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fh)
+#endif
+#include "fa_tile_impl.h"
+#undef FA_FN
+#undef LOAD_KV
+#undef KV_SCALAR
+#undef LOAD_TRANSPOSE_KV
+#define FA_FN(name) name##_fb
+#define LOAD_KV fa_load_fb
+#define KV_SCALAR(x) fa_bf16_to_f32(x)
+#define LOAD_TRANSPOSE_KV fa_load_transpose_vfb
+#if FA_VBYTES == 32
+#define KEYROWS_IMPL fa_score_keys32_fb
+#define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fb)
+#endif
+#include "fa_tile_impl.h"
+#undef FA_FN
+#undef LOAD_KV
+#undef KV_SCALAR
+#undef LOAD_TRANSPOSE_KV
+#undef KV
+#undef FA_KV_KERNELS_ONLY
+#undef T
+#undef V
+#undef VL
 #undef LOAD
 #undef STORE
 #undef BCAST
@@ -622,16 +522,24 @@ static inline int fa_omp_max_threads(void)
 #define FA_ISA "generic"
 #endif
 
+/* Whole-array 16-bit conversions (tests compare them with NumPy's and ml_dtypes' casts). */
+static void fa_widen_array_f(int kind, const uint16_t* x, float* y, ptrdiff_t n)
+{ fa_widen_f(kind, x, n, y); }
+static void fa_narrow_array_f(int kind, const float* x, uint16_t* y, ptrdiff_t n)
+{ fa_narrow_f(kind, x, n, y); }
+
 /* CPU probe for import-time dispatch (answers for the machine running, not the build host). */
 static inline int fa_cpu_supports(const char* isa)
 {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
+    /* every CPU with AVX2 and FMA has F16C; checked anyway, the builds use it */
     if (strcmp(isa, "avx2") == 0)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+               && __builtin_cpu_supports("f16c");
     if (strcmp(isa, "avx512") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2")
-               && __builtin_cpu_supports("fma");
+               && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (strcmp(isa, "sse2") == 0) return 1;
     return 0;
 #else

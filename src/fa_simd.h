@@ -41,7 +41,8 @@ typedef int64_t fa_vdi __attribute__((vector_size(FA_VBYTES)));
 #define FA_VL_D ((ptrdiff_t)(FA_VBYTES / sizeof(double)))
 
 #define FA_INLINE static inline __attribute__((always_inline))
-#define FA_NOINLINE static __attribute__((noinline))
+/* unused: not every instantiation of a kernel is called by every build */
+#define FA_NOINLINE static __attribute__((noinline, unused))
 
 /* Unaligned loads/stores: memcpy of a whole vector compiles to one vmovups. */
 FA_INLINE fa_vf fa_load_f(const float* p) { fa_vf v; memcpy(&v, p, sizeof v); return v; }
