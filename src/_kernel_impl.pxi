@@ -496,7 +496,8 @@ def cpu_supports(str isa):
 
 # ---------------------------------------------------------------------------------------
 # The lean call path.  fastattn.attention() first offers its arguments here: the common
-# case (ndarrays of one float dtype, no mask / window / kv_lengths, no broadcasting of the
+# case (ndarrays of float32, float16 or bfloat16 in any mix, or all float64; no mask /
+# window / kv_lengths, no broadcasting of the
 # batch dims, layouts the kernel reads in place) runs without leaving C, in about a
 # microsecond of overhead.  This path only decides "is this the common case?"; anything
 # else -- including every *invalid* call -- returns None, and the Python front end
@@ -533,16 +534,41 @@ cdef inline bint _extent_overlap(cnp.ndarray a, cnp.ndarray b):
     return a_lo < b_hi and b_lo < a_hi
 
 
+cdef int _NPY_BFLOAT16 = -1   # ml_dtypes.bfloat16's type number, once an array has it
+
+
+cdef inline int _lean_type(cnp.ndarray a):
+    # The type number of an array the lean path takes (float32/64, float16, bfloat16), or
+    # -1.  bfloat16 is a user-defined type whose number is learnt from the first array of
+    # that dtype (without importing ml_dtypes).
+    global _NPY_BFLOAT16
+    cdef int t = cnp.PyArray_TYPE(a)
+    if t == cnp.NPY_FLOAT32 or t == cnp.NPY_FLOAT64 or t == cnp.NPY_FLOAT16:
+        return t
+    if t == _NPY_BFLOAT16:
+        return t
+    if _NPY_BFLOAT16 < 0 and cnp.PyArray_ITEMSIZE(a) == 2 and a.dtype.kind == "V":
+        if a.dtype.name == "bfloat16" and a.dtype.type.__module__.split(".")[0] == "ml_dtypes":
+            _NPY_BFLOAT16 = t
+            return t
+    return -1
+
+
 def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
     """The lean path of fastattn.attention (see above); None means "not handled here"."""
     if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
         return None
     cdef cnp.ndarray qa = q, ka = k, va = v, oa, la = None
-    cdef int typenum = cnp.PyArray_TYPE(qa)
-    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
+    # q, k, v all float64, or each float32 / float16 / bfloat16 (computed in float32; the
+    # result is 16-bit only when all three share that dtype).
+    cdef int tq = _lean_type(qa), tk = _lean_type(ka), tv = _lean_type(va)
+    if tq < 0 or tk < 0 or tv < 0:
         return None
-    if cnp.PyArray_TYPE(ka) != typenum or cnp.PyArray_TYPE(va) != typenum:
+    cdef int n64 = (tq == cnp.NPY_FLOAT64) + (tk == cnp.NPY_FLOAT64) + (tv == cnp.NPY_FLOAT64)
+    if n64 != 0 and n64 != 3:
         return None
+    cdef int typenum = tq if tq == tk == tv else cnp.NPY_FLOAT32
+    cdef int compute = cnp.NPY_FLOAT64 if n64 else cnp.NPY_FLOAT32
     cdef int nd = cnp.PyArray_NDIM(qa), d
     if nd < 2 or nd > 32 or cnp.PyArray_NDIM(ka) != nd or cnp.PyArray_NDIM(va) != nd:
         return None
@@ -589,7 +615,10 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
         oshape[d] = qs[d]
     oshape[nd - 1] = Dv
     if out is None:
-        oa = cnp.PyArray_EMPTY(nd, oshape, typenum, 0)
+        if typenum == _NPY_BFLOAT16:
+            oa = np.empty([oshape[d] for d in range(nd)], dtype=qa.dtype)
+        else:
+            oa = cnp.PyArray_EMPTY(nd, oshape, typenum, 0)
     else:
         if type(out) is not np.ndarray:
             return None
@@ -604,7 +633,7 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
         if _extent_overlap(oa, qa) or _extent_overlap(oa, ka) or _extent_overlap(oa, va):
             return None
     if return_lse:
-        la = cnp.PyArray_EMPTY(nd - 1, oshape, typenum, 0)
+        la = cnp.PyArray_EMPTY(nd - 1, oshape, compute, 0)
 
     cdef Problem P
     cdef Py_ssize_t bshape[32]
@@ -613,7 +642,7 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
     cdef Py_ssize_t* offs = _fill_problem(&P, qa, ka, va, oa, la, None, 0, nb, bshape,
                                           NULL, causal_mode, -1, -1, sc)
     try:
-        _run(&P, typenum == cnp.NPY_FLOAT32, n_threads)
+        _run(&P, compute == cnp.NPY_FLOAT32, n_threads)
     finally:
         PyMem_RawFree(offs)
     return (oa, la) if return_lse else oa
