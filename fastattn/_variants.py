@@ -24,6 +24,8 @@ function                   returns
 ``check_varlen_shapes``    ``(Hq, Hkv, total_q, total_k, D, Dv)``
 ``check_cu_seqlens``       ``(cu_seqlens_q, cu_seqlens_k)``, intp ``(n_seq + 1,)`` each
 ``storage_dtype``          a KV storage dtype (float16, bfloat16, float32, float64)
+``round_to(x, dtype)``     ``x`` rounded once to ``dtype`` (nearest, ties to even)
+``store_as(a, dtype, n)``  ``a`` rounded to a storage dtype; overflow raises
 =========================  ===========================================================
 
 ``nbatch`` is ``prod(batch_shape)``: batch element ``b`` of the flattened, broadcast batch
@@ -53,7 +55,7 @@ import numpy as np
 __all__ = [
     "is_bfloat16", "dtypes", "check_softcap", "check_alibi_slopes", "check_sinks",
     "check_q_lengths", "check_kv_lengths", "check_varlen_shapes", "check_cu_seqlens",
-    "storage_dtype",
+    "storage_dtype", "round_to", "store_as",
 ]
 
 _NATIVE_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -129,6 +131,45 @@ def storage_dtype(dtype, name="dtype"):
     if dt in _NATIVE_FLOATS or is_bfloat16(dt):
         return dt
     raise TypeError(f"{name} must be float16, bfloat16 (ml_dtypes), float32 or float64, got {dt}")
+
+
+def round_to(x, dtype):
+    """``x`` (any float array) rounded once, to nearest with ties to even, to ``dtype``."""
+    dtype = np.dtype(dtype)
+    x = np.asarray(x)
+    if not is_bfloat16(dtype) or x.dtype.itemsize <= 4:
+        with np.errstate(over="ignore"):   # overflow gives inf, as rounding should
+            return x.astype(dtype)
+    # ml_dtypes converts float64 through float32, rounding twice (1 + 2**-8 + 2**-30 becomes
+    # 1, not 1 + 2**-7). Round the significand to bfloat16's 8 bits here instead; the result
+    # is exact in float32 (or overflows to inf, as it should) and in bfloat16.
+    # bfloat16 has float32's exponent range: subnormals below 2**-126 are spaced 2**-133.
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, e = np.frexp(x)
+        quantum = np.maximum(e, -125) - 8
+        y = np.ldexp(np.rint(np.ldexp(x, -quantum)), quantum)
+        return y.astype(np.float32).astype(dtype)
+
+
+def store_as(a, dtype, name):
+    """``a`` as ``dtype`` for storage (a KV cache): rounded once to nearest, and a
+    ``ValueError`` naming ``name`` if a finite value is too large for ``dtype`` (float16
+    stops at 65504), rather than stored as inf."""
+    a, dtype = np.asarray(a), np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    out = round_to(a if a.dtype.kind == "f" or is_bfloat16(a.dtype) else a.astype(np.float64),
+                   dtype)
+    with np.errstate(invalid="ignore"):
+        big = np.isinf(out.astype(np.float32)) & np.isfinite(a.astype(np.float64))
+    if big.any():
+        limit = float(np.finfo(np.float16).max) if dtype == np.float16 else float(
+            np.finfo(np.float32).max)
+        raise ValueError(
+            f"{name} has values beyond {dtype.name}'s range (|x| > {limit:g}), up to "
+            f"{float(np.abs(a.astype(np.float64)[big]).max()):g}: store it as bfloat16 or "
+            "float32 instead")
+    return out
 
 
 # --------------------------------------------------------------------------- scalars

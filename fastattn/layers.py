@@ -59,7 +59,7 @@ def _positive_int(value, name):
 
 def _real_array(a, name):
     a = np.asarray(a)
-    if a.dtype.kind not in "biuf":
+    if a.dtype.kind not in "biuf" and not _variants.is_bfloat16(a.dtype):
         raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
     return a
 
@@ -156,10 +156,19 @@ class KVCache:
     """Keys and values of the tokens seen so far, for incremental decoding.
 
     Storage is ``(*batch, n_kv_heads, capacity, d)`` for keys and
-    ``(*batch, n_kv_heads, capacity, d_value)`` for values.  The shapes and the
-    dtype are taken from the first ``append``; ``capacity`` rows are reserved
-    then, and when an append does not fit the storage grows to
+    ``(*batch, n_kv_heads, capacity, d_value)`` for values.  The shapes are
+    taken from the first ``append``; ``capacity`` rows are reserved then, and
+    when an append does not fit the storage grows to
     ``max(needed, growth * capacity)`` (one copy, amortised O(1) per token).
+
+    ``dtype`` (float16, bfloat16 -- ``ml_dtypes.bfloat16`` or the string
+    ``"bfloat16"`` --, float32 or float64) is the storage dtype; by default it
+    is the dtype of the first keys and values appended.  Keys and values of
+    another dtype are rounded to it (to nearest, once) as they are appended; a
+    finite value beyond its range (float16 stops at 65504) raises
+    ``ValueError`` instead of being stored as inf.  A float16 or bfloat16
+    cache holds half the bytes of a float32 one, and attention reads it in
+    place, so a decode step streams half the memory.
 
     Each batch element has its own length (``lengths``, shape ``batch``), so
     sequences of different lengths share one cache: rows at or beyond a
@@ -173,13 +182,19 @@ class KVCache:
         out, cache = mha(next_token, cache=cache)            # one decode step
     """
 
-    def __init__(self, capacity=64, *, growth=2.0):
+    def __init__(self, capacity=64, *, growth=2.0, dtype=None):
         self._initial_capacity = _positive_int(capacity, "capacity")
         growth = float(growth)
         if not growth > 1.0:
             raise ValueError(f"growth must be > 1, got {growth}")
         self._growth = growth
+        self._dtype = None if dtype is None else _variants.storage_dtype(dtype, "dtype")
         self.reset()
+
+    @property
+    def dtype(self):
+        """The storage dtype (None until the first append when none was given)."""
+        return self._dtype if self._k is None else self._k.dtype
 
     def reset(self):
         """Forget all tokens and release the storage."""
@@ -225,7 +240,8 @@ class KVCache:
 
     def __repr__(self):
         if self._k is None:
-            return f"KVCache(empty, capacity={self._initial_capacity})"
+            dt = "" if self._dtype is None else f", dtype={self._dtype}"
+            return f"KVCache(empty, capacity={self._initial_capacity}{dt})"
         *batch, h, cap, d = self._k.shape
         lengths = self._lengths
         ln = int(lengths) if lengths.ndim == 0 else lengths.tolist()
@@ -271,14 +287,7 @@ class KVCache:
             )
         batch, L = k.shape[:-3], k.shape[-2]
         if self._k is None:
-            dtype = np.result_type(k, v)
-            if dtype.kind != "f":
-                dtype = np.dtype(np.float64)
-            cap = max(self._initial_capacity, L)
-            h = k.shape[-3]
-            self._k = np.empty(batch + (h, cap, k.shape[-1]), dtype=dtype)
-            self._v = np.empty(batch + (h, cap, v.shape[-1]), dtype=dtype)
-            self._lengths = np.zeros(batch, dtype=np.int64)
+            dtype = self._dtype if self._dtype is not None else _variants.dtypes(k=k, v=v)[1]
         elif k.shape[:-2] != self._k.shape[:-2] or k.shape[-1] != self._k.shape[-1] \
                 or v.shape[-1] != self._v.shape[-1]:
             raise ValueError(
@@ -286,7 +295,18 @@ class KVCache:
                 f"{self._k.shape[:-2] + ('L', self._k.shape[-1])} / values "
                 f"{self._v.shape[:-2] + ('L', self._v.shape[-1])}"
             )
+        else:
+            dtype = self._k.dtype
         new = self._new_counts(lengths, L, batch)
+        # Rounded (and checked for overflow) before anything is allocated or written.
+        k = _variants.store_as(k, dtype, "k")
+        v = _variants.store_as(v, dtype, "v")
+        if self._k is None:
+            cap = max(self._initial_capacity, L)
+            h = k.shape[-3]
+            self._k = np.empty(batch + (h, cap, k.shape[-1]), dtype=dtype)
+            self._v = np.empty(batch + (h, cap, v.shape[-1]), dtype=dtype)
+            self._lengths = np.zeros(batch, dtype=np.int64)
         old = self._lengths.copy()
         needed = int(old.max(initial=0)) + L   # every row is written, padding included
         if needed > self.capacity:
@@ -377,6 +397,12 @@ class MultiHeadAttention:
     sinks : bool
         Create per-head attention-sink logits ``sinks`` (zeros; gpt-oss), assignable like
         the weights.
+    kv_dtype : dtype, optional
+        Store keys and values at this precision (float16, or bfloat16 with
+        ``ml_dtypes``): they are rounded to it after the projection and rotary
+        embedding, with a cache or without (so a cached decode step reproduces the
+        full forward pass), and an empty ``KVCache`` without a dtype of its own takes
+        it.  Attention still computes in float32; the cache takes half the memory.
 
     Attributes
     ----------
@@ -414,7 +440,7 @@ class MultiHeadAttention:
 
     def __init__(self, d_model, n_heads, *, n_kv_heads=None, d_head=None, d_value=None,
                  bias=False, dtype=np.float32, seed=None, scale=None, rope=False,
-                 rope_base=10000.0, window=None, softcap=None, sinks=False):
+                 rope_base=10000.0, window=None, softcap=None, sinks=False, kv_dtype=None):
         d_model = _positive_int(d_model, "d_model")
         n_heads = _positive_int(n_heads, "n_heads")
         n_kv_heads = n_heads if n_kv_heads is None else _positive_int(n_kv_heads, "n_kv_heads")
@@ -441,6 +467,7 @@ class MultiHeadAttention:
         self.window = None if window is None else tuple(int(w) for w in window)
         self.softcap = _variants.check_softcap(softcap)
         self.sinks = np.zeros(n_heads, dtype) if sinks else None
+        self.kv_dtype = None if kv_dtype is None else _variants.storage_dtype(kv_dtype, "kv_dtype")
 
         rng = np.random.default_rng(seed)
 
@@ -467,6 +494,8 @@ class MultiHeadAttention:
                 extra += f", {name}={getattr(self, name)!r}"
         if self.sinks is not None:
             extra += ", sinks=True"
+        if self.kv_dtype is not None:
+            extra += f", kv_dtype={self.kv_dtype.name}"
         return (f"MultiHeadAttention(d_model={self.d_model}, n_heads={self.n_heads}{extra}, "
                 f"d_head={self.d_head}, d_value={self.d_value}, bias={self.b_q is not None}, "
                 f"rope={self.rope})")
@@ -520,6 +549,9 @@ class MultiHeadAttention:
         if self.rope:
             q = _rope(q, positions, self.rope_base)
             k = _rope(k, positions, self.rope_base)
+        if self.kv_dtype is not None:
+            k = _variants.store_as(k, self.kv_dtype, "k")
+            v = _variants.store_as(v, self.kv_dtype, "v")
         return q, k, v
 
     def _out(self, o, W):
@@ -590,6 +622,9 @@ class MultiHeadAttention:
 
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a fastattn.KVCache, got {type(cache).__name__}")
+        if self.kv_dtype is not None and cache.dtype not in (None, self.kv_dtype):
+            raise ValueError(f"the cache stores {cache.dtype} but this layer's kv_dtype is "
+                             f"{self.kv_dtype}: pass an empty KVCache or one of that dtype")
         if isinstance(causal, str):
             raise ValueError(
                 f"causal={causal!r} cannot be used with a cache (the cached tokens precede the "
@@ -612,6 +647,8 @@ class MultiHeadAttention:
                 positions = self._positions(positions, batch, L)
         q, k, v = self._qkv(x, W, positions)
         new = KVCache._new_counts(kv_lengths, L, batch, "kv_lengths")
+        if self.kv_dtype is not None and cache.dtype is None:
+            cache._dtype = self.kv_dtype
         old = cache.append(k, v, lengths=new)
         # Causal alignment is bottom-right: the L queries must be the last L keys the
         # kernel sees, so padded rows count as keys (the real queries cannot see them,

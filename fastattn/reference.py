@@ -87,22 +87,6 @@ __all__ = ["attention", "attention_varlen", "attention_weights", "softmax", "vis
 
 # --------------------------------------------------------------------------- dtypes
 
-def _round(x, dtype):
-    """The float64 array ``x`` rounded once, to nearest (ties to even), to ``dtype``."""
-    dtype = np.dtype(dtype)
-    if not _variants.is_bfloat16(dtype):
-        return x.astype(dtype)
-    # ml_dtypes converts float64 through float32, rounding twice (1 + 2**-8 + 2**-30 becomes
-    # 1, not 1 + 2**-7). Round the significand to bfloat16's 8 bits here instead; the result
-    # is exact in float32 (or overflows to inf, as it should) and in bfloat16.
-    # bfloat16 has float32's exponent range: subnormals below 2**-126 are spaced 2**-133.
-    with np.errstate(over="ignore", invalid="ignore"):
-        _, e = np.frexp(x)
-        quantum = np.maximum(e, -125) - 8
-        y = np.ldexp(np.rint(np.ldexp(x, -quantum)), quantum)
-        return y.astype(np.float32).astype(dtype)
-
-
 # --------------------------------------------------------------------------- shapes
 
 def _split_shapes(q, k, v=None):
@@ -401,9 +385,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     if a.squeeze_head:
         context, lse = context[0], lse[0]
     if a.out is None:
-        result = _round(context, a.result_dtype)
+        result = _variants.round_to(context, a.result_dtype)
     else:
-        a.out[...] = _round(context, a.result_dtype)
+        a.out[...] = _variants.round_to(context, a.result_dtype)
         result = a.out
     if return_lse:
         return result, lse.astype(a.compute_dtype)
@@ -424,7 +408,7 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     weights, _ = _softmax_rows(scores, visible, _row_sinks(a))
     if a.squeeze_head:
         weights = weights[0]
-    return _round(weights, a.result_dtype)
+    return _variants.round_to(weights, a.result_dtype)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
@@ -474,4 +458,4 @@ def softmax(x, axis=-1):
     x64 = x.astype(np.float64)
     visible = x64 != -np.inf
     weights, _ = _softmax_rows(np.moveaxis(x64, axis, -1), np.moveaxis(visible, axis, -1))
-    return _round(np.moveaxis(weights, -1, axis), result_dtype)
+    return _variants.round_to(np.moveaxis(weights, -1, axis), result_dtype)

@@ -123,6 +123,58 @@ def check_float16(rng, isa):
     _same(*_qkv(rng, (1,), 4, 2, 100, 130, 64, 64, np.float16), causal=True)
 
 
+def _halves():
+    try:
+        import ml_dtypes
+    except ImportError:   # bfloat16 is checked where ml_dtypes is installed
+        return [np.dtype(np.float16)]
+    return [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+def check_half_conversions(rng, isa):
+    # The kernel's widening and rounding of float16 / bfloat16 (F16C, or the portable bit
+    # arithmetic of the baseline) against NumPy's and ml_dtypes' casts: every 16-bit
+    # pattern, random floats, and the ties halfway between neighbouring 16-bit values.
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    kern = _dispatch.kernel
+    for dt in _halves():
+        wide = bits.view(dt).astype(np.float32)
+        got = kern.vector_widen(bits, dt.name)
+        nan = np.isnan(wide)
+        assert np.array_equal(np.isnan(got), nan)
+        assert got[~nan].tobytes() == wide[~nan].tobytes(), dt
+        finite = np.sort(wide[np.isfinite(wide)].astype(np.float64))
+        ties = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)
+        x = np.concatenate([rng.integers(0, 1 << 32, 200_000, dtype=np.uint64)
+                            .astype(np.uint32).view(np.float32), wide, ties])
+        with np.errstate(all="ignore"):
+            want = x.astype(dt).view(np.uint16)
+        got = kern.vector_narrow(x, dt.name)
+        nan = np.isnan(x)
+        assert np.array_equal(got[~nan], want[~nan]), dt
+        assert np.isnan(got[nan].view(dt).astype(np.float32)).all()
+
+
+def check_half_storage(rng, isa):
+    # 16-bit q/k/v read in place give the bits of the same values cast to float32, on the
+    # decode paths (1 row, GQA groups of 2, 4 and 8 rows), prefill tiles and odd head dims;
+    # a 16-bit result is that float32 result rounded once.
+    for dt in _halves():
+        for Hq, Hkv, Lq, Lk, D, Dv in ((4, 4, 1, 300, 64, 64), (8, 2, 1, 2100, 128, 128),
+                                       (16, 2, 1, 200, 33, 20), (8, 1, 1, 100, 72, 40),
+                                       (4, 2, 3, 90, 16, 16), (4, 2, 130, 200, 40, 24)):
+            q, k, v = _qkv(rng, (2,), Hq, Hkv, Lq, Lk, D, Dv)
+            k16, v16, q16 = k.astype(dt), v.astype(dt), q.astype(dt)
+            want = fastattn.attention(q, k16.astype(np.float32), v16.astype(np.float32),
+                                      causal=True)
+            got = fastattn.attention(q, k16, v16, causal=True)
+            assert got.tobytes() == want.tobytes(), (dt, Hq, Hkv, Lq, D)
+            got16 = fastattn.attention(q16, k16, v16, causal=True)
+            want16 = fastattn.attention(q16.astype(np.float32), k16.astype(np.float32),
+                                        v16.astype(np.float32), causal=True)
+            assert got16.dtype == dt and got16.tobytes() == want16.astype(dt).tobytes()
+
+
 def check_lse_and_empty_rows(rng, isa):
     # kv_lengths 0, and 7 keys under a causal mask for 50 rows, leave rows empty: their
     # output is zeros and their lse -inf.
