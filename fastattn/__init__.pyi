@@ -99,8 +99,11 @@ def self_attention(
 ) -> _Array: ...
 
 class KVCache:
-    def __init__(self, capacity: int = 64, *, growth: float = 2.0) -> None: ...
+    def __init__(self, capacity: int = 64, *, growth: float = 2.0,
+                 dtype: npt.DTypeLike | None = None) -> None: ...
     def reset(self) -> None: ...
+    @property
+    def dtype(self) -> np.dtype[Any] | None: ...
     @property
     def capacity(self) -> int: ...
     @property
@@ -139,13 +142,14 @@ class MultiHeadAttention:
     window: tuple[int, int] | None
     softcap: float | None
     sinks: _Array | None
+    kv_dtype: np.dtype[Any] | None
     def __init__(
         self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
         d_head: int | None = None, d_value: int | None = None, bias: bool = False,
         dtype: npt.DTypeLike = ..., seed: int | np.random.Generator | None = None,
         scale: float | None = None, rope: bool = False, rope_base: float = 10000.0,
         window: tuple[int, int] | None = None, softcap: float | None = None,
-        sinks: bool = False,
+        sinks: bool = False, kv_dtype: npt.DTypeLike | None = None,
     ) -> None: ...
     @overload
     def __call__(
