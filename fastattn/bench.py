@@ -2,8 +2,9 @@
 
 What is measured
 ----------------
-For every shape of ``SHAPES`` (batch 1, float32 except the last, which is float64) the
-same three calls are timed on the same inputs and the same number of threads:
+For every shape of ``SHAPES`` (batch 1; float32, one float64 shape and four with float16 or
+bfloat16 q, k and v) the same three calls are timed on the same inputs and the same number
+of threads:
 
 * ``fastattn.attention`` -- writing into a preallocated ``out=`` array;
 * ``fastattn.reference.attention`` -- the pure-NumPy oracle, which materialises the score
@@ -42,6 +43,11 @@ absolute difference between fastattn's output and torch's (whole output) and the
 (whole output where the reference was timed; otherwise two heads x the last 64 query rows,
 which keeps the bottom-right causal alignment), and the run fails (exit status 1) when a
 difference exceeds the tolerance.
+
+The 16-bit shapes time two more calls in the same rounds: fastattn and torch on float32
+copies of the same inputs.  The second table gives their ratios: what a float16 or bfloat16
+cache gains over keeping it in float32 (bfloat16 shapes need ``ml_dtypes`` and are skipped
+without it; torch gets its bfloat16 tensors as a zero-copy view).
 
 ``--contention`` times something else: fastattn on cores it shares with NumPy's BLAS, with a
 second process and with a busy neighbour, against its fair share of the machine (see
@@ -104,9 +110,20 @@ class Shape:
         # One query row against a long cache: bandwidth-bound, reported in GB/s.
         return self.lq == 1
 
+    @property
+    def half(self):
+        # q, k, v stored in 16 bits (float16 or bfloat16), computed in float32.
+        return self.dtype in ("float16", "bfloat16")
+
+    def np_dtype(self):
+        """The NumPy dtype of the inputs (bfloat16 needs ml_dtypes: TypeError without)."""
+        from ._variants import storage_dtype
+        return storage_dtype(self.dtype)
+
     def describe(self):
+        tag = {"float64": " f64", "float16": " f16", "bfloat16": " bf16"}.get(self.dtype, "")
         return (f"({self.hq},{self.hkv},{self.lq},{self.lk},{self.d})"
-                f"{' causal' if self.causal else ''}{' f64' if self.dtype == 'float64' else ''}")
+                f"{' causal' if self.causal else ''}{tag}")
 
 
 SHAPES = (
@@ -119,6 +136,10 @@ SHAPES = (
     Shape("decode-4k", 32, 32, 1, 4096, 128),
     Shape("decode-gqa-8k", 32, 8, 1, 8192, 128),
     Shape("prefill-1k-f64", 12, 12, 1024, 1024, 64, causal=True, dtype="float64"),
+    Shape("decode-4k-f16", 32, 32, 1, 4096, 128, dtype="float16"),
+    Shape("decode-4k-bf16", 32, 32, 1, 4096, 128, dtype="bfloat16"),
+    Shape("decode-gqa-8k-f16", 32, 8, 1, 8192, 128, dtype="float16"),
+    Shape("prefill-1k-f16", 12, 12, 1024, 1024, 64, dtype="float16"),
 )
 SHAPES_BY_NAME = {s.name: s for s in SHAPES}
 
@@ -142,7 +163,7 @@ def flops(shape, batch=1):
 
 def bytes_moved(shape, batch=1):
     """Bytes one call must read or write at least once: K, V, Q and the output."""
-    itemsize = np.dtype(shape.dtype).itemsize
+    itemsize = 2 if shape.half else np.dtype(shape.dtype).itemsize
     kv = batch * shape.hkv * shape.lk * (shape.d + shape.dv)
     qo = batch * shape.hq * shape.lq * (shape.d + shape.dv)
     return (kv + qo) * itemsize
@@ -151,7 +172,7 @@ def bytes_moved(shape, batch=1):
 def make_inputs(shape, seed=SEED):
     """q, k, v of ``shape`` (batch 1), standard normal, C-contiguous, fixed seed."""
     rng = np.random.default_rng(seed)
-    dt = np.dtype(shape.dtype)
+    dt = shape.np_dtype()
     q = rng.standard_normal((1, shape.hq, shape.lq, shape.d)).astype(dt)
     k = rng.standard_normal((1, shape.hkv, shape.lk, shape.d)).astype(dt)
     v = rng.standard_normal((1, shape.hkv, shape.lk, shape.dv)).astype(dt)
@@ -237,6 +258,13 @@ class OtherLoad:
         own = time.process_time() - own0
         other = max(0.0, (sys1[0] - sys0[0]) - own)
         return min(1.0, other / capacity), min(1.0, (sys1[1] - sys0[1]) / capacity)
+
+
+def _to_torch(torch, a):
+    """A torch tensor sharing ``a``'s memory (bfloat16 through an int16 view)."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _import_torch():
@@ -343,8 +371,11 @@ def measure_read_bandwidth(repeat=5, mib=512):
 
 def _tolerance(dtype):
     # float32 kernels reorder sums (online softmax, blocking): ~1e-6 relative error is
-    # normal, 1e-4 catches any real mistake. float64 is checked accordingly tighter.
-    return 1e-4 if np.dtype(dtype) == np.float32 else 1e-9
+    # normal, 1e-4 catches any real mistake. float64 is checked accordingly tighter; 16-bit
+    # results are float32 results rounded once: two ulps of float16 (2**-10) or bfloat16
+    # (2**-7) leave room for the other library's rounding.
+    return {"float32": 1e-4, "float64": 1e-9, "float16": 2e-3, "bfloat16": 1.6e-2}[
+        str(dtype)]
 
 
 def _reference_slice(shape, q, k, v):
@@ -377,9 +408,15 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
     target_s = 0.01 if quick else 0.04
 
     # fastattn
-    out = np.empty((1, shape.hq, shape.lq, shape.dv), shape.dtype)
+    out = np.empty((1, shape.hq, shape.lq, shape.dv), q.dtype)
     fa_call = functools.partial(fa.attention, q, k, v, causal=shape.causal, out=out)
     libs["fastattn"] = fa_call
+    if shape.half:
+        # the same values in float32, timed in the same rounds
+        q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+        out32 = np.empty(out.shape, np.float32)
+        libs["fastattn-f32"] = functools.partial(fa.attention, q32, k32, v32,
+                                                 causal=shape.causal, out=out32)
 
     # reference
     if quick and shape.name in QUICK_SKIP_REFERENCE:
@@ -392,15 +429,18 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
     if torch is None:
         result["libraries"]["torch"] = {"skipped": "torch is not installed"}
     else:
-        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        tq, tk, tv = (_to_torch(torch, a) for a in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         kwargs = {"is_causal": shape.causal}
         if shape.hq != shape.hkv:
             kwargs["enable_gqa"] = True
         libs["torch"] = functools.partial(sdpa, tq, tk, tv, **kwargs)
+        if shape.half:
+            libs["torch-f32"] = functools.partial(
+                sdpa, *(torch.from_numpy(a) for a in (q32, k32, v32)), **kwargs)
 
     def context(name):
-        if name == "torch":
+        if name.startswith("torch"):
             return torch.inference_mode()
         return contextlib.nullcontext()
 
@@ -418,8 +458,8 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
             result["libraries"][name] = {"error": f"{type(exc).__name__}: {exc}"}
             del libs[name]
             continue
-        if name == "torch":
-            res = res.numpy()
+        if name.startswith("torch"):
+            res = res.float().numpy()
         outputs[name] = np.array(res, copy=True)
         # The first call of a process pays for thread-pool start-up, page faults and a
         # cold cache (4 ms for a 0.3 ms call was seen): size the batches from warm calls
@@ -493,7 +533,7 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
         result["other_cpu_load"], result["cpu_steal"] = busy
 
     fa_res = result["libraries"].get("fastattn", {})
-    for other in ("reference", "torch"):
+    for other in ("reference", "torch", "fastattn-f32", "torch-f32"):
         o = result["libraries"].get(other, {})
         if "median_s" in fa_res and "median_s" in o:
             result[f"speedup_vs_{other}"] = o["median_s"] / fa_res["median_s"]
@@ -634,6 +674,42 @@ def format_table(report):
         return "  ".join(str(x).ljust(w) if i in left else str(x).rjust(w)
                          for i, (x, w) in enumerate(zip(row, widths)))
     lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def format_half_table(report):
+    """The 16-bit shapes against the same inputs in float32, or None when none ran."""
+    sym = _symbols()
+    x = sym["x"]
+    rows = []
+    for r in report["results"]:
+        if r["dtype"] not in ("float16", "bfloat16"):
+            continue
+        libs = r["libraries"]
+        row = [r["name"], r["dtype"]]
+        for name in ("fastattn", "fastattn-f32", "torch", "torch-f32"):
+            o = libs.get(name, {})
+            row.append(format_time(o["median_s"], sym) if "median_s" in o else sym["dash"])
+        for key in ("fastattn-f32", "torch", "torch-f32"):
+            s = r.get(f"speedup_vs_{key}")
+            row.append(f"{s:.2f}{x}" if s is not None else sym["dash"])
+        if r["kind"] == "decode" and report["machine"]["peaks"].get("read_gbs"):
+            row.append(format_peak(peak_fraction(r, report["machine"]["peaks"])))
+        else:
+            row.append(sym["dash"])
+        rows.append(row)
+    if not rows:
+        return None
+    header = ["shape", "dtype", "fastattn", "fastattn f32", "torch", "torch f32",
+              f"{x} fastattn f32", f"{x} torch", f"{x} torch f32", "% read bw"]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+
+    def fmt(row):
+        return "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths)))
+    lines = ["16-bit storage against the same values in float32 (same rounds; "
+             f"{x} = the other's time / fastattn's):",
+             fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
     return "\n".join(lines)
 
 
@@ -900,6 +976,14 @@ def run(args, stdout=None, stderr=None):
     except ValueError as exc:
         print(f"fastattn bench: error: {exc}", file=stderr)
         return EXIT_USAGE
+    runnable = []
+    for shape in shapes:
+        try:
+            shape.np_dtype()
+            runnable.append(shape)
+        except TypeError as exc:   # bfloat16 without ml_dtypes
+            print(f"fastattn bench: skipping {shape.name}: {exc}", file=stderr)
+    shapes = runnable
     if args.repeat is not None and args.repeat < 1:
         print("fastattn bench: error: --repeat must be >= 1", file=stderr)
         return EXIT_USAGE
@@ -961,6 +1045,10 @@ def run(args, stdout=None, stderr=None):
                 quick=args.quick))
     print(file=stdout)
     print(format_table(report), file=stdout, flush=True)
+    half = format_half_table(report)
+    if half:
+        print(file=stdout)
+        print(half, file=stdout, flush=True)
     if peak_flagged(report):
         print(PEAK_NOTE, file=stdout)
     warning = load_warning(report)
