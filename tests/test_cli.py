@@ -197,6 +197,10 @@ def test_spec_shapes():
         ("decode-4k", 32, 32, 1, 4096, 128, False, "float32"),
         ("decode-gqa-8k", 32, 8, 1, 8192, 128, False, "float32"),
         ("prefill-1k-f64", 12, 12, 1024, 1024, 64, True, "float64"),
+        ("decode-4k-f16", 32, 32, 1, 4096, 128, False, "float16"),
+        ("decode-4k-bf16", 32, 32, 1, 4096, 128, False, "bfloat16"),
+        ("decode-gqa-8k-f16", 32, 8, 1, 8192, 128, False, "float16"),
+        ("prefill-1k-f16", 12, 12, 1024, 1024, 64, False, "float16"),
     ]
 
 
