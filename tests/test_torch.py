@@ -119,3 +119,24 @@ def test_seed_001_context_vectors():
                   [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]], np.float32)
     np.testing.assert_allclose(fastattn.attention(x, x, x, scale=1.0),
                                sdpa(x, x, x, scale=1.0), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_16_bit_inputs_match_torch_in_the_same_dtype(rng, name):
+    # torch's SDPA on float16 / bfloat16 tensors and fastattn on the same bits (bfloat16
+    # through ml_dtypes) agree within two ulps of the 16-bit result: each rounds its
+    # result once (torch's CPU kernel accumulates in float32 too).
+    if name == "bfloat16":
+        ml_dtypes = import_optional("ml_dtypes")
+        dt, tdt = np.dtype(ml_dtypes.bfloat16), torch.bfloat16
+    else:
+        dt, tdt = np.dtype(np.float16), torch.float16
+    q, k, v = make_qkv(rng, (2, 8, 1, 64), (2, 2, 300, 64), (2, 2, 300, 64), np.float32)
+    q, k, v = (a.astype(dt) for a in (q, k, v))
+    tq, tk, tv = (torch.from_numpy(a.view(np.int16)).view(tdt) for a in (q, k, v))
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True).float().numpy()
+    got = fastattn.attention(q, k, v)
+    assert got.dtype == dt
+    ulp = 2.0 ** (-10 if name == "float16" else -7)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2 * ulp, atol=2 * ulp)
