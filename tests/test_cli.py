@@ -452,3 +452,23 @@ runpy.run_module("fastattn", run_name="__main__", alter_sys=True)
     assert "fastattn:               unknown" in out and "threads:                unknown" in out
     problem = " ".join(out.split("problem:", 1)[1].split())    # unwrapped
     assert problem.startswith(f"'import fastattn' found the folder {tmp_path / 'fastattn'},")
+
+
+def test_half_table_gives_the_ratios_against_float32():
+    # The 16-bit rows' second table: each time, and the float32 twins' time over fastattn's.
+    report = _report()
+    assert bench.format_half_table(report) is None       # no 16-bit shape ran
+    shape = bench.SHAPES_BY_NAME["decode-4k-f16"]
+    lib = lambda s: {"median_s": s, "gbs": bench.bytes_moved(shape) / s / 1e9}  # noqa: E731
+    report["machine"]["peaks"]["read_gbs"] = 30.0
+    report["results"].append({
+        "name": shape.name, "kind": "decode", "dtype": "float16", "bytes": bench.bytes_moved(shape),
+        "libraries": {"fastattn": lib(4e-3), "fastattn-f32": lib(8e-3), "torch": lib(3e-2),
+                      "torch-f32": lib(9e-3)},
+        "speedup_vs_fastattn-f32": 2.0, "speedup_vs_torch": 7.5, "speedup_vs_torch-f32": 2.25,
+        "check": {"ok": True}})
+    table = bench.format_half_table(report)
+    row = [line for line in table.splitlines() if line.startswith("decode-4k-f16")][0]
+    assert row.replace("×", "x").split()[1:] == [
+        "float16", "4.00", "ms", "8.00", "ms", "30.00", "ms", "9.00", "ms", "2.00x", "7.50x",
+        "2.25x", "56%"]

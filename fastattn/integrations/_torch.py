@@ -7,23 +7,15 @@ import functools
 
 import numpy as np
 
-from .. import _api
-
 
 @functools.lru_cache(maxsize=None)
 def bfloat16_dtype():
-    """``ml_dtypes.bfloat16`` when installed and accepted by this fastattn build, else None."""
+    """``ml_dtypes.bfloat16`` when that package is installed, else None."""
     try:
         import ml_dtypes
     except ImportError:
         return None
-    bf16 = np.dtype(ml_dtypes.bfloat16)
-    x = np.zeros((1, 1, 2), bf16)
-    try:
-        ok = _api.attention(x, x, x).dtype == bf16
-    except (TypeError, ValueError):
-        return None
-    return bf16 if ok else None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def torch_dtype(torch, dtype):
@@ -45,8 +37,8 @@ def arrays(torch, *tensors):
     """NumPy views of CPU ``tensors``, all of one dtype.
 
     Views share memory with the tensors (``torch.Tensor.numpy()``).  bfloat16 is viewed
-    as ``ml_dtypes.bfloat16`` when fastattn takes it; otherwise bfloat16, and a mix of
-    dtypes, are upcast to float32 copies.
+    as ``ml_dtypes.bfloat16`` when that package is installed; otherwise bfloat16, and a mix
+    of dtypes, are upcast to float32 copies.
     """
     dtypes = {t.dtype for t in tensors}
     if dtypes == {torch.bfloat16} and bfloat16_dtype() is not None:

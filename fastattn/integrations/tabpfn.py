@@ -90,7 +90,7 @@ def register():
     q, k and v arrive as ``(B, S, H, D)`` tensors; fastattn reads them as ``(B, H, S, D)``
     transposed views, so float32 (and float16, through fastattn's float16 path) inputs are
     not copied, and the result is written in place into the returned tensor.  bfloat16 is
-    upcast to float32 copies unless this fastattn build takes ``ml_dtypes.bfloat16``.
+    read in place too when ``ml_dtypes`` is installed, else upcast to float32 copies.
 
     Examples
     --------

@@ -59,10 +59,9 @@ def register(name="fastattn", *, fallback="sdpa"):
     - **Zero-copy.** CPU tensors of float32 are handed to :func:`fastattn.attention` as
       NumPy views of the same memory (``torch.Tensor.numpy()``), and the result is written
       straight into the ``(batch, Lq, heads, Dv)`` tensor returned to the model.  float16
-      takes fastattn's float16 path (computed in float32, returned as float16).  bfloat16,
-      which NumPy lacks, is read as ``ml_dtypes.bfloat16`` bits in place when this fastattn
-      build accepts that dtype; otherwise it is upcast to a float32 copy, and the result is
-      returned as bfloat16.
+      and bfloat16 are read in place too (computed in float32, returned in their dtype);
+      bfloat16, which NumPy lacks, as ``ml_dtypes.bfloat16`` bits when ``ml_dtypes`` is
+      installed, else upcast to a float32 copy.
     - **GQA / MQA.** Keys and values keep their fewer heads; fastattn maps query head ``h``
       to key/value head ``h // (Hq // Hkv)``, as ``repeat_kv`` would, without the copy.
     - **Masks.** Padding (left or right), causal and sliding-window masks all arrive in
