@@ -92,8 +92,10 @@ FA_INLINE fa_vh8 fa_h8_rows(const uint16_t* lo, const uint16_t* hi)
 #if defined(__AVX__)
     /* two loads (vmovq, vmovddup: no shuffle-port uop) and a blend; GCC builds the
      * generic form below through the stack */
+    double h;
+    memcpy(&h, hi, sizeof h);   /* (_mm_loaddup_pd would dereference a misaligned double*) */
     const __m128i a = _mm_loadl_epi64((const __m128i*)lo);
-    const __m128i b = _mm_castpd_si128(_mm_loaddup_pd((const double*)hi));
+    const __m128i b = _mm_castpd_si128(_mm_set1_pd(h));
     return (fa_vh8)_mm_blend_epi32(a, b, 0xC);
 #else
     uint64_t a, b;
