@@ -358,7 +358,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
             t.vrows[u] = t.vblk + (jb + u) * t.vblk_row if jb + u < nj else zrow
         # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
         ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 else 0
-        pf_bytes = P.Dv * t.vblk_esz if pf_v else 0
+        pf_bytes = P.Dv * t.vblk_esz   # > 0 also turns on the next K rows stream
         r = 0
         while r < nrows:
             nr = _keyrows_pass(nrows - r)
