@@ -193,14 +193,10 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # instead of D -- the decode score kernels read a line per dimension, beside 32 K rows
     # and the prefetched V rows in L1.
     t.ldqt = t.nlanes if t.decode else FA_BQ
-    # 16-bit K and V are widened a block at a time into the workspace, once for all the rows
-    # of a tile, except in decode tiles of float compute: there V is widened in registers by
-    # the output kernels, and so is K for 3 or more rows (a GQA group: their score kernel
-    # does enough arithmetic per key to hide the reads).  One or two rows widen K block by
-    # block, read sequentially: their score kernel would read 32 rows at once, 8 bytes of
-    # each at a time, which the memory system streams more slowly.
-    t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float
-                                                     and t.nrows >= 3)
+    # 16-bit K and V are widened in registers by the decode kernels of float compute (as
+    # they load them), and a block at a time into the workspace otherwise: once for all
+    # the rows of a prefill tile.
+    t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
     t.widen_v = P.v_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
     t.pv_next_v = t.decode and floating is float and t.nrows == 1 and not t.widen_v
     t.first_blk = True

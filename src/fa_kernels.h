@@ -170,7 +170,7 @@ FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_
     p->k_row_lines = (D * esz + 63) / 64;
     p->k_lines = ldk ? 32 * p->k_row_lines : 0;          /* rows k0 + (32 + i) ldk */
     p->k_stride = ldk * esz;
-    p->k_lin = k0 + (esz == 2 ? 64 : 32) * ldk * esz;
+    p->k_lin = k0 + 32 * ldk * esz;
     p->v_lin = p->on && pf ? pf[0] : NULL;
     p->v_err = p->v_row = p->v_col = p->k_err = p->k_row = p->k_col = 0;
     const ptrdiff_t v_bytes = 64 * p->v_row_lines, k_bytes = 64 * p->k_row_lines;
