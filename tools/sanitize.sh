@@ -80,7 +80,9 @@ for isa in avx2 base; do
     if [ "$isa" = avx2 ] && ! grep -q avx2 /proc/cpuinfo; then continue; fi
     echo "== pytest under ASan+UBSan, FASTATTN_ISA=$isa: ${pytest_args[*]}"
     rc=0
-    FASTATTN_ISA=$isa LD_PRELOAD="$libasan" "$py" -m pytest -q -x -p no:cacheprovider \
+    # --capture=sys: a sanitizer writes its report to fd 2 and aborts; with pytest's
+    # default fd capture that report would die with the test's capture file.
+    FASTATTN_ISA=$isa LD_PRELOAD="$libasan" "$py" -m pytest -q -x -p no:cacheprovider --capture=sys \
         "${pytest_args[@]}" > "$work/pytest-$isa.log" 2>&1 || rc=$?
     tail -5 "$work/pytest-$isa.log"
     if [ "$rc" != 0 ] || grep -qE "ERROR: AddressSanitizer|runtime error:" "$work/pytest-$isa.log"; then
