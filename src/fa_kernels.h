@@ -409,9 +409,7 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
     /* Capped scores are mostly well inside the cap (|s / softcap| < 0.4): the exp and the
      * division run only for vectors with a lane outside.  Each lane's result is the same
      * either way. */
-    int all_small = 1;
-    for (int i = 0; i < (int)FA_VL_F; i++) all_small &= is_small[i] != 0;
-    if (!all_small) {
+    if (!fa_all_f(is_small)) {
         const fa_vf e = fa_exp2_f(ax * fa_bcast_f(-2.0f * 1.44269504088896341f));
         const fa_vf one = fa_bcast_f(1.0f);
         r = fa_select_f(is_small, small, (one - e) / (one + e));

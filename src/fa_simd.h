@@ -20,6 +20,8 @@
 #include <math.h>
 #if defined(__AVX__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #if !defined(__GNUC__) && !defined(__clang__)
@@ -77,6 +79,25 @@ FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return (fa_vd)_mm256_max_pd((__m256
 FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return fa_select_f(a > b, a, b); }
 FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return fa_select_d(a > b, a, b); }
 #endif
+
+/* Whether every lane of a comparison result is true: one movemask where the ISA has it
+ * (a lane-by-lane loop extracts each lane, a dozen instructions). */
+FA_INLINE int fa_all_f(fa_vfi m)
+{
+#if FA_VBYTES == 64
+    return _mm512_cmpneq_epi32_mask((__m512i)m, _mm512_setzero_si512()) == 0xFFFF;
+#elif defined(__AVX__)
+    return _mm256_movemask_ps((__m256)m) == 0xFF;
+#elif defined(__SSE2__)
+    const __m128i lo = (__m128i)__builtin_shufflevector(m, m, 0, 1, 2, 3);
+    const __m128i hi = (__m128i)__builtin_shufflevector(m, m, 4, 5, 6, 7);
+    return _mm_movemask_ps((__m128)_mm_and_si128(lo, hi)) == 0xF;
+#else
+    int all = 1;
+    for (int i = 0; i < (int)FA_VL_F; i++) all &= m[i] != 0;
+    return all;
+#endif
+}
 
 /*
  * 2^x, float lanes.  The kernel works in base 2: scores are scaled by scale*log2(e) inside
