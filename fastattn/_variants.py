@@ -70,7 +70,9 @@ def is_bfloat16(dtype):
             dtype = np.dtype(dtype)
         except TypeError:  # e.g. the name "bfloat16" without ml_dtypes
             return False
-    return dtype.name == "bfloat16" and dtype.type.__module__.split(".")[0] == "ml_dtypes"
+    # kind first: NumPy computes dtype.name in Python, and this runs for every argument
+    return (dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16"
+            and dtype.type.__module__.split(".")[0] == "ml_dtypes")
 
 
 def _is_reduced(dtype):

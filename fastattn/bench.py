@@ -49,6 +49,10 @@ copies of the same inputs.  The second table gives their ratios: what a float16 
 cache gains over keeping it in float32 (bfloat16 shapes need ``ml_dtypes`` and are skipped
 without it; torch gets its bfloat16 tensors as a zero-copy view).
 
+A full run (no ``--shapes``) then times the attention variants -- softcap, ALiBi, sinks
+and packed sequences -- against the same calls without them and against torch
+(``fastattn.bench_variants``); ``--variants`` prints that table alone.
+
 ``--contention`` times something else: fastattn on cores it shares with NumPy's BLAS, with a
 second process and with a busy neighbour, against its fair share of the machine (see
 ``fastattn.contention``).
@@ -946,8 +950,9 @@ def add_arguments(parser):
     parser.add_argument("--repeat", type=int, metavar="N",
                         help="timed batches per library (default 7, 3 with --quick)")
     parser.add_argument("--variants", action="store_true",
-                        help="time softcap, ALiBi, sinks and packed sequences against the "
-                             "same calls without them and against torch")
+                        help="only the variants table: softcap, ALiBi, sinks and packed "
+                             "sequences against the same calls without them and against "
+                             "torch (a full run prints it after the shapes)")
     parser.add_argument("--contention", action="store_true",
                         help="instead of the shapes: time fastattn with the cores shared "
                              "(next to NumPy's BLAS, a second process, a busy neighbour)")
@@ -1050,6 +1055,10 @@ def run(args, stdout=None, stderr=None):
     if half:
         print(file=stdout)
         print(half, file=stdout, flush=True)
+    if not args.shapes:
+        from . import bench_variants
+        print(file=stdout)
+        bench_variants.run(args, stdout)
     if peak_flagged(report):
         print(PEAK_NOTE, file=stdout)
     warning = load_warning(report)

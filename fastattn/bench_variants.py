@@ -30,8 +30,10 @@ def _time(calls, repeat):
         f()
         n[name] = bench._iterations(bench._warm_call_seconds(f, 0.05), 0.2)
     samples = {name: [] for name in calls}
-    for _ in range(repeat):
-        for name, f in calls.items():
+    order = list(calls.items())
+    for round_ in range(repeat):
+        # the order rotates each round, so that no callable always follows the same one
+        for name, f in order[round_ % len(order):] + order[:round_ % len(order)]:
             t0 = time.perf_counter()
             for _ in range(n[name]):
                 f()
