@@ -336,12 +336,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     if v is None:
         raise TypeError("v must be an array of shape (..., Hkv, Lk, Dv), got None")
     if (window is None and mask is None and kv_lengths is None and type(return_lse) is bool
-            and softcap is None and alibi_slopes is None and sinks is None
-            and q_lengths is None):
+            and softcap is None and alibi_slopes is None and q_lengths is None):
         # The common case is validated and run entirely in C (see src/_kernel_impl.pxi,
         # "The lean call path"); it returns None for anything it does not handle.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
-                                     _threads.get_num_threads())
+                                     _threads.get_num_threads(), sinks)
         if res is not None:
             return res
     call = _Call(q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse,

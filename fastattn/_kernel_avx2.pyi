@@ -88,4 +88,5 @@ def attention_fast(
     return_lse: bool,
     out: npt.NDArray[np.floating[Any]] | None,
     n_threads: int,
+    sinks: object = None,
 ) -> npt.NDArray[np.floating[Any]] | tuple[npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]]] | None: ...

@@ -496,9 +496,10 @@ def cpu_supports(str isa):
 
 # ---------------------------------------------------------------------------------------
 # The lean call path.  fastattn.attention() first offers its arguments here: the common
-# case (ndarrays of float32, float16 or bfloat16 in any mix, or all float64; no mask /
-# window / kv_lengths, no broadcasting of the
-# batch dims, layouts the kernel reads in place) runs without leaving C, in about a
+# case (ndarrays of float32, float16 or bfloat16 in any mix, or all float64; no mask,
+# window, lengths or score modifier -- attention sinks of one batch element are taken --,
+# no broadcasting of the batch dims, layouts the kernel reads in place) runs without
+# leaving C, in about a
 # microsecond of overhead.  This path only decides "is this the common case?"; anything
 # else -- including every *invalid* call -- returns None, and the Python front end
 # validates it with its error messages.  So it never raises for bad input and never
@@ -554,7 +555,32 @@ cdef inline int _lean_type(cnp.ndarray a):
     return -1
 
 
-def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
+cdef object _lean_sinks(object sinks, Py_ssize_t Hq, int nb, const cnp.npy_intp* qs):
+    # Attention sinks the lean path takes: a float32/float64 array of Hq finite or -inf
+    # logits, one batch element; as contiguous float64, or None when not taken.
+    cdef cnp.ndarray s
+    cdef const double* x
+    cdef Py_ssize_t h
+    cdef int d
+    if type(sinks) is not np.ndarray:
+        return None
+    s = sinks
+    if cnp.PyArray_NDIM(s) != 1 or cnp.PyArray_DIMS(s)[0] != Hq:
+        return None
+    if cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT64 and cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT32:
+        return None
+    for d in range(nb):
+        if qs[d] != 1:
+            return None
+    s = np.ascontiguousarray(s, dtype=np.float64)
+    x = <const double*> cnp.PyArray_DATA(s)
+    for h in range(Hq):
+        if x[h] != x[h] or x[h] == INFINITY:   # NaN, +inf: the front end's error
+            return None
+    return s
+
+
+def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads, sinks=None):
     """The lean path of fastattn.attention (see above); None means "not handled here"."""
     if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
         return None
@@ -588,6 +614,11 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
         return None
     if not (_kernel_layout(qa) and _kernel_layout(ka) and _kernel_layout(va)):
         return None
+    cdef object sinks64 = None
+    if sinks is not None:
+        sinks64 = _lean_sinks(sinks, Hq, nb, qs)
+        if sinks64 is None:
+            return None
 
     cdef double sc
     if scale is None:
@@ -641,6 +672,7 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads):
         bshape[d] = qs[d]
     cdef Py_ssize_t* offs = _fill_problem(&P, qa, ka, va, oa, la, None, 0, nb, bshape,
                                           NULL, causal_mode, -1, -1, sc)
+    P.sinks = <const double*> _data_or_null(sinks64)
     try:
         _run(&P, compute == cnp.NPY_FLOAT32, n_threads)
     finally:

@@ -241,3 +241,27 @@ def test_varlen_bad_cu_seqlens(rng, cu_q, cu_k, exc, words):
     k = rng.standard_normal((2, 4, 8)).astype(np.float32)
     with pytest.raises(exc, match=words):
         fastattn.attention_varlen(q, k, k, cu_q, cu_k)
+
+
+def test_sinks_on_the_lean_path_give_the_validated_path_bits(rng):
+    # A plain call with sinks of one batch element runs in the lean path; the same call
+    # through the validated path (kv_lengths = Lk changes nothing) gives the same bits,
+    # and invalid sinks still get the validated path's errors.
+    from fastattn._dispatch import kernel
+    q = rng.standard_normal((1, 8, 3, 32)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
+    sinks = rng.standard_normal(8)
+    sinks[3] = -np.inf
+    assert kernel.attention_fast(q, k, v, None, True, False, None, 1, sinks) is not None
+    for s in (sinks, sinks.astype(np.float32), list(sinks)):
+        fast, fast_lse = fastattn.attention(q, k, v, causal=True, sinks=s, return_lse=True)
+        slow, slow_lse = fastattn.attention(q, k, v, causal=True, sinks=s, return_lse=True,
+                                            kv_lengths=np.array([300]))
+        assert fast.tobytes() == slow.tobytes() and fast_lse.tobytes() == slow_lse.tobytes()
+    bad = sinks.copy()
+    bad[0] = np.nan
+    with pytest.raises(ValueError, match="sinks"):
+        fastattn.attention(q, k, v, sinks=bad)
+    with pytest.raises(ValueError, match="sinks"):
+        fastattn.attention(q, k, v, sinks=np.zeros(5))
