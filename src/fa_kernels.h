@@ -221,8 +221,21 @@ FA_INLINE fa_vf fa_yrows_f(const float* lo, const float* hi)
 #endif
 FA_INLINE fa_vf fa_yrows_fh(const uint16_t* lo, const uint16_t* hi)
 { return fa_widen_f16x8(fa_h8_rows(lo, hi)); }
+#if defined(__AVX2__)
+/* bfloat16: each row's 8 bytes broadcast to its 128-bit lane, then interleaved with zeros
+ * (the bits of a bfloat16 are the top half of its float32): one shuffle in all. */
+FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
+{
+    long long a, b;
+    memcpy(&a, lo, sizeof a);
+    memcpy(&b, hi, sizeof b);
+    const __m256i y = _mm256_blend_epi32(_mm256_set1_epi64x(a), _mm256_set1_epi64x(b), 0xF0);
+    return (fa_vf)_mm256_unpacklo_epi16(_mm256_setzero_si256(), y);
+}
+#else
 FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 { return fa_widen_bf16x8(fa_h8_rows(lo, hi)); }
+#endif
 
 #define KE float
 #define K32(name) name##_f
