@@ -242,26 +242,16 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define KE_SCALAR(x) (x)
 #define FA_YROWS fa_yrows_f
 #include "fa_keys32.h"
-#undef KE
-#undef K32
-#undef KE_SCALAR
-#undef FA_YROWS
 #define KE uint16_t
 #define K32(name) name##_fh
 #define KE_SCALAR(x) fa_f16_to_f32(x)
 #define FA_YROWS fa_yrows_fh
 #include "fa_keys32.h"
-#undef K32
-#undef KE_SCALAR
-#undef FA_YROWS
+#define KE uint16_t
 #define K32(name) name##_fb
 #define KE_SCALAR(x) fa_bf16_to_f32(x)
 #define FA_YROWS fa_yrows_fb
 #include "fa_keys32.h"
-#undef KE
-#undef K32
-#undef KE_SCALAR
-#undef FA_YROWS
 #if defined(__AVX__)
 #define FA_KEYS32_WIDE(suf) fa_score_keys32_wide##suf
 #else
@@ -274,15 +264,16 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define FA_DEC_SCORES_PREFETCH_K_ROWS_F 0
 #endif
 
-/* ---- micro-kernels, float compute, float storage ----
+/* ---- micro-kernels, float compute ----
  * K and V are read through the storage-type macros (KV, LOAD_KV, KV_SCALAR,
- * LOAD_TRANSPOSE_KV); here the storage type is the compute type.  Another storage type
- * (say float16 K/V for float compute) is one more inclusion with FA_KV_KERNELS_ONLY
- * defined, another FA_FN suffix and its widening loads. */
+ * LOAD_TRANSPOSE_KV).  First with the compute type as the storage type; then, for
+ * float16 and bfloat16, only the kernels that read K or V (FA_KV_KERNELS_ONLY), which the
+ * decode tiles use to read 16-bit K and V in place, widening every load in registers.
+ * Prefill tiles widen a key block into the workspace once instead (the tile pipeline's
+ * _load_block) and run the float-storage kernels. */
 #define T float
 #define V fa_vf
 #define VL FA_VL_F
-#define FA_FN(name) name##_f
 #define LOAD fa_load_f
 #define STORE fa_store_f
 #define BCAST fa_bcast_f
@@ -290,19 +281,37 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define SELECT fa_select_f
 #define EXP2 fa_exp2_f
 #define LOAD_TRANSPOSE fa_load_transpose_vf
+#define FA_FN(name) name##_f
 #define KV T
 #define LOAD_KV LOAD
 #define KV_SCALAR(x) (x)
 #define LOAD_TRANSPOSE_KV LOAD_TRANSPOSE
 #include "fa_tile_impl.h"
-#undef KV
-#undef LOAD_KV
-#undef KV_SCALAR
-#undef LOAD_TRANSPOSE_KV
+#define FA_KV_KERNELS_ONLY
+#define KV uint16_t
+#define FA_FN(name) name##_fh
+#define LOAD_KV fa_load_fh
+#define KV_SCALAR(x) fa_f16_to_f32(x)
+#define LOAD_TRANSPOSE_KV fa_load_transpose_vfh
+#if FA_VBYTES == 32
+#define KEYROWS_IMPL fa_score_keys32_fh
+#define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fh)
+#endif
+#include "fa_tile_impl.h"
+#define KV uint16_t
+#define FA_FN(name) name##_fb
+#define LOAD_KV fa_load_fb
+#define KV_SCALAR(x) fa_bf16_to_f32(x)
+#define LOAD_TRANSPOSE_KV fa_load_transpose_vfb
+#if FA_VBYTES == 32
+#define KEYROWS_IMPL fa_score_keys32_fb
+#define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fb)
+#endif
+#include "fa_tile_impl.h"
+#undef FA_KV_KERNELS_ONLY
 #undef T
 #undef V
 #undef VL
-#undef FA_FN
 #undef LOAD
 #undef STORE
 #undef BCAST
@@ -315,7 +324,6 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define T double
 #define V fa_vd
 #define VL FA_VL_D
-#define FA_FN(name) name##_d
 #define LOAD fa_load_d
 #define STORE fa_store_d
 #define BCAST fa_bcast_d
@@ -323,71 +331,12 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define SELECT fa_select_d
 #define EXP2 fa_exp2_d
 #define LOAD_TRANSPOSE fa_load_transpose_vd
+#define FA_FN(name) name##_d
 #define KV T
 #define LOAD_KV LOAD
 #define KV_SCALAR(x) (x)
 #define LOAD_TRANSPOSE_KV LOAD_TRANSPOSE
 #include "fa_tile_impl.h"
-#undef KV
-#undef LOAD_KV
-#undef KV_SCALAR
-#undef LOAD_TRANSPOSE_KV
-#undef T
-#undef V
-#undef VL
-#undef FA_FN
-#undef LOAD
-#undef STORE
-#undef BCAST
-#undef MAX
-#undef SELECT
-#undef EXP2
-#undef LOAD_TRANSPOSE
-
-/* ---- the K/V-reading micro-kernels, float compute, float16 / bfloat16 storage ----
- * Used where K and V are read in place (decode tiles): every load widens in registers.
- * Prefill tiles widen a key block into the workspace once instead (the tile pipeline's
- * _load_block) and run the float-storage kernels above. */
-#define T float
-#define V fa_vf
-#define VL FA_VL_F
-#define LOAD fa_load_f
-#define STORE fa_store_f
-#define BCAST fa_bcast_f
-#define MAX fa_max_f
-#define SELECT fa_select_f
-#define EXP2 fa_exp2_f
-#define LOAD_TRANSPOSE fa_load_transpose_vf
-#define FA_KV_KERNELS_ONLY
-#define KV uint16_t
-#define FA_FN(name) name##_fh
-#define LOAD_KV fa_load_fh
-#define KV_SCALAR(x) fa_f16_to_f32(x)
-#define LOAD_TRANSPOSE_KV fa_load_transpose_vfh
-#if FA_VBYTES == 32
-#define KEYROWS_IMPL fa_score_keys32_fh
-#define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fh)
-#endif
-#include "fa_tile_impl.h"
-#undef FA_FN
-#undef LOAD_KV
-#undef KV_SCALAR
-#undef LOAD_TRANSPOSE_KV
-#define FA_FN(name) name##_fb
-#define LOAD_KV fa_load_fb
-#define KV_SCALAR(x) fa_bf16_to_f32(x)
-#define LOAD_TRANSPOSE_KV fa_load_transpose_vfb
-#if FA_VBYTES == 32
-#define KEYROWS_IMPL fa_score_keys32_fb
-#define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fb)
-#endif
-#include "fa_tile_impl.h"
-#undef FA_FN
-#undef LOAD_KV
-#undef KV_SCALAR
-#undef LOAD_TRANSPOSE_KV
-#undef KV
-#undef FA_KV_KERNELS_ONLY
 #undef T
 #undef V
 #undef VL

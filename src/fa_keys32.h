@@ -6,6 +6,7 @@
  *   K32(name)          the name of this instantiation's function
  *   KE_SCALAR(x)       one element widened to float
  *   FA_YROWS(lo, hi)   4 elements of two rows as one float vector [lo[0..3] | hi[0..3]]
+ * (all four undefined at the end: each inclusion names its own)
  * The float arithmetic is the same for every storage type: a 16-bit K is widened in
  * registers as it is loaded (one 8-element conversion per pair of rows), and widening is
  * exact, so a score's bits do not depend on how its key is stored.
@@ -151,8 +152,7 @@ FA_INLINE void K32(fa_score_keys32_by8)(const KE* const* kr, ptrdiff_t ldk, int 
  * accumulators, the 4 half-transposed vectors of one group and a broadcast still fit 16
  * ymm registers.  The 8 rows of a group are addressed from two base pointers and the
  * stride (b, b + 3 ldk), so no row pointer lives in memory.  It is bound by loads more
- * than by FMAs (16 broadcasts of q and 8 half-row loads per 16 FMAs), like the 4-chain
- * body it replaces, and slightly faster.
+ * than by FMAs (16 broadcasts of q and 8 half-row loads per 16 FMAs).
  * Per score: the same chain acc += k[d] * q[d], d = 0, 1, ... then * scale. */
 FA_INLINE void K32(fa_keys8x4s_r4)(const KE* b, const KE* b3, ptrdiff_t ldk,
                                 const float* qt, ptrdiff_t ldqt, fa_vf* a)
@@ -227,3 +227,7 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
     }
 }
 #endif
+#undef KE
+#undef K32
+#undef KE_SCALAR
+#undef FA_YROWS

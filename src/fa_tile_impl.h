@@ -6,6 +6,8 @@
  *   KV, LOAD_KV, KV_SCALAR, LOAD_TRANSPOSE_KV    how K and V are stored and widened to T
  *   FA_KV_KERNELS_ONLY (optional)  only the kernels that read K or V (another storage type
  *                                  for a compute type whose other kernels already exist)
+ * FA_FN and the storage-type macros are undefined at the end (each instantiation names its
+ * own); the compute-type macros stay for the next storage type.
  *
  * Layout (lanes = query rows; see fa_kernels.h for why):
  *   qt[d*ldqt + r]    the query tile, transposed and packed once per tile
@@ -447,3 +449,9 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
             for (int i = 0; i < FA_PV4_NV; i++) STORE(acc_c + r * ldacc + i * VL, c[r][i]);
     }
 }
+
+#undef FA_FN
+#undef KV
+#undef LOAD_KV
+#undef KV_SCALAR
+#undef LOAD_TRANSPOSE_KV
