@@ -44,12 +44,6 @@ def _as_array(x, name):
     return a
 
 
-
-def _is_16bit(dtype):
-    """float16 or bfloat16: read and written in place by the kernel, widened to float32."""
-    return dtype == np.float16 or _variants.is_bfloat16(dtype)
-
-
 def _scale(scale, D):
     if scale is None:
         if D == 0:
@@ -110,7 +104,7 @@ def _kernel_layout(a):
 def _kernel_ready(a, dtype):
     """``a`` as the kernel reads it: 16-bit floats as they are, anything else cast to the
     compute dtype; copied only if the kernel cannot read it in place."""
-    if not _is_16bit(a.dtype):
+    if not _variants.is_16bit(a.dtype):
         a = a.astype(dtype, copy=False)
     return a if _kernel_layout(a) else np.ascontiguousarray(a)
 
@@ -140,7 +134,7 @@ def _writes_in_place(target, cdt, inputs):
 
 def _kernel_writes(dtype, cdt):
     """Whether the kernel writes results of compute dtype ``cdt`` as ``dtype`` itself."""
-    return dtype == cdt or (cdt == np.float32 and _is_16bit(dtype))
+    return dtype == cdt or (cdt == np.float32 and _variants.is_16bit(dtype))
 
 
 class _Call:

@@ -53,7 +53,7 @@ import numbers
 import numpy as np
 
 __all__ = [
-    "is_bfloat16", "dtypes", "check_softcap", "check_alibi_slopes", "check_sinks",
+    "is_bfloat16", "is_16bit", "dtypes", "check_softcap", "check_alibi_slopes", "check_sinks",
     "check_q_lengths", "check_kv_lengths", "check_varlen_shapes", "check_cu_seqlens",
     "storage_dtype", "round_to", "store_as",
 ]
@@ -75,8 +75,9 @@ def is_bfloat16(dtype):
             and dtype.type.__module__.split(".")[0] == "ml_dtypes")
 
 
-def _is_reduced(dtype):
-    """float16 or bfloat16: stored in 16 bits, computed in float32."""
+def is_16bit(dtype):
+    """float16 or bfloat16: stored in 16 bits, computed in float32 (read in place by the
+    kernel, which widens them itself)."""
     return dtype == np.float16 or is_bfloat16(dtype)
 
 
@@ -104,7 +105,7 @@ def dtypes(**arrays):
     for name, a in arrays.items():
         _check_dtype(a, name)
     dts = [a.dtype for a in arrays.values()]
-    if _is_reduced(dts[0]) and all(dt == dts[0] for dt in dts):
+    if is_16bit(dts[0]) and all(dt == dts[0] for dt in dts):
         return np.dtype(np.float32), dts[0]
     # Dtypes, not arrays, so that NumPy 1.x's value-based casting of 0-d arrays stays out.
     res = np.result_type(*[np.dtype(np.float32) if is_bfloat16(dt) else dt for dt in dts])
