@@ -334,7 +334,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
         # The common case is validated and run entirely in C (see src/_kernel_impl.pxi,
         # "The lean call path"); it returns None for anything it does not handle.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
-                                     _threads.get_num_threads(), sinks)
+                                     _threads.get_num_threads, sinks)
         if res is not None:
             return res
     call = _Call(q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse,

@@ -120,6 +120,37 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
     fa_pool_run(n_threads, n_items, _job_item_f if floating is float else _job_item_d, &J)
 
 
+# The last call's workspace block, kept for the next (up to SPARE_MAX bytes): a loop of
+# small calls, a decode loop's steps, allocates nothing.  Calls take and return it with the
+# GIL held, which makes the hand-over safe; a call that finds it taken or too small
+# allocates its own.
+cdef enum:
+    SPARE_MAX = 1 << 20
+cdef char* _spare = NULL
+cdef size_t _spare_bytes = 0
+
+
+cdef char* _take_block(size_t* nbytes) noexcept:
+    # A block of at least nbytes[0] bytes (nbytes[0] becomes its size), or NULL.
+    global _spare
+    cdef char* mem
+    if _spare != NULL and _spare_bytes >= nbytes[0]:
+        mem, _spare = _spare, NULL
+        nbytes[0] = _spare_bytes
+        return mem
+    return <char*> PyMem_RawMalloc(nbytes[0])
+
+
+cdef void _return_block(char* mem, size_t nbytes) noexcept:
+    # Keep the larger of mem and the spare block within SPARE_MAX; free the other.
+    global _spare, _spare_bytes
+    if nbytes > SPARE_MAX or (_spare != NULL and _spare_bytes >= nbytes):
+        PyMem_RawFree(mem)
+        return
+    PyMem_RawFree(_spare)
+    _spare, _spare_bytes = mem, nbytes
+
+
 cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
     """Allocate per-thread workspaces, release the GIL and run the kernel."""
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
@@ -143,7 +174,8 @@ cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
     if split:
         part_bytes = n_items * nchunk * _partial_elems(P, vl) * itemsize
     # Allocated here, with the GIL, so that a failure is a MemoryError before any work.
-    cdef char* mem = <char*> PyMem_RawMalloc(ws_bytes + part_bytes + idx_bytes + 64)
+    cdef size_t nbytes = ws_bytes + part_bytes + idx_bytes + 64
+    cdef char* mem = _take_block(&nbytes)
     if mem == NULL:
         raise MemoryError(f"fastattn: cannot allocate {ws_bytes + part_bytes + idx_bytes} bytes"
                           " of workspace")
@@ -160,7 +192,7 @@ cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
                                  <Py_ssize_t*> (aligned + ws_bytes + part_bytes),
                                  <double*> part, nchunk, n_threads)
     finally:
-        PyMem_RawFree(mem)
+        _return_block(mem, nbytes)
     return 0
 
 
@@ -248,23 +280,36 @@ cdef inline Py_ssize_t _dim(cnp.ndarray a, int axis):
     return cnp.PyArray_DIMS(a)[cnp.PyArray_NDIM(a) + axis]
 
 
+# Batch offsets of up to 8 batch elements live in the caller's frame, not on the heap.
+cdef enum:
+    SMALL_OFFSETS = 56
+
+
+cdef inline void _free_offsets(Py_ssize_t* offs, Py_ssize_t* small) noexcept:
+    if offs != small:
+        _free_offsets(offs, small)
+
+
 cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
                                cnp.ndarray out, object lse, object mask, int mask_kind,
                                int nb, const Py_ssize_t* bshape, const Py_ssize_t* kv_len,
                                int causal, Py_ssize_t wl, Py_ssize_t wr,
-                               double scale) except NULL:
+                               double scale, Py_ssize_t* small) except NULL:
     # The Problem of a call on arrays the kernel can address in place: q, k, v, out with
     # (heads, rows, columns) last (heads may be missing: one head), lse (heads, rows) last,
     # mask (heads, rows, keys) last, all broadcasting over the batch shape bshape[:nb].
     # kv_len: one length per batch element, or NULL for Lk everywhere.  Returns the block
-    # of batch offsets it allocates (the caller frees it with PyMem_RawFree).
+    # of batch offsets: `small` (the caller's SMALL_OFFSETS elements) when they fit, else
+    # one it allocates (the caller frees it with _free_offsets).
     cdef Py_ssize_t nbatch = 1, d
     for d in range(nb):
         nbatch *= bshape[d]
     cdef Py_ssize_t n = max(nbatch, 1)
-    cdef Py_ssize_t* offs = <Py_ssize_t*> PyMem_RawMalloc(7 * n * sizeof(Py_ssize_t))
-    if offs == NULL:
-        raise MemoryError("fastattn: cannot allocate batch offsets")
+    cdef Py_ssize_t* offs = small
+    if 7 * n > SMALL_OFFSETS:
+        offs = <Py_ssize_t*> PyMem_RawMalloc(7 * n * sizeof(Py_ssize_t))
+        if offs == NULL:
+            raise MemoryError("fastattn: cannot allocate batch offsets")
     cdef cnp.ndarray lse_a, mask_a
     _fill_offsets(q, 3, nb, bshape, nbatch, offs)
     _fill_offsets(k, 3, nb, bshape, nbatch, offs + n)
@@ -345,9 +390,10 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
     for d in range(nb):
         bshape[d] = batch[d]
     cdef Problem P
+    cdef Py_ssize_t small[SMALL_OFFSETS]
     cdef Py_ssize_t* offs = _fill_problem(
         &P, q, k, v, out, lse, mask, mask_kind, nb, bshape,
-        <const Py_ssize_t*> cnp.PyArray_DATA(kv_len), causal, wl, wr, scale)
+        <const Py_ssize_t*> cnp.PyArray_DATA(kv_len), causal, wl, wr, scale, small)
     P.softcap = softcap
     P.alibi = <const double*> _data_or_null(alibi)
     P.sinks = <const double*> _data_or_null(sinks)
@@ -355,7 +401,7 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
     try:
         _run(&P, _computes_float(q, k, v), n_threads)
     finally:
-        PyMem_RawFree(offs)
+        _free_offsets(offs, small)
 
 
 def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
@@ -385,8 +431,9 @@ def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     cdef Py_ssize_t bshape[1]
     bshape[0] = n
     cdef Problem P
+    cdef Py_ssize_t small[SMALL_OFFSETS]
     cdef Py_ssize_t* offs = _fill_problem(&P, q, k, v, out, lse, None, 0, 1, bshape, kv_len,
-                                          causal, wl, wr, scale)
+                                          causal, wl, wr, scale, small)
     cdef Py_ssize_t m = max(n, 1)
     for s in range(n):
         offs[s] = cq[s] * P.q_si
@@ -403,7 +450,7 @@ def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     try:
         _run(&P, _computes_float(q, k, v), n_threads)
     finally:
-        PyMem_RawFree(offs)
+        _free_offsets(offs, small)
 
 
 def key_intervals(Py_ssize_t Lq, cnp.ndarray kv_len, int causal, Py_ssize_t wl, Py_ssize_t wr,
@@ -580,9 +627,14 @@ cdef object _lean_sinks(object sinks, Py_ssize_t Hq, int nb, const cnp.npy_intp*
     return s
 
 
-def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads, sinks=None):
-    """The lean path of fastattn.attention (see above); None means "not handled here"."""
-    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+def attention_fast(q, k, v, scale, causal, bint return_lse, out, n_threads, sinks=None):
+    """The lean path of fastattn.attention (see above); None means "not handled here".
+
+    n_threads: the thread count, or a function returning it, called only when the call has
+    more than one work item to share (a single tile of rows and keys runs on one thread).
+    """
+    # cnp.ndarray is the C type object: no module attribute lookups.
+    if type(q) is not cnp.ndarray or type(k) is not cnp.ndarray or type(v) is not cnp.ndarray:
         return None
     cdef cnp.ndarray qa = q, ka = k, va = v, oa, la = None
     # q, k, v all float64, or each float32 / float16 / bfloat16 (computed in float32; the
@@ -651,7 +703,7 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads, 
         else:
             oa = cnp.PyArray_EMPTY(nd, oshape, typenum, 0)
     else:
-        if type(out) is not np.ndarray:
+        if type(out) is not cnp.ndarray:
             return None
         oa = out
         if cnp.PyArray_TYPE(oa) != typenum or cnp.PyArray_NDIM(oa) != nd:
@@ -670,11 +722,17 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, int n_threads, 
     cdef Py_ssize_t bshape[32]
     for d in range(nb):
         bshape[d] = qs[d]
+    cdef Py_ssize_t small[SMALL_OFFSETS]
     cdef Py_ssize_t* offs = _fill_problem(&P, qa, ka, va, oa, la, None, 0, nb, bshape,
-                                          NULL, causal_mode, -1, -1, sc)
+                                          NULL, causal_mode, -1, -1, sc, small)
     P.sinks = <const double*> _data_or_null(sinks64)
+    cdef int nt = 1
+    if type(n_threads) is int:
+        nt = n_threads
+    elif P.nbatch * Hkv > 1 or P.group * Lq > FA_BQ or Lk > FA_KCHUNK:
+        nt = n_threads()
     try:
-        _run(&P, compute == cnp.NPY_FLOAT32, n_threads)
+        _run(&P, compute == cnp.NPY_FLOAT32, nt)
     finally:
-        PyMem_RawFree(offs)
+        _free_offsets(offs, small)
     return (oa, la) if return_lse else oa

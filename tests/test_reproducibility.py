@@ -305,3 +305,33 @@ def test_flash_decoding_split_matches_one_thread_and_prefill(rng, dtype, kwargs)
     ref = fastattn.reference.attention(q[..., -1:, :], k, v, **kwargs)
     np.testing.assert_allclose(split, ref, rtol=1e-4 if dtype == np.float32 else 1e-10,
                                atol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+# --------------------------------------------------------------------------- workspace
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_do_not_depend_on_a_previous_call(rng, dtype):
+    # A call's workspace block is reused by the next call, with whatever the last one left
+    # in it: a call that leaves NaN and inf everywhere must not change the bits of the
+    # calls after it (padding lanes, odd D and Dv, decode and prefill tiles, sinks).
+    small = [((1,), 3, 1, 1, 40, 5, 7), ((1,), 6, 2, 2, 70, 16, 9), ((1,), 2, 2, 33, 65, 3, 3),
+             ((1,), 1, 1, 6, 6, 3, 3)]
+    calls = [(*_inputs(rng, s, dtype), causal) for s in small for causal in (False, True)]
+    sinks = {len(c[0][0]): rng.standard_normal(len(c[0][0])) for c in calls}
+
+    def run(q, k, v, causal):
+        return (fastattn.attention(q, k, v, causal=causal, return_lse=True),
+                fastattn.attention(q, k, v, causal=causal, sinks=sinks[len(q[0])]))
+
+    expected = [run(*c) for c in calls]
+    q, k, v = _inputs(rng, ((1,), 8, 8, 96, 200, 128, 128), dtype)
+    q[..., ::3, :] = np.nan
+    k[..., 1::4, :] = np.inf
+    v[..., ::5, :] = -np.inf
+    for c, (exp_lse, exp_sink) in zip(calls, expected):
+        with fastattn.num_threads(2):
+            fastattn.attention(q, k, v)                 # poisons the workspace
+        (out, lse), out_sink = run(*c)
+        assert_bitwise(out, exp_lse[0], "after a NaN call: out")
+        assert_bitwise(lse, exp_lse[1], "after a NaN call: lse")
+        assert_bitwise(out_sink, exp_sink, "after a NaN call: sinks")

@@ -152,3 +152,24 @@ def test_threadpool_limits_one_starts_no_worker(order):
     if out.split() == ["skip"]:
         pytest.skip("threadpoolctl without custom controllers (< 3.5)")
     assert out.split() == ["0", "1", "True"]
+
+
+def test_lean_path_asks_for_the_thread_count_only_when_work_can_be_shared():
+    # The front end passes get_num_threads itself; one tile of rows and keys runs on one
+    # thread without asking, a call with more work asks once.
+    asked = []
+
+    def n_threads():
+        asked.append(1)
+        return 2
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 6, 3)).astype(np.float32) for _ in range(3))
+    one_tile = kernel.attention_fast(q, k, v, None, False, False, None, n_threads)
+    np.testing.assert_allclose(one_tile, fastattn.reference.attention(q, k, v), rtol=1e-5, atol=1e-6)
+    assert asked == []
+    q, k, v = _inputs()
+    shared = kernel.attention_fast(q, k, v, None, True, False, None, n_threads)
+    assert asked == [1]
+    with fastattn.num_threads(1):
+        assert shared.tobytes() == fastattn.attention(q, k, v, causal=True).tobytes()
