@@ -93,6 +93,8 @@ cdef extern from "fa_kernels.h" nogil:
                           double* fb)
     void fa_merge_acc_f(float* ACC, const float* acc, Py_ssize_t n, float a, float b)
     void fa_merge_acc_d(double* ACC, const double* acc, Py_ssize_t n, double a, double b)
+    void fa_pack_qt_f(const float* const* rows, Py_ssize_t D, float* qt, Py_ssize_t ldqt)
+    void fa_pack_qt_d(const double* const* rows, Py_ssize_t D, double* qt, Py_ssize_t ldqt)
 
     # output micro-tiles: 6 rows x 2 vectors, 1 x 2, 4 rows x 4 vectors, 1 row x 8 vectors
     void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
@@ -334,6 +336,15 @@ cdef inline void merge_acc(floating* ACC, const floating* acc, Py_ssize_t n, flo
         fa_merge_acc_f(ACC, acc, n, a, b)
     else:
         fa_merge_acc_d(ACC, acc, n, a, b)
+
+
+cdef inline void pack_qt(const char* const* rows, Py_ssize_t D, floating* qt,
+                         Py_ssize_t ldqt) noexcept nogil:
+    # Q^T of one vector of rows stored in the compute type (a vector's lanes of row pointers).
+    if floating is float:
+        fa_pack_qt_f(<const float* const*> rows, D, qt, ldqt)
+    else:
+        fa_pack_qt_d(<const double* const*> rows, D, qt, ldqt)
 
 
 cdef inline void pv_tile(const floating* p, Py_ssize_t nj, const char* v, Py_ssize_t ldv,

@@ -217,13 +217,18 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     # padding too.
     cdef floating* qt = ws + w.qt
     cdef floating* s = ws + w.s
-    cdef const char* qrow
-    cdef Py_ssize_t r, d, h, i, ic, j, nj, ldqt = t.ldqt, D = P.D
+    cdef const char* zrow = <const char*> (ws + w.zrow)
+    cdef const char** qrows = t.krows       # one vector's query rows, then packed
+    cdef Py_ssize_t r, d, h, i, ic, j, nj, u, c, ldqt = t.ldqt, D = P.D
+    memset(ws + w.zrow, 0, D * sizeof(floating))
     t.tile_lo = t.kv_len
     t.tile_hi = 0
     for r in range(t.nlanes):
         ws[w.nslope + r] = 0
         ws[w.diag + r] = 0
+        qrows[r % t.VL] = zrow
+        t.lo[r] = 0
+        t.hi[r] = 0
         if r < t.nrows:
             _row_position(P, t, r, &h, &i)
         if r < t.nrows and i < t.q_len:
@@ -234,14 +239,15 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             if t.lo[r] < t.hi[r]:
                 t.tile_lo = min(t.tile_lo, t.lo[r])
                 t.tile_hi = max(t.tile_hi, t.hi[r])
-            qrow = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
-            for d in range(D):
-                qt[d * ldqt + r] = load_elem(qrow, d, P.q_kind, ws)
-        else:
-            t.lo[r] = 0
-            t.hi[r] = 0
-            for d in range(D):
-                qt[d * ldqt + r] = 0
+            qrows[r % t.VL] = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
+        if r % t.VL == t.VL - 1:
+            c = r + 1 - t.VL
+            if P.q_kind == FA_STORE_NATIVE:
+                pack_qt(qrows, D, qt + c, ldqt)
+            else:
+                for u in range(t.VL):
+                    for d in range(D):
+                        qt[d * ldqt + c + u] = load_elem(qrows[u], d, P.q_kind, ws)
     # Rows a 4-row output tile may cover past the last vector see nothing too.
     for r in range(t.nrows, min(FA_BQ, max(t.nlanes, _round_up(t.nrows, 4)))):
         t.lo[r] = 0
@@ -257,7 +263,6 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
         for r in range(t.nrows, t.nlanes):
             for j in range(nj):
                 s[j * FA_BQ + r] = 0
-    memset(ws + w.zrow, 0, D * sizeof(floating))
 
 
 # ---------------------------------------------------------------------------- key block

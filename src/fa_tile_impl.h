@@ -198,6 +198,22 @@ FA_NOINLINE void FA_FN(fa_softmax_step2)(T* s, ptrdiff_t lds, ptrdiff_t nj, ptrd
 { FA_FN(fa_softmax_body)(s, lds, nj, jlo, jhi, m, l, alpha, 2); }
 
 /*
+ * Q^T of VL query rows (stored in the compute type): qt[d * ldqt + t] = rows[t][d], d < D.
+ * VL x VL blocks are transposed in registers, so every store is a whole vector.
+ */
+FA_NOINLINE void FA_FN(fa_pack_qt)(const T* const* rows, ptrdiff_t D, T* qt, ptrdiff_t ldqt)
+{
+    V r[VL];
+    ptrdiff_t d0 = 0;
+    for (; d0 + VL <= D; d0 += VL) {
+        LOAD_TRANSPOSE(rows, d0, r);
+        for (int i = 0; i < VL; i++) STORE(qt + (d0 + i) * ldqt, r[i]);
+    }
+    for (; d0 < D; d0++)
+        for (int t = 0; t < VL; t++) qt[d0 * ldqt + t] = rows[t][d0];
+}
+
+/*
  * Merging a key chunk's softmax state (m, l, acc: one chunk of FA_KCHUNK keys processed
  * from an empty state) into the running state (M, L, ACC) of the rows, chunks in key order:
  *   M' = max(M, m);  a = 2^(M - M');  b = 2^(m - M');  L' = L a + l b;  ACC' = ACC a + acc b
