@@ -165,7 +165,7 @@ cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
     n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_items * nchunk if split else n_items))
     cdef Py_ssize_t itemsize = sizeof(float) if is_float else sizeof(double)
     cdef Workspace w
-    _carve(&w, P.D, P.Dv, vl)
+    _carve(&w, P, vl)
     cdef Py_ssize_t ws_elems = w.elems
     cdef size_t ws_bytes = n_threads * ws_elems * itemsize
     cdef size_t idx_bytes = n_threads * 2 * FA_BQ * sizeof(Py_ssize_t)

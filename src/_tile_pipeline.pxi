@@ -108,9 +108,10 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
 
 # ---------------------------------------------------------------------------- workspace
 
-cdef void _carve(Workspace* w, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t VL) noexcept nogil:
-    # The layout of one thread's workspace, in elements of the compute type.
-    cdef Py_ssize_t dv_pad = _round_up(Dv, 2 * VL), o = 0
+cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
+    # The layout of one thread's workspace, in elements of the compute type.  Blocks of
+    # widened K and V only for 16-bit K and V, and output rows only for a 16-bit out.
+    cdef Py_ssize_t D = P.D, Dv = P.Dv, dv_pad = _round_up(Dv, 2 * VL), o = 0
     w.qt = o; o += D * FA_BQ                    # Q^T
     w.s = o; o += (FA_BK + FA_MR_K) * FA_BQ     # S^T (a score micro-tile may run past nj)
     w.acc = o; o += FA_BQ * dv_pad              # the chunk's output rows
@@ -126,9 +127,9 @@ cdef void _carve(Workspace* w, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t VL) noexc
     w.nslope = o; o += FA_BQ                    # ALiBi per row: -slope log2 e
     w.diag = o; o += FA_BQ                      # and the row's diagonal
     w.zrow = o; o += D + 1                      # a zero key row for padding keys
-    w.kblk = o; o += FA_BK * D                  # a key block of 16-bit K, widened
-    w.vblk = o; o += FA_BK * Dv                 # and of V
-    w.orow = o; o += dv_pad                     # an output row before rounding to 16 bits
+    w.kblk = o; o += FA_BK * D if P.k_kind != FA_STORE_NATIVE else 0   # a block of K, widened
+    w.vblk = o; o += FA_BK * Dv if P.v_kind != FA_STORE_NATIVE else 0  # and of V
+    w.orow = o; o += dv_pad if P.o_kind != FA_STORE_NATIVE else 0      # a row before rounding
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
 
 
@@ -711,7 +712,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     cdef Workspace w
     cdef Tile t
     cdef Py_ssize_t kc, kc0 = 0, kc1 = 0
-    _carve(&w, P.D, P.Dv, vec_lanes(ws))
+    _carve(&w, P, vec_lanes(ws))
     _setup(P, &t, b, g, r0, lo, hi, ws)
     _setup_rows(P, &t, &w, ws)
     _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
@@ -739,7 +740,7 @@ cdef void _merge_partials(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize
     cdef Py_ssize_t kc, VL = vec_lanes(ws)
     cdef Py_ssize_t cap = _partial_rows(P, VL), pst = _partial_elems(P, VL)
     cdef const floating* pc
-    _carve(&w, P.D, P.Dv, VL)
+    _carve(&w, P, VL)
     _setup(P, &t, b, g, r0, NULL, NULL, ws)
     _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
     for kc in range(nchunk):
