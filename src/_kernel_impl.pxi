@@ -122,8 +122,9 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
 
 # The last call's workspace block, kept for the next (up to SPARE_MAX bytes): a loop of
 # small calls, a decode loop's steps, allocates nothing.  Calls take and return it with the
-# GIL held, which makes the hand-over safe; a call that finds it taken or too small
-# allocates its own.
+# GIL held, which makes the hand-over safe (the module does not declare itself safe without
+# a GIL, so a free-threaded interpreter keeps one for it); a call that finds it taken or
+# too small allocates its own.
 cdef enum:
     SPARE_MAX = 1 << 20
 cdef char* _spare = NULL

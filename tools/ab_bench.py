@@ -4,7 +4,7 @@
 
 OLD_DIR and NEW_DIR each hold an importable ``fastattn`` package (a checkout with the
 extension built in place, or a copy of one).  Each round runs one subprocess per build,
-old then new, and each subprocess times every shape (median of 5 batches of ~0.2 s after a
+the order alternating from round to round, and each subprocess times every shape (median of 5 batches of ~0.2 s after a
 warm-up).  The table gives, per shape, the median over rounds of each build's time and the
 new/old ratio, plus the range of the per-round ratios, and the share of the CPUs other
 processes used meanwhile (trust only rounds where it is low).
@@ -56,7 +56,11 @@ def main():
     shapes = args.shapes.split(",")
     old, new, bg = [], [], []
     for r in range(args.rounds):
-        for path, acc in ((args.old, old), (args.new, new)):
+        # Old first in even rounds, new first in odd ones: the second process of a round
+        # runs measurably slower on some shapes (an old-vs-old run shows it), so a fixed
+        # order would bias the ratio.
+        runs = ((args.old, old), (args.new, new))
+        for path, acc in (runs if r % 2 == 0 else runs[::-1]):
             res = run_build(os.path.abspath(path), shapes)
             acc.append(res["times"])
             bg.append(res["bg"])
