@@ -4,8 +4,8 @@
 
 OLD_DIR and NEW_DIR each hold an importable ``fastattn`` package (a checkout with the
 extension built in place, or a copy of one).  Each round runs one subprocess per build,
-the order alternating from round to round, and each subprocess times every shape (median of 5 batches of ~0.2 s after a
-warm-up).  The table gives, per shape, the median over rounds of each build's time and the
+which one first alternating from round to round, and each subprocess times every shape
+(median of 5 batches of ~0.2 s after a warm-up).  The table gives, per shape, the median over rounds of each build's time and the
 new/old ratio, plus the range of the per-round ratios, and the share of the CPUs other
 processes used meanwhile (trust only rounds where it is low).
 """
