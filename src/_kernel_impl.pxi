@@ -288,7 +288,7 @@ cdef enum:
 
 cdef inline void _free_offsets(Py_ssize_t* offs, Py_ssize_t* small) noexcept:
     if offs != small:
-        _free_offsets(offs, small)
+        PyMem_RawFree(offs)
 
 
 cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
@@ -721,17 +721,19 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, n_threads, sink
 
     cdef Problem P
     cdef Py_ssize_t bshape[32]
+    cdef Py_ssize_t nbatch = 1
     for d in range(nb):
         bshape[d] = qs[d]
+        nbatch *= qs[d]
+    cdef int nt = 1
+    if type(n_threads) is int:
+        nt = n_threads
+    elif nbatch * Hkv > 1 or (Hq // Hkv) * Lq > FA_BQ or Lk > FA_KCHUNK:
+        nt = n_threads()
     cdef Py_ssize_t small[SMALL_OFFSETS]
     cdef Py_ssize_t* offs = _fill_problem(&P, qa, ka, va, oa, la, None, 0, nb, bshape,
                                           NULL, causal_mode, -1, -1, sc, small)
     P.sinks = <const double*> _data_or_null(sinks64)
-    cdef int nt = 1
-    if type(n_threads) is int:
-        nt = n_threads
-    elif P.nbatch * Hkv > 1 or P.group * Lq > FA_BQ or Lk > FA_KCHUNK:
-        nt = n_threads()
     try:
         _run(&P, compute == cnp.NPY_FLOAT32, nt)
     finally:

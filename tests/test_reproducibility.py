@@ -335,3 +335,28 @@ def test_results_do_not_depend_on_a_previous_call(rng, dtype):
         assert_bitwise(out, exp_lse[0], "after a NaN call: out")
         assert_bitwise(lse, exp_lse[1], "after a NaN call: lse")
         assert_bitwise(out_sink, exp_sink, "after a NaN call: sinks")
+
+
+@pytest.mark.parametrize("batch", [(9,), (3, 4), (2, 2, 5)])
+def test_batches_of_more_than_eight_match_single_calls(rng, batch):
+    # Batch offsets of up to 8 elements live on the stack, larger batches on the heap:
+    # both, through the lean path, the validated path (kv_lengths) and packed sequences.
+    q, k, v = make_qkv(rng, (*batch, 2, 7, 16), (*batch, 1, 40, 16), (*batch, 1, 40, 8))
+    lens = rng.integers(1, 41, size=batch)
+    lean = fastattn.attention(q, k, v, causal=True)
+    masked = fastattn.attention(q, k, v, kv_lengths=lens)
+    for idx in np.ndindex(*batch):
+        assert_bitwise(lean[idx], fastattn.attention(q[idx], k[idx], v[idx], causal=True),
+                       f"lean path, element {idx}")
+        n = lens[idx]
+        assert_bitwise(masked[idx], fastattn.attention(q[idx], k[idx][:, :n], v[idx][:, :n]),
+                       f"kv_lengths, element {idx}")
+    seq_q = [int(x) for x in rng.integers(1, 9, size=int(np.prod(batch)))]
+    seq_k = [int(x) for x in rng.integers(1, 30, size=len(seq_q))]
+    cu_q, cu_k = np.cumsum([0] + seq_q), np.cumsum([0] + seq_k)
+    qp, kp, vp = make_qkv(rng, (2, cu_q[-1], 16), (1, cu_k[-1], 16), (1, cu_k[-1], 8))
+    packed = fastattn.attention_varlen(qp, kp, vp, cu_q, cu_k)
+    for s in range(len(seq_q)):
+        alone = fastattn.attention(qp[:, cu_q[s]:cu_q[s + 1]], kp[:, cu_k[s]:cu_k[s + 1]],
+                                   vp[:, cu_k[s]:cu_k[s + 1]])
+        assert_bitwise(packed[:, cu_q[s]:cu_q[s + 1]], alone, f"packed sequence {s}")

@@ -40,6 +40,10 @@ def make_step(rng):
     lengths = np.array([70, 17])
     bad_out = np.empty((2, 4, 33, 9), np.float32)
     x = f32(5, 7)
+    # more than 8 batch elements: batch offsets on the heap instead of the stack
+    qb, kb, vb = f32(12, 2, 3, 16), f32(12, 1, 20, 16), f32(12, 1, 20, 8)
+    lengths12 = np.arange(1, 13)
+    cu = np.arange(0, 13 * 3, 3)
 
     def fail(fn, *a, **kw):
         try:
@@ -61,6 +65,10 @@ def make_step(rng):
         lambda: fastattn.attention(q.tolist(), k, v),                  # list input
         lambda: fastattn.attention_weights(q, k, causal=True),
         lambda: fastattn.softmax(x, axis=0),
+        lambda: fastattn.attention(qb, kb, vb),
+        lambda: fastattn.attention(qb, kb, vb, kv_lengths=lengths12),
+        lambda: fastattn.attention_varlen(q[0, :, :30], k[0, :, :30], v[0, :, :30],
+                                          cu[:11], cu[:11]),
         lambda: fail(fastattn.attention, q, k, v, out=bad_out),
         lambda: fail(fastattn.attention, q, k, v, kv_lengths=np.array([99, 1])),
         lambda: fail(fastattn.attention, q, k[..., :5], v),
