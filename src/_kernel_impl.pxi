@@ -152,14 +152,23 @@ cdef void _return_block(char* mem, size_t nbytes) noexcept:
     _spare, _spare_bytes = mem, nbytes
 
 
-cdef int _run(Problem* P, bint is_float, int n_threads) except -1:
-    """Allocate per-thread workspaces, release the GIL and run the kernel."""
+cdef int _run(Problem* P, bint is_float, object threads) except -1:
+    """Allocate per-thread workspaces, release the GIL and run the kernel.
+
+    threads: the thread count, or a function returning it, called only when the call has
+    more than one work item to share (a single tile of rows and keys runs on one thread).
+    """
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
     cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
     if n_items == 0:
         return 0
     cdef Py_ssize_t vl = FA_VL_F if is_float else FA_VL_D
     cdef Py_ssize_t nchunk = (P.Lk + FA_KCHUNK - 1) // FA_KCHUNK
+    cdef int n_threads = 1
+    if type(threads) is int:
+        n_threads = threads
+    elif n_items * nchunk > 1:
+        n_threads = threads()
     # Fewer work items than threads and several key chunks: split the keys (flash-decoding).
     cdef bint split = n_threads > 1 and n_items < n_threads and nchunk >= 2
     # "Not using less, not using more": no idle threads on small problems.
@@ -631,8 +640,7 @@ cdef object _lean_sinks(object sinks, Py_ssize_t Hq, int nb, const cnp.npy_intp*
 def attention_fast(q, k, v, scale, causal, bint return_lse, out, n_threads, sinks=None):
     """The lean path of fastattn.attention (see above); None means "not handled here".
 
-    n_threads: the thread count, or a function returning it, called only when the call has
-    more than one work item to share (a single tile of rows and keys runs on one thread).
+    n_threads: the thread count, or a function returning it (see _run).
     """
     # cnp.ndarray is the C type object: no module attribute lookups.
     if type(q) is not cnp.ndarray or type(k) is not cnp.ndarray or type(v) is not cnp.ndarray:
@@ -721,21 +729,14 @@ def attention_fast(q, k, v, scale, causal, bint return_lse, out, n_threads, sink
 
     cdef Problem P
     cdef Py_ssize_t bshape[32]
-    cdef Py_ssize_t nbatch = 1
     for d in range(nb):
         bshape[d] = qs[d]
-        nbatch *= qs[d]
-    cdef int nt = 1
-    if type(n_threads) is int:
-        nt = n_threads
-    elif nbatch * Hkv > 1 or (Hq // Hkv) * Lq > FA_BQ or Lk > FA_KCHUNK:
-        nt = n_threads()
     cdef Py_ssize_t small[SMALL_OFFSETS]
     cdef Py_ssize_t* offs = _fill_problem(&P, qa, ka, va, oa, la, None, 0, nb, bshape,
                                           NULL, causal_mode, -1, -1, sc, small)
     P.sinks = <const double*> _data_or_null(sinks64)
     try:
-        _run(&P, compute == cnp.NPY_FLOAT32, nt)
+        _run(&P, compute == cnp.NPY_FLOAT32, n_threads)
     finally:
         _free_offsets(offs, small)
     return (oa, la) if return_lse else oa
