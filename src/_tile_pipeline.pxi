@@ -80,6 +80,7 @@ cdef struct Tile:
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
     Py_ssize_t tile_lo, tile_hi           # keys [tile_lo, tile_hi) are seen by some row
+    bint same_keys                # every row sees exactly [tile_lo, tile_hi), not empty
     # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.
     const char* kb
     const char* vb
@@ -160,6 +161,10 @@ cdef inline void _keys_seen(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
     cdef Py_ssize_t r
     a[0] = t.kv_len
     z[0] = 0
+    if t.same_keys and r_end <= t.nrows:
+        if r_begin < r_end:
+            a[0], z[0] = t.tile_lo, t.tile_hi
+        return
     for r in range(r_begin, r_end):
         if t.lo[r] < t.hi[r]:
             a[0] = min(a[0], t.lo[r])
@@ -170,6 +175,8 @@ cdef inline bint _all_see(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
                           Py_ssize_t j0, Py_ssize_t j1) noexcept nogil:
     # Whether every row of [r_begin, r_end) sees all keys [j0, j1).
     cdef Py_ssize_t r
+    if t.same_keys and r_end <= t.nrows:
+        return r_begin >= r_end or (t.tile_lo <= j0 and t.tile_hi >= j1)
     for r in range(r_begin, r_end):
         if t.lo[r] > j0 or t.hi[r] < j1:
             return False
@@ -249,6 +256,13 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
                 for u in range(t.VL):
                     for d in range(D):
                         qt[d * ldqt + c + u] = load_elem(qrows[u], d, P.q_kind, ws)
+    # The common case (no causal diagonal, window or per-sequence lengths in the tile) in
+    # one flag, so that the per-block stages need not scan the rows.
+    t.same_keys = t.tile_lo < t.tile_hi
+    for r in range(t.nrows):
+        if t.lo[r] != t.tile_lo or t.hi[r] != t.tile_hi:
+            t.same_keys = False
+            break
     # Rows a 4-row output tile may cover past the last vector see nothing too.
     for r in range(t.nrows, min(FA_BQ, max(t.nlanes, _round_up(t.nrows, 4)))):
         t.lo[r] = 0

@@ -205,6 +205,12 @@ FA_NOINLINE void FA_FN(fa_pack_qt)(const T* const* rows, ptrdiff_t D, T* qt, ptr
 {
     V r[VL];
     ptrdiff_t d0 = 0;
+    /* Every line of the rows requested first: the transposes below read the rows a
+     * vector at a time across all of them, an order the hardware prefetcher does not
+     * follow, so a Q tile read from memory would otherwise wait on a few lines at a time. */
+    for (int t = 0; t < VL; t++)
+        for (ptrdiff_t off = 0; off < D * (ptrdiff_t) sizeof(T); off += 64)
+            __builtin_prefetch((const char*) rows[t] + off, 0, 3);
     for (; d0 + VL <= D; d0 += VL) {
         LOAD_TRANSPOSE(rows, d0, r);
         for (int i = 0; i < VL; i++) STORE(qt + (d0 + i) * ldqt, r[i]);
