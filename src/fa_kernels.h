@@ -246,11 +246,18 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define K32(name) name##_fh
 #define KE_SCALAR(x) fa_f16_to_f32(x)
 #define FA_YROWS fa_yrows_fh
+#if defined(__AVX2__) && defined(__F16C__)
+#define KE_LOAD8W(p) ((fa_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p))))
+#endif
 #include "fa_keys32.h"
 #define KE uint16_t
 #define K32(name) name##_fb
 #define KE_SCALAR(x) fa_bf16_to_f32(x)
 #define FA_YROWS fa_yrows_fb
+#if defined(__AVX2__) && defined(__F16C__)
+#define KE_LOAD8W(p) \
+    ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+#endif
 #include "fa_keys32.h"
 #if defined(__AVX__)
 #define FA_KEYS32_WIDE(suf) fa_score_keys32_wide##suf

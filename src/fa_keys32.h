@@ -6,7 +6,8 @@
  *   K32(name)          the name of this instantiation's function
  *   KE_SCALAR(x)       one element widened to float
  *   FA_YROWS(lo, hi)   4 elements of two rows as one float vector [lo[0..3] | hi[0..3]]
- * (all four undefined at the end: each inclusion names its own)
+ *   KE_LOAD8W(p)       optional (16-bit K, AVX2): 8 elements loaded and widened
+ * (all undefined at the end: each inclusion names its own)
  * The float arithmetic is the same for every storage type: a 16-bit K is widened in
  * registers as it is loaded (one 8-element conversion per pair of rows), and widening is
  * exact, so a score's bits do not depend on how its key is stored.
@@ -177,6 +178,101 @@ FA_INLINE void K32(fa_keys8x4s_r4)(const KE* b, const KE* b3, ptrdiff_t ldk,
 #undef FA_FMA4
 }
 
+#if defined(KE_LOAD8W)
+/* AVX2, 4 rows, 32 evenly spaced 16-bit keys, D a multiple of 8 (up to FA_KT4_MAX_D): the
+ * lanes are [row 2i: keys 4g..4g+3 | row 2i+1: the same keys], so that q enters as two
+ * vectors per dimension, [q0 x4 | q1 x4] and [q2 x4 | q3 x4], and 4 keys as one 128-bit
+ * broadcast load.  The call's K is first widened into an L1 buffer in that shape: 4 keys
+ * x 8 dimensions at a time, a conversion per key and an in-lane 4 x 4 transpose (two
+ * shuffles per key).  The score loop then takes per dimension one 128-bit broadcast of q
+ * (split by two in-lane shuffles) and 4 of keys for 8 FMAs: no transposes in the loop, as
+ * the wide kernel below has, and no broadcast shuffle per FMA, as lanes of (row, key)
+ * pairs would need.
+ * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
+ * then * scale. */
+#define FA_KT4_MAX_D 256
+
+FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float* qt,
+                                       ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                       ptrdiff_t lds, int nstore, const char* const* pf,
+                                       ptrdiff_t pf_bytes)
+{
+    /* kt[((d / 8) * 8 + g) * 32 + (d % 4) * 8 + ((d % 8) / 4) * 4 + i]: key 4g + i at
+     * dimension d */
+    float kt[32 * FA_KT4_MAX_D] __attribute__((aligned(32)));
+    for (int g = 0; g < 8; g++) {
+        const KE* r = k + 4 * g * ldk;
+        for (ptrdiff_t d0 = 0; d0 < D; d0 += 8) {
+            const fa_vf x0 = KE_LOAD8W(r + d0), x1 = KE_LOAD8W(r + ldk + d0);
+            const fa_vf x2 = KE_LOAD8W(r + 2 * ldk + d0), x3 = KE_LOAD8W(r + 3 * ldk + d0);
+            const fa_vf t0 = __builtin_shufflevector(x0, x1, 0, 8, 1, 9, 4, 12, 5, 13);
+            const fa_vf t1 = __builtin_shufflevector(x0, x1, 2, 10, 3, 11, 6, 14, 7, 15);
+            const fa_vf t2 = __builtin_shufflevector(x2, x3, 0, 8, 1, 9, 4, 12, 5, 13);
+            const fa_vf t3 = __builtin_shufflevector(x2, x3, 2, 10, 3, 11, 6, 14, 7, 15);
+            float* o = kt + (d0 + g) * 32;   /* (d0 / 8) * 8 * 32 + g * 32 */
+            fa_store_f(o, __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13));
+            fa_store_f(o + 8, __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15));
+            fa_store_f(o + 16, __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13));
+            fa_store_f(o + 24, __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15));
+        }
+    }
+    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
+    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)k, ldk, sizeof(KE), D, 2 * (D / 8));
+    const fa_vf sc = fa_bcast_f(scale);
+    for (int h = 0; h < 2; h++) {   /* key groups 4h .. 4h+3: 8 accumulator chains */
+        fa_vf a[4][2];
+        float part[4][2][8];   /* the sums of the chunks before the current one */
+        for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = fa_bcast_f(0);
+        for (ptrdiff_t c0 = 0; c0 < D; c0 += FA_DCHUNK) {
+            if (c0)
+                for (int g = 0; g < 4; g++)
+                    for (int j = 0; j < 2; j++) {
+                        fa_store_f(part[g][j], c0 == FA_DCHUNK ? a[g][j]
+                                                               : fa_load_f(part[g][j]) + a[g][j]);
+                        a[g][j] = fa_bcast_f(0);
+                    }
+            const ptrdiff_t c1 = c0 + FA_DCHUNK < D ? c0 + FA_DCHUNK : D;
+            for (ptrdiff_t d0 = c0; d0 < c1; d0 += 8) {
+                fa_dec_pf_step(&pfs);
+                const float* kb = kt + (d0 + 4 * h) * 32;
+                const float* qb = qt + d0 * ldqt;
+#pragma GCC unroll 8
+                for (int e = 0; e < 8; e++) {
+                    /* [q0 q1 q2 q3 | the same], then in-lane shuffles of it */
+                    const fa_vf q4 = (fa_vf)_mm256_broadcast_ps((const __m128*)(qb + e * ldqt));
+                    const fa_vf q01 = __builtin_shufflevector(q4, q4, 0, 0, 0, 0, 5, 5, 5, 5);
+                    const fa_vf q23 = __builtin_shufflevector(q4, q4, 2, 2, 2, 2, 7, 7, 7, 7);
+#pragma GCC unroll 4
+                    for (int g = 0; g < 4; g++) {
+                        const fa_vf kv = (fa_vf)_mm256_broadcast_ps(
+                            (const __m128*)(kb + g * 32 + (e % 4) * 8 + (e / 4) * 4));
+                        a[g][0] += q01 * kv;
+                        a[g][1] += q23 * kv;
+                    }
+                }
+            }
+        }
+        for (int g = 0; g < 4; g++) {
+            fa_vf y[2];
+            for (int j = 0; j < 2; j++)
+                y[j] = (D > FA_DCHUNK ? a[g][j] + fa_load_f(part[g][j]) : a[g][j]) * sc;
+            /* [r0 | r1], [r2 | r3] over keys i: per key its 4 rows, a 4 x 4 transpose */
+            const fa_vf u0 = __builtin_shufflevector(y[0], y[1], 0, 4, 8, 12, 1, 5, 9, 13);
+            const fa_vf u1 = __builtin_shufflevector(y[0], y[1], 2, 6, 10, 14, 3, 7, 11, 15);
+            float o[16];
+            fa_store_f(o, u0);
+            fa_store_f(o + 8, u1);
+            float* sk = s + (16 * h + 4 * g) * lds;
+            if (nstore >= 4)
+                for (int i = 0; i < 4; i++) memcpy(sk + i * lds, o + 4 * i, 4 * sizeof(float));
+            else
+                for (int i = 0; i < 4; i++)
+                    for (int r = 0; r < nstore; r++) sk[i * lds + r] = o[4 * i + r];
+        }
+    }
+}
+#endif
+
 FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int nk,
                                       const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
                                       float scale, float* s, ptrdiff_t lds, const int nr,
@@ -186,6 +282,12 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
         K32(fa_score_keys32)(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
         return;
     }
+#if defined(KE_LOAD8W)
+    if (D % 8 == 0 && D <= FA_KT4_MAX_D) {
+        K32(fa_score_keys32_kt4)(kr[0], ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes);
+        return;
+    }
+#endif
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
     fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, sizeof(KE), D, 2 * (D / 4));
     const fa_vf sc = fa_bcast_f(scale);
@@ -231,3 +333,4 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
 #undef K32
 #undef KE_SCALAR
 #undef FA_YROWS
+#undef KE_LOAD8W
