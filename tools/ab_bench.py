@@ -8,6 +8,10 @@ which one first alternating from round to round, and each subprocess times every
 (median of 5 batches of ~0.2 s after a warm-up).  The table gives, per shape, the median over rounds of each build's time and the
 new/old ratio, plus the range of the per-round ratios, and the share of the CPUs other
 processes used meanwhile (trust only rounds where it is low).
+
+Run a build against a copy of itself the same way, as a control: two processes of
+identical builds started from different directories can differ by about 2% on some
+shapes (prefill-1k-f64 among them), so a ratio means something only beside the control's.
 """
 import argparse
 import json
