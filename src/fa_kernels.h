@@ -56,6 +56,23 @@
 #else
 #define FA_DEC_NR_MAX 4
 #endif
+/* The largest head dim of the 16-bit GQA score kernel (fa_score_gqa4_fh/fb): its per-call
+ * buffer of 32 widened keys is 32 KiB at this size. */
+#define FA_KT4_MAX_D 256
+
+/* 4 query rows of Q^T (qt[d * ldqt + r]) as the 16-bit GQA score kernel reads them:
+ * qp[d * 16 + 4 r + i] = qt[d * ldqt + r], i < 4 (each value 4 times, [q0 x4 | q1 x4] and
+ * [q2 x4 | q3 x4] per dimension), so that its loop loads q instead of shuffling it. */
+FA_NOINLINE void fa_pack_q4(const float* qt, ptrdiff_t ldqt, ptrdiff_t D, float* qp)
+{
+    typedef float v4 __attribute__((vector_size(16)));
+    for (ptrdiff_t d = 0; d < D; d++)
+        for (int r = 0; r < 4; r++) {
+            const float q = qt[d * ldqt + r];
+            const v4 x = {q, q, q, q};
+            memcpy(qp + d * 16 + 4 * r, &x, sizeof x);
+        }
+}
 
 /* causal modes */
 #define FA_CAUSAL_NONE 0
@@ -247,7 +264,8 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define KE_SCALAR(x) fa_f16_to_f32(x)
 #define FA_YROWS fa_yrows_fh
 #if defined(__AVX2__) && defined(__F16C__)
-#define KE_LOAD8W(p) ((fa_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p))))
+#define KE_WIDEN8(x) ((fa_vf)_mm256_cvtph_ps(x))
+#define KE_LOAD8W(p) KE_WIDEN8(_mm_loadu_si128((const __m128i*)(p)))
 #endif
 #include "fa_keys32.h"
 #define KE uint16_t
@@ -255,10 +273,23 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define KE_SCALAR(x) fa_bf16_to_f32(x)
 #define FA_YROWS fa_yrows_fb
 #if defined(__AVX2__) && defined(__F16C__)
-#define KE_LOAD8W(p) \
-    ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+#define KE_WIDEN8(x) ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16))
+#define KE_LOAD8W(p) KE_WIDEN8(_mm_loadu_si128((const __m128i*)(p)))
 #endif
 #include "fa_keys32.h"
+#if defined(__AVX2__) && defined(__F16C__)
+/* The 4-row decode score kernel of 16-bit K (fa_score_keys32_kt4) for a whole call of
+ * evenly spaced keys, with q packed by fa_pack_q4. */
+#define FA_HAVE_GQA4_16 1
+FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* k, ptrdiff_t ldk, const float* qp,
+                                  ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
+                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes)
+{ fa_score_keys32_kt4_fh(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes); }
+FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float* qp,
+                                  ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
+                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes)
+{ fa_score_keys32_kt4_fb(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes); }
+#endif
 #if defined(__AVX__)
 #define FA_KEYS32_WIDE(suf) fa_score_keys32_wide##suf
 #else
@@ -269,6 +300,13 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #else
 #define FA_DEC_KEYS_F FA_VL_F
 #define FA_DEC_SCORES_PREFETCH_K_ROWS_F 0
+#endif
+#ifndef FA_HAVE_GQA4_16
+/* Builds without that kernel never call it (the tile pipeline checks FA_HAVE_GQA4_16);
+ * the names exist so that the pipeline compiles the same in every build. */
+#define FA_HAVE_GQA4_16 0
+#define fa_score_gqa4_fh(...) ((void)0)
+#define fa_score_gqa4_fb(...) ((void)0)
 #endif
 
 /* ---- micro-kernels, float compute ----

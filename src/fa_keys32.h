@@ -181,21 +181,18 @@ FA_INLINE void K32(fa_keys8x4s_r4)(const KE* b, const KE* b3, ptrdiff_t ldk,
 #if defined(KE_LOAD8W)
 /* AVX2, 4 rows, 32 evenly spaced 16-bit keys, D a multiple of 8 (up to FA_KT4_MAX_D): the
  * lanes are [row 2i: keys 4g..4g+3 | row 2i+1: the same keys], so that q enters as two
- * vectors per dimension, [q0 x4 | q1 x4] and [q2 x4 | q3 x4], and 4 keys as one 128-bit
- * broadcast load.  The call's K is first widened into an L1 buffer in that shape: 4 keys
- * x 8 dimensions at a time, a conversion per key and an in-lane 4 x 4 transpose (two
- * shuffles per key).  The score loop then takes per dimension one 128-bit broadcast of q
- * (split by two in-lane shuffles) and 4 of keys for 8 FMAs: no transposes in the loop, as
- * the wide kernel below has, and no broadcast shuffle per FMA, as lanes of (row, key)
- * pairs would need.
+ * vectors per dimension, [q0 x4 | q1 x4] and [q2 x4 | q3 x4] (qp, packed once per tile
+ * by fa_pack_q4), and 4 keys as one 128-bit broadcast load.  The call's K is first
+ * widened into an L1 buffer in that shape: 4 keys x 8 dimensions at a time, a conversion
+ * per key and an in-lane 4 x 4 transpose (two shuffles per key).  The score loop then
+ * takes per dimension two loads of q and 4 broadcasts of keys for 8 FMAs: no shuffle at
+ * all (a shuffle shares a port with the FMAs), where the wide kernel below transposes in
+ * the loop and lanes of (row, key) pairs would need a broadcast shuffle per FMA.
  * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
  * then * scale. */
-#define FA_KT4_MAX_D 256
-
-FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float* qt,
-                                       ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
-                                       ptrdiff_t lds, int nstore, const char* const* pf,
-                                       ptrdiff_t pf_bytes)
+FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float* qp,
+                                       ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
+                                       int nstore, const char* const* pf, ptrdiff_t pf_bytes)
 {
     /* kt[((d / 8) * 8 + g) * 32 + (d % 4) * 8 + ((d % 8) / 4) * 4 + i]: key 4g + i at
      * dimension d */
@@ -235,13 +232,10 @@ FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float*
             for (ptrdiff_t d0 = c0; d0 < c1; d0 += 8) {
                 fa_dec_pf_step(&pfs);
                 const float* kb = kt + (d0 + 4 * h) * 32;
-                const float* qb = qt + d0 * ldqt;
 #pragma GCC unroll 8
                 for (int e = 0; e < 8; e++) {
-                    /* [q0 q1 q2 q3 | the same], then in-lane shuffles of it */
-                    const fa_vf q4 = (fa_vf)_mm256_broadcast_ps((const __m128*)(qb + e * ldqt));
-                    const fa_vf q01 = __builtin_shufflevector(q4, q4, 0, 0, 0, 0, 5, 5, 5, 5);
-                    const fa_vf q23 = __builtin_shufflevector(q4, q4, 2, 2, 2, 2, 7, 7, 7, 7);
+                    const fa_vf q01 = fa_load_f(qp + (d0 + e) * 16);
+                    const fa_vf q23 = fa_load_f(qp + (d0 + e) * 16 + 8);
 #pragma GCC unroll 4
                     for (int g = 0; g < 4; g++) {
                         const fa_vf kv = (fa_vf)_mm256_broadcast_ps(
@@ -282,12 +276,6 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
         K32(fa_score_keys32)(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
         return;
     }
-#if defined(KE_LOAD8W)
-    if (D % 8 == 0 && D <= FA_KT4_MAX_D) {
-        K32(fa_score_keys32_kt4)(kr[0], ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes);
-        return;
-    }
-#endif
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
     fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, sizeof(KE), D, 2 * (D / 4));
     const fa_vf sc = fa_bcast_f(scale);
@@ -334,3 +322,4 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
 #undef KE_SCALAR
 #undef FA_YROWS
 #undef KE_LOAD8W
+#undef KE_WIDEN8
