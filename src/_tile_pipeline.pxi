@@ -375,6 +375,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     cdef floating scale = <floating> t.scale_log2
     cdef Py_ssize_t KC = FA_DEC_KEYS_F if floating is float else FA_VL_D
     cdef Py_ssize_t nj = t.nj, nrows = t.nrows, u, r, ig, jb, nr, pf_bytes, ldk
+    cdef int npass
     cdef bint pf_v = (not t.pv_next_v or t.first_blk) and not t.widen_v
     cdef int nk
     for ig in range((nj + KC - 1) // KC):
@@ -391,10 +392,13 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
             nr = _keyrows_pass(nrows - r)
             if floating is float:
                 if nr == 4 and ldk != 0 and t.gqa4:
+                    # a second 4-row pass follows (more than 2 rows after these 4): one
+                    # call takes both, widening the keys once
+                    npass = 2 if nrows - r > 6 else 1
                     score_gqa4(t.krows[0], ldk, ws + w.qp + r * P.D * 4, P.D, scale,
                                s + jb * FA_BQ + r, <int> (nrows - r),
-                               t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind)
-                    r += nr
+                               t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind, npass)
+                    r += 4 * npass
                     pf_bytes = 0
                     continue
             score_keyrows(nr, t.krows, ldk, nk, qt + r, t.ldqt, P.D, scale,

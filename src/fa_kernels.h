@@ -278,17 +278,19 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #endif
 #include "fa_keys32.h"
 #if defined(__AVX2__) && defined(__F16C__)
-/* The 4-row decode score kernel of 16-bit K (fa_score_keys32_kt4) for a whole call of
- * evenly spaced keys, with q packed by fa_pack_q4. */
+/* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt4)
+ * over a whole call of evenly spaced keys, with q packed by fa_pack_q4. */
 #define FA_HAVE_GQA4_16 1
 FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* k, ptrdiff_t ldk, const float* qp,
                                   ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
-                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes)
-{ fa_score_keys32_kt4_fh(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes); }
+                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes,
+                                  int npass)
+{ fa_score_keys32_kt4_fh(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes, npass); }
 FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float* qp,
                                   ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
-                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes)
-{ fa_score_keys32_kt4_fb(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes); }
+                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes,
+                                  int npass)
+{ fa_score_keys32_kt4_fb(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes, npass); }
 #endif
 #if defined(__AVX__)
 #define FA_KEYS32_WIDE(suf) fa_score_keys32_wide##suf

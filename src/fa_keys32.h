@@ -179,40 +179,11 @@ FA_INLINE void K32(fa_keys8x4s_r4)(const KE* b, const KE* b3, ptrdiff_t ldk,
 }
 
 #if defined(KE_LOAD8W)
-/* AVX2, 4 rows, 32 evenly spaced 16-bit keys, D a multiple of 8 (up to FA_KT4_MAX_D): the
- * lanes are [row 2i: keys 4g..4g+3 | row 2i+1: the same keys], so that q enters as two
- * vectors per dimension, [q0 x4 | q1 x4] and [q2 x4 | q3 x4] (qp, packed once per tile
- * by fa_pack_q4), and 4 keys as one 128-bit broadcast load.  The call's K is first
- * widened into an L1 buffer in that shape: 4 keys x 8 dimensions at a time, a conversion
- * per key and an in-lane 4 x 4 transpose (two shuffles per key).  The score loop then
- * takes per dimension two loads of q and 4 broadcasts of keys for 8 FMAs: no shuffle at
- * all (a shuffle shares a port with the FMAs), where the wide kernel below transposes in
- * the loop and lanes of (row, key) pairs would need a broadcast shuffle per FMA.
- * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
- * then * scale. */
-FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float* qp,
-                                       ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
-                                       int nstore, const char* const* pf, ptrdiff_t pf_bytes)
+/* One pass of fa_score_keys32_kt4: 4 rows over the 32 widened keys kt. */
+FA_INLINE void K32(fa_kt4_pass)(const float* kt, const KE* k, ptrdiff_t ldk, const float* qp,
+                               ptrdiff_t D, float scale, float* s, ptrdiff_t lds, int nstore,
+                               const char* const* pf, ptrdiff_t pf_bytes)
 {
-    /* kt[((d / 8) * 8 + g) * 32 + (d % 4) * 8 + ((d % 8) / 4) * 4 + i]: key 4g + i at
-     * dimension d */
-    float kt[32 * FA_KT4_MAX_D] __attribute__((aligned(32)));
-    for (int g = 0; g < 8; g++) {
-        const KE* r = k + 4 * g * ldk;
-        for (ptrdiff_t d0 = 0; d0 < D; d0 += 8) {
-            const fa_vf x0 = KE_LOAD8W(r + d0), x1 = KE_LOAD8W(r + ldk + d0);
-            const fa_vf x2 = KE_LOAD8W(r + 2 * ldk + d0), x3 = KE_LOAD8W(r + 3 * ldk + d0);
-            const fa_vf t0 = __builtin_shufflevector(x0, x1, 0, 8, 1, 9, 4, 12, 5, 13);
-            const fa_vf t1 = __builtin_shufflevector(x0, x1, 2, 10, 3, 11, 6, 14, 7, 15);
-            const fa_vf t2 = __builtin_shufflevector(x2, x3, 0, 8, 1, 9, 4, 12, 5, 13);
-            const fa_vf t3 = __builtin_shufflevector(x2, x3, 2, 10, 3, 11, 6, 14, 7, 15);
-            float* o = kt + (d0 + g) * 32;   /* (d0 / 8) * 8 * 32 + g * 32 */
-            fa_store_f(o, __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13));
-            fa_store_f(o + 8, __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15));
-            fa_store_f(o + 16, __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13));
-            fa_store_f(o + 24, __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15));
-        }
-    }
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
     fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)k, ldk, sizeof(KE), D, 2 * (D / 8));
     const fa_vf sc = fa_bcast_f(scale);
@@ -265,6 +236,48 @@ FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float*
         }
     }
 }
+/* AVX2, npass x 4 rows, 32 evenly spaced 16-bit keys, D a multiple of 8 (up to
+ * FA_KT4_MAX_D): the lanes are [row 2i: keys 4g..4g+3 | row 2i+1: the same keys], so that
+ * q enters as two vectors per dimension, [q0 x4 | q1 x4] and [q2 x4 | q3 x4] (qp, packed
+ * once per tile by fa_pack_q4), and 4 keys as one 128-bit broadcast load.  The call's K
+ * is first widened into an L1 buffer in that shape, once for all its passes (a GQA group
+ * of 8 rows is two): 4 keys x 8 dimensions at a time, a conversion per key and an in-lane
+ * 4 x 4 transpose (two shuffles per key).  The score loop then takes per dimension two
+ * loads of q and 4 broadcasts of keys for 8 FMAs: no shuffle at all (a shuffle shares a
+ * port with the FMAs), where the wide kernel below transposes in the loop and lanes of
+ * (row, key) pairs would need a broadcast shuffle per FMA.
+ * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
+ * then * scale. */
+FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float* qp,
+                                       ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
+                                       int nstore, const char* const* pf, ptrdiff_t pf_bytes,
+                                       int npass)
+{
+    /* kt[((d / 8) * 8 + g) * 32 + (d % 4) * 8 + ((d % 8) / 4) * 4 + i]: key 4g + i at
+     * dimension d */
+    float kt[32 * FA_KT4_MAX_D] __attribute__((aligned(32)));
+    for (int g = 0; g < 8; g++) {
+        const KE* r = k + 4 * g * ldk;
+        for (ptrdiff_t d0 = 0; d0 < D; d0 += 8) {
+            const fa_vf x0 = KE_LOAD8W(r + d0), x1 = KE_LOAD8W(r + ldk + d0);
+            const fa_vf x2 = KE_LOAD8W(r + 2 * ldk + d0), x3 = KE_LOAD8W(r + 3 * ldk + d0);
+            const fa_vf t0 = __builtin_shufflevector(x0, x1, 0, 8, 1, 9, 4, 12, 5, 13);
+            const fa_vf t1 = __builtin_shufflevector(x0, x1, 2, 10, 3, 11, 6, 14, 7, 15);
+            const fa_vf t2 = __builtin_shufflevector(x2, x3, 0, 8, 1, 9, 4, 12, 5, 13);
+            const fa_vf t3 = __builtin_shufflevector(x2, x3, 2, 10, 3, 11, 6, 14, 7, 15);
+            float* o = kt + (d0 + g) * 32;   /* (d0 / 8) * 8 * 32 + g * 32 */
+            fa_store_f(o, __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13));
+            fa_store_f(o + 8, __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15));
+            fa_store_f(o + 16, __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13));
+            fa_store_f(o + 24, __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15));
+        }
+    }
+    /* npass passes of 4 rows (a GQA group of 8: two) share the widened keys; the first
+     * issues the prefetches */
+    for (int p = 0; p < npass; p++, qp += 16 * D, s += 4, nstore -= 4, pf_bytes = 0)
+        K32(fa_kt4_pass)(kt, k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes);
+}
+
 #endif
 
 FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int nk,

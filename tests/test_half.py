@@ -48,7 +48,8 @@ def _f32(*arrays):
 
 
 # Shapes for every tile path: single decode rows (1 query head per kv head), GQA groups of
-# 2, 3 (a 4-row pass that stores 3), 4 and 8 rows, prefill tiles with and without causal masking, head dims that leave
+# 2, 3 (a 4-row pass that stores 3), 4, 7 and 8 rows (two 4-row passes sharing one
+# widening of the keys), prefill tiles with and without causal masking, head dims that leave
 # leftovers in the decode transposes (D % 4, D % 8) or span two score chunks (D > 64),
 # value widths with a tail strip, and more than 1024 keys (merged key chunks).
 SHAPES = [
@@ -56,6 +57,8 @@ SHAPES = [
     ((2,), 4, 4, 1, 300, 64, 64, False),
     ((1,), 8, 2, 1, 2100, 128, 128, False),
     ((1,), 3, 1, 1, 150, 64, 64, False),
+    ((1,), 16, 2, 1, 300, 64, 64, False),
+    ((1,), 14, 2, 1, 100, 128, 128, False),
     ((2,), 8, 2, 3, 500, 72, 40, True),
     ((1,), 16, 2, 1, 200, 33, 20, False),
     ((1,), 6, 3, 1, 77, 130, 8, False),
