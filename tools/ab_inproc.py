@@ -1,0 +1,102 @@
+"""Time two builds of fastattn against each other inside one process, alternating.
+
+    python tools/ab_inproc.py OLD_DIR NEW_DIR [--threads 1] [--rounds 11]
+                              [--shapes prefill-1k,prefill-1k-causal,...]
+
+OLD_DIR and NEW_DIR each hold an importable ``fastattn`` package (a checkout with the
+extension built in place, or a copy of one).  The old package is imported first and its
+modules renamed to ``fastattn_old``, then the new one is imported beside it, so both run
+on the same arrays, in the same process, with the same heap and the same state of the
+machine, each on its own extension modules (checked); the batches alternate (old first,
+then new first).  Per shape the table gives both builds' fastest batch, their ratio, and
+the median of the per-round ratios.
+
+This resolves differences of about 1%, where separate processes (tools/ab_bench.py) carry
+a bias of their own of up to several percent.  It has one of its own: pairwise ratios of
+different builds are not transitive at the 1% level (the two modules' code addresses
+interact), so compare against more than one build of the old code before calling 1% a
+change.  With OpenMP builds on several threads, set OMP_WAIT_POLICY=passive, so that one
+build's spinning team does not take the cores from the other's threads.
+"""
+import argparse
+import importlib
+import os
+import sys
+import time
+
+DEFAULT_SHAPES = ("tiny,small,prefill-1k,prefill-1k-causal,prefill-4k-causal,long-8k,"
+                  "decode-4k,decode-gqa-8k,prefill-1k-f64")
+
+
+def _load_both(old_dir, new_dir):
+    """Import OLD_DIR's fastattn, rename it and its modules to fastattn_old, then import
+    NEW_DIR's fastattn; return (old, new), after checking each runs its own extension."""
+    old_dir, new_dir = os.path.abspath(old_dir), os.path.abspath(new_dir)
+    sys.path.insert(0, old_dir)
+    old = importlib.import_module("fastattn")
+    # Every module of the old package moves to a fastattn_old name, and its relative
+    # imports (also those a function makes when called) resolve there; the extension
+    # modules keep their code from OLD_DIR's files.
+    for name in [n for n in sys.modules if n == "fastattn" or n.startswith("fastattn.")]:
+        mod = sys.modules.pop(name)
+        renamed = "fastattn_old" + name[len("fastattn"):]
+        sys.modules[renamed] = mod
+        mod.__package__ = renamed if name == "fastattn" else "fastattn_old"
+        if getattr(mod, "__spec__", None) is not None:
+            mod.__spec__.name = renamed
+    sys.path.remove(old_dir)
+    sys.path.insert(0, new_dir)
+    importlib.invalidate_caches()
+    new = importlib.import_module("fastattn")
+    for prefix, root in (("fastattn_old.", old_dir), ("fastattn.", new_dir)):
+        for name, mod in list(sys.modules.items()):
+            f = getattr(mod, "__file__", None) or ""
+            if name.startswith(prefix) and f and not f.startswith(root + os.sep):
+                sys.exit(f"{name} was loaded from {f}, not from {root}")
+    return old, new
+
+
+def _time_shape(old, new, name, threads, rounds):
+    import numpy as np
+    from fastattn import bench
+    shape = bench.SHAPES_BY_NAME[name]
+    q, k, v = bench.make_inputs(shape)
+    calls = {m: (lambda m=m: m.attention(q, k, v, causal=shape.causal)) for m in (old, new)}
+    for m in (old, new, old, new):   # warm-up: thread pools, page faults, caches
+        with m.num_threads(threads):
+            calls[m]()
+    with new.num_threads(threads):
+        t0 = time.perf_counter()
+        calls[new]()
+        n = max(1, int(0.15 / max(time.perf_counter() - t0, 1e-7)))
+    times = {old: [], new: []}
+    for r in range(rounds):
+        for m in ((old, new) if r % 2 == 0 else (new, old)):
+            with m.num_threads(threads):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    calls[m]()
+                times[m].append((time.perf_counter() - t0) / n)
+    o, w = np.array(times[old]), np.array(times[new])
+    return o.min(), w.min(), float(np.median(w / o))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--shapes", default=DEFAULT_SHAPES)
+    args = p.parse_args(argv)
+    old, new = _load_both(args.old, args.new)
+    print(f"{'shape':20s} {'old (min)':>12s} {'new (min)':>12s} {'new/old':>8s} "
+          f"{'median of round ratios':>23s}")
+    for name in args.shapes.split(","):
+        o, w, med = _time_shape(old, new, name, args.threads, args.rounds)
+        print(f"{name:20s} {o * 1e3:9.3f} ms {w * 1e3:9.3f} ms {w / o:8.3f} {med:23.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
