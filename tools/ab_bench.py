@@ -12,6 +12,7 @@ processes used meanwhile (trust only rounds where it is low).
 Run a build against a copy of itself the same way, as a control: two processes of
 identical builds started from different directories can differ by about 2% on some
 shapes (prefill-1k-f64 among them), so a ratio means something only beside the control's.
+For differences of about 1%, tools/ab_inproc.py times both builds in one process.
 """
 import argparse
 import json
