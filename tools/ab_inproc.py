@@ -11,11 +11,10 @@ machine, each on its own extension modules (checked); the batches alternate (old
 then new first).  Per shape the table gives both builds' fastest batch, their ratio, and
 the median of the per-round ratios.
 
-This resolves differences of about 1%, where separate processes (tools/ab_bench.py) carry
-a bias of their own of up to several percent.  It has one of its own: pairwise ratios of
-different builds are not transitive at the 1% level (the two modules' code addresses
-interact), so compare against more than one build of the old code before calling 1% a
-change.  With OpenMP builds on several threads, set OMP_WAIT_POLICY=passive, so that one
+This resolves differences of 1-2%, where separate processes (tools/ab_bench.py) carry
+a bias of their own of up to several percent.  As a control, time the old build against a
+second build of the same code (another directory, or other alignment flags) the same way.
+With OpenMP builds on several threads, set OMP_WAIT_POLICY=passive, so that one
 build's spinning team does not take the cores from the other's threads.
 """
 import argparse
