@@ -100,6 +100,16 @@ cdef struct Tile:
     Py_ssize_t* hi
     Py_ssize_t vec_lo[FA_BQ]
     Py_ssize_t vec_hi[FA_BQ]
+    # Per lane group ig of the score and finish stages (NL rows; a decode tile is one
+    # group): the union [grp_lo, grp_hi) of its rows' intervals, and the keys every one of
+    # its rows sees, [grp_all_lo, grp_all_hi) (empty when some row sees nothing).  Per
+    # 6-row output tile: the union [pv_lo, pv_hi).  Computed once, in _setup_rows.
+    Py_ssize_t grp_lo[FA_BQ]
+    Py_ssize_t grp_hi[FA_BQ]
+    Py_ssize_t grp_all_lo[FA_BQ]
+    Py_ssize_t grp_all_hi[FA_BQ]
+    Py_ssize_t pv_lo[FA_BQ]
+    Py_ssize_t pv_hi[FA_BQ]
     const char* krows[32]         # key rows of one score call (FA_MR_K or FA_DEC_KEYS_F)
     const char* vrows[32]         # decode: the V rows of krows, to prefetch
 
@@ -173,16 +183,27 @@ cdef inline void _keys_seen(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
             z[0] = max(z[0], t.hi[r])
 
 
-cdef inline bint _all_see(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
-                          Py_ssize_t j0, Py_ssize_t j1) noexcept nogil:
-    # Whether every row of [r_begin, r_end) sees all keys [j0, j1).
+cdef inline void _keys_all_see(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
+                               Py_ssize_t* a, Py_ssize_t* z) noexcept nogil:
+    # The keys [a, z) every row of [r_begin, r_end) sees (all keys for no rows).
     cdef Py_ssize_t r
-    if t.same_keys and r_end <= t.nrows:
-        return r_begin >= r_end or (t.tile_lo <= j0 and t.tile_hi >= j1)
+    a[0] = 0
+    z[0] = t.kv_len
     for r in range(r_begin, r_end):
-        if t.lo[r] > j0 or t.hi[r] < j1:
-            return False
-    return True
+        a[0] = max(a[0], t.lo[r])
+        z[0] = min(z[0], t.hi[r])
+
+
+cdef void _group_intervals(Tile* t) noexcept nogil:
+    # The per-group intervals of the Tile (see there), from the rows' intervals.
+    cdef Py_ssize_t width = t.nlanes if t.decode else t.NL, ig, c, rend
+    for ig in range((t.nlanes + width - 1) // width):
+        c = ig * width
+        rend = min(c + width, t.nrows)
+        _keys_seen(t, c, rend, &t.grp_lo[ig], &t.grp_hi[ig])
+        _keys_all_see(t, c, rend, &t.grp_all_lo[ig], &t.grp_all_hi[ig])
+    for ig in range(t.n6 // FA_MR_PV):
+        _keys_seen(t, ig * FA_MR_PV, ig * FA_MR_PV + FA_MR_PV, &t.pv_lo[ig], &t.pv_hi[ig])
 
 
 cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
@@ -279,6 +300,7 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
         t.hi[r] = 0
     for ic in range(t.nlanes // t.VL):
         _keys_seen(t, ic * t.VL, min(ic * t.VL + t.VL, t.nrows), &t.vec_lo[ic], &t.vec_hi[ic])
+    _group_intervals(t)
     if t.decode:
         # Decode score kernels store real rows only: the padding lanes of S^T hold finite
         # values from here on (0, then the softmax's p), so no stale NaN or denormal reaches
@@ -338,7 +360,7 @@ cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
     for ic in range((nlanes + NL - 1) // NL):
         c = ic * NL
         nvec = <int> min(2, (nlanes - c) // VL)
-        _keys_seen(t, c, min(c + nvec * VL, t.nrows), &g_lo, &g_hi)
+        g_lo, g_hi = t.grp_lo[ic], t.grp_hi[ic]
         jj = 0
         while jj < nj:
             mk = FA_MR_K if nj - jj > 4 or nvec == 1 else 4
@@ -425,15 +447,14 @@ cdef void _finish_scores(const Problem* P, const Tile* t, const Workspace* w,
         c = ig * width
         nvec = <int> (min(width, t.nlanes - c) // t.VL)
         rend = min(c + nvec * t.VL, t.nrows)
-        _keys_seen(t, c, rend, &g_lo, &g_hi)
-        g_lo = min(max(g_lo, j0), j1)
-        g_hi = min(max(g_hi, g_lo), j1)
+        g_lo = min(max(t.grp_lo[ig], j0), j1)
+        g_hi = min(max(t.grp_hi[ig], g_lo), j1)
         if g_lo < g_hi:
             _modify_scores(P, t, w, ws, c, nvec, g_lo, g_hi)
         hide_keys(s + c, g_lo - j0, nvec)
         hide_keys(s + (g_hi - j0) * FA_BQ + c, j1 - g_hi, nvec)
-        if P.mask_kind == 0 and _all_see(t, c, rend, j0, j1):
-            continue
+        if P.mask_kind == 0 and t.grp_all_lo[ig] <= j0 and t.grp_all_hi[ig] >= j1:
+            continue   # every row of the group sees every key of the block
         for r in range(c, rend):
             _finish_row(P, t, s + r, r, g_lo, g_hi)
 
@@ -545,7 +566,10 @@ cdef void _pv_rows(const Tile* t, const Workspace* w, floating* ws, Py_ssize_t r
     # vectors), then 2-vector strips, row by row for a 4-row group.  pf: pf_rows rows of
     # another block (pf_stride bytes apart) to prefetch beside the first pf_cols columns.
     cdef Py_ssize_t isz = t.vblk_esz, dv_pad = t.dv_pad, ja, z, na, c = 0, cw, r
-    _keys_seen(t, rg, rg + nr, &ja, &z)
+    if nr == FA_MR_PV and rg + nr <= t.n6:
+        ja, z = t.pv_lo[rg // FA_MR_PV], t.pv_hi[rg // FA_MR_PV]
+    else:
+        _keys_seen(t, rg, rg + nr, &ja, &z)
     ja = min(max(t.j0, ja), t.j1)
     na = max(0, min(t.j1, z) - ja)
     cdef const floating* p = ws + w.s + (ja - t.j0) * FA_BQ
