@@ -453,10 +453,27 @@ cdef void _finish_scores(const Problem* P, const Tile* t, const Workspace* w,
             _modify_scores(P, t, w, ws, c, nvec, g_lo, g_hi)
         hide_keys(s + c, g_lo - j0, nvec)
         hide_keys(s + (g_hi - j0) * FA_BQ + c, j1 - g_hi, nvec)
-        if P.mask_kind == 0 and t.grp_all_lo[ig] <= j0 and t.grp_all_hi[ig] >= j1:
-            continue   # every row of the group sees every key of the block
+        if P.mask_kind == 0:
+            # no per-row modifier: only the keys some row of the group does not see
+            _hide_per_row(t, s, c, rend, g_lo, min(max(t.grp_all_lo[ig], g_lo), g_hi))
+            _hide_per_row(t, s, c, rend, min(max(t.grp_all_hi[ig], g_lo), g_hi), g_hi)
+            continue
         for r in range(c, rend):
             _finish_row(P, t, s + r, r, g_lo, g_hi)
+
+
+cdef inline void _hide_per_row(const Tile* t, floating* s, Py_ssize_t c, Py_ssize_t rend,
+                               Py_ssize_t ja, Py_ssize_t jz) noexcept nogil:
+    # -inf for the keys [ja, jz) of the block that rows [c, rend) do not see, key by key
+    # (a row of S^T is contiguous; row by row would write a cache line per key).
+    cdef Py_ssize_t j, r
+    cdef floating ninf = -INFINITY
+    cdef floating* sj
+    for j in range(ja, jz):
+        sj = s + (j - t.j0) * FA_BQ
+        for r in range(c, rend):
+            if j < t.lo[r] or j >= t.hi[r]:
+                sj[r] = ninf
 
 
 cdef inline void _modify_scores(const Problem* P, const Tile* t, const Workspace* w,
