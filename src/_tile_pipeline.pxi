@@ -122,10 +122,13 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
 
 cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     # The layout of one thread's workspace, in elements of the compute type.  Blocks of
-    # widened K and V only for 16-bit K and V, and output rows only for a 16-bit out.
+    # widened K and V and the packed Q^T of the 16-bit decode kernel only for 16-bit K and
+    # V, and output rows only for a 16-bit out.
     cdef Py_ssize_t D = P.D, Dv = P.Dv, dv_pad = _round_up(Dv, 2 * VL), o = 0
     w.qt = o; o += D * FA_BQ                    # Q^T
-    w.qp = o; o += D * 4 * FA_DECODE_ROWS       # a decode tile's Q^T for fa_score_gqa4
+    w.qp = o                                    # a decode tile's Q^T for fa_score_gqa4
+    if P.k_kind != FA_STORE_NATIVE:
+        o += D * 4 * FA_DECODE_ROWS
     w.s = o; o += (FA_BK + FA_MR_K) * FA_BQ     # S^T (a score micro-tile may run past nj)
     w.acc = o; o += FA_BQ * dv_pad              # the chunk's output rows
     w.m = o; o += FA_BQ
@@ -387,9 +390,9 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     # S^T of a decode-sized tile, keys as the lanes: KC keys per call (zero keys pad the
     # last call), each against the rows in passes of 8/4/2/1 (4-row passes over a whole
     # call of 16-bit keys: fa_score_gqa4, with Q^T as _setup_rows packed it for that
-    # kernel); only rows < nrows are stored.  The first pass prefetches the V rows of its keys, unless the output kernel
-    # streams the next block's V instead (pv_next_v; then only for the first block) or the
-    # block was widened (_load_block prefetched it).
+    # kernel); only rows < nrows are stored.  The first pass prefetches the V rows of its
+    # keys, unless the output kernel streams the next block's V instead (pv_next_v; then
+    # only for the first block) or the block was widened (_load_block prefetched it).
     # KC: one vector of lanes, or 32 (4 groups of 8) with 32-byte float vectors.
     cdef floating* s = ws + w.s
     cdef const floating* qt = ws + w.qt

@@ -264,8 +264,7 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define KE_SCALAR(x) fa_f16_to_f32(x)
 #define FA_YROWS fa_yrows_fh
 #if defined(__AVX2__) && defined(__F16C__)
-#define KE_WIDEN8(x) ((fa_vf)_mm256_cvtph_ps(x))
-#define KE_LOAD8W(p) KE_WIDEN8(_mm_loadu_si128((const __m128i*)(p)))
+#define KE_LOAD8W(p) ((fa_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p))))
 #endif
 #include "fa_keys32.h"
 #define KE uint16_t
@@ -273,8 +272,8 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define KE_SCALAR(x) fa_bf16_to_f32(x)
 #define FA_YROWS fa_yrows_fb
 #if defined(__AVX2__) && defined(__F16C__)
-#define KE_WIDEN8(x) ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16))
-#define KE_LOAD8W(p) KE_WIDEN8(_mm_loadu_si128((const __m128i*)(p)))
+#define KE_LOAD8W(p) \
+    ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
 #endif
 #include "fa_keys32.h"
 #if defined(__AVX2__) && defined(__F16C__)

@@ -335,4 +335,3 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
 #undef KE_SCALAR
 #undef FA_YROWS
 #undef KE_LOAD8W
-#undef KE_WIDEN8
