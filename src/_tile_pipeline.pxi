@@ -63,7 +63,7 @@ cdef struct Problem:
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
-    Py_ssize_t qt, qp, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
+    Py_ssize_t qt, qp, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
     Py_ssize_t kblk, vblk, orow, elems
 
 
@@ -123,12 +123,16 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
 cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     # The layout of one thread's workspace, in elements of the compute type.  Blocks of
     # widened K and V and the packed Q^T of the 16-bit decode kernel only for 16-bit K and
-    # V, and output rows only for a 16-bit out.
+    # V, a vector's widened query rows only for a 16-bit q, and output rows only for a
+    # 16-bit out.
     cdef Py_ssize_t D = P.D, Dv = P.Dv, dv_pad = _round_up(Dv, 2 * VL), o = 0
     w.qt = o; o += D * FA_BQ                    # Q^T
     w.qp = o                                    # a decode tile's Q^T for fa_score_gqa4
     if P.k_kind != FA_STORE_NATIVE:
         o += D * 4 * FA_DECODE_ROWS
+    w.qw = o                                    # VL query rows widened, to pack into Q^T
+    if P.q_kind != FA_STORE_NATIVE:
+        o += VL * D
     w.s = o; o += (FA_BK + FA_MR_K) * FA_BQ     # S^T (a score micro-tile may run past nj)
     w.acc = o; o += FA_BQ * dv_pad              # the chunk's output rows
     w.m = o; o += FA_BQ
@@ -253,7 +257,7 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     cdef floating* s = ws + w.s
     cdef const char* zrow = <const char*> (ws + w.zrow)
     cdef const char** qrows = t.krows       # one vector's query rows, then packed
-    cdef Py_ssize_t r, d, h, i, ic, j, nj, u, c, ldqt = t.ldqt, D = P.D
+    cdef Py_ssize_t r, h, i, ic, j, nj, u, c, ldqt = t.ldqt, D = P.D
     memset(ws + w.zrow, 0, D * sizeof(floating))
     t.tile_lo = t.kv_len
     t.tile_hi = 0
@@ -276,12 +280,13 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             qrows[r % t.VL] = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
         if r % t.VL == t.VL - 1:
             c = r + 1 - t.VL
-            if P.q_kind == FA_STORE_NATIVE:
-                pack_qt(qrows, D, qt + c, ldqt)
-            else:
+            if P.q_kind != FA_STORE_NATIVE:
+                # 16-bit rows widened first (exactly), then packed like stored ones
                 for u in range(t.VL):
-                    for d in range(D):
-                        qt[d * ldqt + c + u] = load_elem(qrows[u], d, P.q_kind, ws)
+                    if qrows[u] != zrow:
+                        widen_rows(P.q_kind, qrows[u], D, 1, D, ws + w.qw + u * D, D, NULL, 0)
+                        qrows[u] = <const char*> (ws + w.qw + u * D)
+            pack_qt(qrows, D, qt + c, ldqt)
     # The 16-bit GQA score kernel's copy of Q^T for each 4-row pass (_keyrows_pass: rows
     # c .. c+3 with more than 2 of them left).
     t.gqa4 = (floating is float and FA_HAVE_GQA4_16 and t.decode
@@ -307,8 +312,7 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     if t.decode:
         # Decode score kernels store real rows only: the padding lanes of S^T hold finite
         # values from here on (0, then the softmax's p), so no stale NaN or denormal reaches
-        # the exp.  Only the keys a block can hold for this tile; rows outer, so that the
-        # inner loop is one memset per key.
+        # the exp.  Only the keys a block can hold for this tile.
         nj = min(FA_BK, t.tile_hi - t.tile_lo) if t.tile_lo < t.tile_hi else 0
         for r in range(t.nrows, t.nlanes):
             for j in range(nj):
