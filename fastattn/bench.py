@@ -490,6 +490,12 @@ def bench_shape(shape, *, fa, ref_mod, torch, repeat, quick):
                 continue
             _settle()
             with context(name):
+                if name != "reference":
+                    # After the pause a library's threads are asleep, and waking them (and
+                    # the idle cores under them) can cost milliseconds: one untimed call
+                    # first, so that the batch times back-to-back calls.  The reference's
+                    # calls take long enough for that not to matter.
+                    libs[name]()
                 samples[name].append(_timed_batch(libs[name], plan[name][1]))
 
     for name in libs:
@@ -748,7 +754,7 @@ def format_header(report):
         f"method: median of {s['repeat']} batches per library (reference: at most"
         f" {s['reference_repeat_max']}, 1 if a call takes > 2 s);\n        libraries alternate"
         f" with a {int(PAUSE_S * 1000)} ms pause before each batch (longer until spinning"
-        f" BLAS/OpenMP workers sleep); fastattn writes into out="
+        f" BLAS/OpenMP workers sleep),\n        then one untimed call; fastattn writes into out="
         + ("; --quick" if s["quick"] else ""))
     lines.append("columns: % peak = of measured sgemm (dgemm for float64), of read bandwidth"
                  " for decode;\n         bg load = CPU share used by other processes meanwhile")

@@ -152,6 +152,42 @@ def test_bench_threads_and_decode(tmp_path):
     assert "GB/s" in proc.stdout
 
 
+def test_bench_each_timed_batch_follows_an_untimed_call(monkeypatch):
+    # After the pause before a batch, one untimed call wakes the library's threads, so the
+    # batch times back-to-back calls only; the reference's batches (long calls) go as is.
+    events = []
+    monkeypatch.setattr(bench, "_settle", lambda: events.append("pause"))
+    timed = bench._timed_batch
+
+    def logged_batch(fn, n):
+        seconds = timed(fn, n)
+        events.append("batch")
+        return seconds
+
+    monkeypatch.setattr(bench, "_timed_batch", logged_batch)
+
+    class Logged:
+        def __init__(self, mod, tag):
+            self.mod, self.tag = mod, tag
+
+        def attention(self, *args, **kwargs):
+            events.append(self.tag)
+            return self.mod.attention(*args, **kwargs)
+
+    result = bench.bench_shape(bench.SHAPES_BY_NAME["tiny"], fa=Logged(fastattn, "fa"),
+                               ref_mod=Logged(fastattn.reference, "ref"), torch=None,
+                               repeat=2, quick=True)
+    calls = {tag: result["libraries"][name]["calls_per_sample"]
+             for tag, name in (("fa", "fastattn"), ("ref", "reference"))}
+    # Each timed sample: a pause, the calls, then the batch ends.
+    segments = " ".join(events).split("batch")[:-1]
+    samples = [seg.split("pause")[-1].split() for seg in segments]
+    assert sorted(s[0] for s in samples) == ["fa", "fa", "ref", "ref"]
+    for s in samples:
+        assert len(set(s)) == 1
+        assert len(s) == calls[s[0]] + (1 if s[0] == "fa" else 0)
+
+
 @pytest.mark.parametrize("args, message", [
     (["bench", "--shapes", "tiny,nope"], "unknown shape(s) nope"),
     (["bench", "--repeat", "0"], "--repeat must be >= 1"),
