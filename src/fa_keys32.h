@@ -35,9 +35,18 @@ FA_INLINE void K32(fa_load_transpose_8x4)(const KE* const* k, ptrdiff_t d0, fa_v
  * reloaded from memory every step (which made the loop load-port bound). */
 FA_INLINE void K32(fa_load_transpose_8x4s)(const KE* k, ptrdiff_t ldk, ptrdiff_t d0, fa_vf* t)
 {
-    const KE* rows[8];
-    for (int i = 0; i < 8; i++) rows[i] = k + i * ldk;
-    K32(fa_load_transpose_8x4)(rows, d0, t);
+    /* y_i = [k_i | k_(i+4)] as in fa_load_transpose_8x4, rows from k and k + 3 ldk */
+    const KE *b = k + d0, *b3 = k + 3 * ldk + d0;
+    const fa_vf y0 = FA_YROWS(b, b + 4 * ldk), y1 = FA_YROWS(b + ldk, b3 + 2 * ldk);
+    const fa_vf y2 = FA_YROWS(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_YROWS(b3, b3 + 4 * ldk);
+    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
+    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
+    t[0] = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13);
+    t[1] = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15);
+    t[2] = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13);
+    t[3] = __builtin_shufflevector(u1, u3, 2, 3, 10, 11, 6, 7, 14, 15);
 }
 
 /* One step: 4 dims of the 8 keys of group g into the nr accumulators a[r]. */
