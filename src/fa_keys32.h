@@ -13,13 +13,11 @@
  * exact, so a score's bits do not depend on how its key is stored.
  */
 
-/* t[i][lane] = k[lane][d0 + i] for 8 key rows k, i < 4. */
-FA_INLINE void K32(fa_load_transpose_8x4)(const KE* const* k, ptrdiff_t d0, fa_vf* t)
+/* The 4 x 4 transpose within each 128-bit lane that turns y_i = [row i | row i+4] (4
+ * elements of each) into t[i][lane] = element i of row lane: unpack, then 64-bit
+ * shuffles. */
+FA_INLINE void K32(fa_transpose_y4)(fa_vf y0, fa_vf y1, fa_vf y2, fa_vf y3, fa_vf* t)
 {
-    /* y_i = [k_i | k_(i+4)]: keys 0-3 in the low 128-bit lane, 4-7 in the high one */
-    const fa_vf y0 = FA_YROWS(k[0] + d0, k[4] + d0), y1 = FA_YROWS(k[1] + d0, k[5] + d0);
-    const fa_vf y2 = FA_YROWS(k[2] + d0, k[6] + d0), y3 = FA_YROWS(k[3] + d0, k[7] + d0);
-    /* then a 4x4 transpose inside each lane: unpack, then 64-bit shuffles */
     const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
     const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
     const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
@@ -30,23 +28,24 @@ FA_INLINE void K32(fa_load_transpose_8x4)(const KE* const* k, ptrdiff_t d0, fa_v
     t[3] = __builtin_shufflevector(u1, u3, 2, 3, 10, 11, 6, 7, 14, 15);
 }
 
-/* The same from 8 equally spaced rows k, k + ldk, ..., k + 7 ldk: with one base pointer
- * and a stride the addresses come from addressing modes instead of 32 row pointers
- * reloaded from memory every step (which made the loop load-port bound). */
+/* t[i][lane] = k[lane][d0 + i] for 8 key rows k, i < 4. */
+FA_INLINE void K32(fa_load_transpose_8x4)(const KE* const* k, ptrdiff_t d0, fa_vf* t)
+{
+    /* y_i = [k_i | k_(i+4)]: keys 0-3 in the low 128-bit lane, 4-7 in the high one */
+    const fa_vf y0 = FA_YROWS(k[0] + d0, k[4] + d0), y1 = FA_YROWS(k[1] + d0, k[5] + d0);
+    const fa_vf y2 = FA_YROWS(k[2] + d0, k[6] + d0), y3 = FA_YROWS(k[3] + d0, k[7] + d0);
+    K32(fa_transpose_y4)(y0, y1, y2, y3, t);
+}
+
+/* The same from 8 equally spaced rows k, k + ldk, ..., k + 7 ldk, addressed from two
+ * base pointers (k and k + 3 ldk) and the stride: an array of row pointers would be kept
+ * on the stack and reloaded before every load. */
 FA_INLINE void K32(fa_load_transpose_8x4s)(const KE* k, ptrdiff_t ldk, ptrdiff_t d0, fa_vf* t)
 {
-    /* y_i = [k_i | k_(i+4)] as in fa_load_transpose_8x4, rows from k and k + 3 ldk */
     const KE *b = k + d0, *b3 = k + 3 * ldk + d0;
     const fa_vf y0 = FA_YROWS(b, b + 4 * ldk), y1 = FA_YROWS(b + ldk, b3 + 2 * ldk);
     const fa_vf y2 = FA_YROWS(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_YROWS(b3, b3 + 4 * ldk);
-    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
-    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
-    t[0] = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13);
-    t[1] = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15);
-    t[2] = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13);
-    t[3] = __builtin_shufflevector(u1, u3, 2, 3, 10, 11, 6, 7, 14, 15);
+    K32(fa_transpose_y4)(y0, y1, y2, y3, t);
 }
 
 /* One step: 4 dims of the 8 keys of group g into the nr accumulators a[r]. */
