@@ -23,7 +23,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_DEC_KEYS_F
         FA_DEC_SCORES_PREFETCH_K_ROWS_F
         FA_HAVE_GQA4_16
-        FA_KT4_MAX_D
+        FA_KT8_MAX_D
         FA_CAUSAL_NONE
         FA_CAUSAL_BOTTOM_RIGHT
         FA_CAUSAL_TOP_LEFT
@@ -147,15 +147,14 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_score_keyrows8_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
                               Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
                               Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    # npass passes of 4 query rows over a call of 32 evenly spaced 16-bit keys, q packed
-    # by fa_pack_q4 (builds with FA_HAVE_GQA4_16 only)
-    void fa_pack_q4(const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float* qp)
-    void fa_score_gqa4_fh(const uint16_t* k, Py_ssize_t ldk, const float* qp, Py_ssize_t D,
-                          float scale, float* s, Py_ssize_t lds, int nstore, const char** pf,
-                          Py_ssize_t pf_bytes, int npass)
-    void fa_score_gqa4_fb(const uint16_t* k, Py_ssize_t ldk, const float* qp, Py_ssize_t D,
-                          float scale, float* s, Py_ssize_t lds, int nstore, const char** pf,
-                          Py_ssize_t pf_bytes, int npass)
+    # npass passes of 4 query rows over a call of 32 evenly spaced 16-bit keys (builds
+    # with FA_HAVE_GQA4_16 only)
+    void fa_score_gqa4_fh(const uint16_t* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
+                          Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
+                          const char** pf, Py_ssize_t pf_bytes, int npass)
+    void fa_score_gqa4_fb(const uint16_t* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
+                          Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
+                          const char** pf, Py_ssize_t pf_bytes, int npass)
     void fa_pv_tile1_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
                         Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile1_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
@@ -292,17 +291,17 @@ cdef inline void _score_keyrows_16(Py_ssize_t nr, const uint16_t** kr, Py_ssize_
             fa_score_keyrows1_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
 
 
-cdef inline void score_gqa4(const char* k, Py_ssize_t ldk, const float* qp, Py_ssize_t D,
-                            float scale, float* s, int nstore, const char** pf,
+cdef inline void score_gqa4(const char* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
+                            Py_ssize_t D, float scale, float* s, int nstore, const char** pf,
                             Py_ssize_t pf_bytes, int kind, int npass) noexcept nogil:
-    # npass decode score passes of 4 query rows (packed by fa_pack_q4, D * 16 values per
-    # pass) over a call of 32 evenly spaced 16-bit keys from k, ldk elements apart, which
-    # the passes widen once.
+    # npass decode score passes of 4 query rows of Q^T (qt[d * ldqt + r]) over a call of
+    # 32 evenly spaced 16-bit keys from k, ldk elements apart, which the passes transpose
+    # once.
     if kind == FA_STORE_F16:
-        fa_score_gqa4_fh(<const uint16_t*> k, ldk, qp, D, scale, s, FA_BQ, nstore, pf,
+        fa_score_gqa4_fh(<const uint16_t*> k, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
                          pf_bytes, npass)
     else:
-        fa_score_gqa4_fb(<const uint16_t*> k, ldk, qp, D, scale, s, FA_BQ, nstore, pf,
+        fa_score_gqa4_fb(<const uint16_t*> k, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
                          pf_bytes, npass)
 
 

@@ -63,7 +63,7 @@ cdef struct Problem:
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
-    Py_ssize_t qt, qp, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
+    Py_ssize_t qt, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
     Py_ssize_t kblk, vblk, orow, elems
 
 
@@ -81,7 +81,7 @@ cdef struct Tile:
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
     Py_ssize_t tile_lo, tile_hi           # keys [tile_lo, tile_hi) are seen by some row
     bint same_keys                # every row sees exactly [tile_lo, tile_hi), not empty
-    bint gqa4                     # 4-row score passes over 16-bit K read the packed qp
+    bint gqa4                     # 4-row score passes over 16-bit K: fa_score_gqa4
     # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.
     const char* kb
     const char* vb
@@ -122,14 +122,10 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
 
 cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     # The layout of one thread's workspace, in elements of the compute type.  Blocks of
-    # widened K and V and the packed Q^T of the 16-bit decode kernel only for 16-bit K and
-    # V, a vector's widened query rows only for a 16-bit q, and output rows only for a
+    # widened K and V only for 16-bit K and V, a vector's widened query rows only for a 16-bit q, and output rows only for a
     # 16-bit out.
     cdef Py_ssize_t D = P.D, Dv = P.Dv, dv_pad = _round_up(Dv, 2 * VL), o = 0
     w.qt = o; o += D * FA_BQ                    # Q^T
-    w.qp = o                                    # a decode tile's Q^T for fa_score_gqa4
-    if P.k_kind != FA_STORE_NATIVE:
-        o += D * 4 * FA_DECODE_ROWS
     w.qw = o                                    # VL query rows widened, to pack into Q^T
     if P.q_kind != FA_STORE_NATIVE:
         o += VL * D
@@ -287,14 +283,10 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
                         widen_rows(P.q_kind, qrows[u], D, 1, D, ws + w.qw + u * D, D, NULL, 0)
                         qrows[u] = <const char*> (ws + w.qw + u * D)
             pack_qt(qrows, D, qt + c, ldqt)
-    # The 16-bit GQA score kernel's copy of Q^T for each 4-row pass (_keyrows_pass: rows
-    # c .. c+3 with more than 2 of them left).
+    # 4-row score passes over 16-bit K (_keyrows_pass: rows c .. c+3 with more than 2 of
+    # them left) take a whole call of keys in one kernel (fa_score_gqa4).
     t.gqa4 = (floating is float and FA_HAVE_GQA4_16 and t.decode
-              and P.k_kind != FA_STORE_NATIVE and D % 8 == 0 and D <= FA_KT4_MAX_D)
-    if floating is float:
-        if t.gqa4:
-            for c in range(0, t.nrows - 2, 4):
-                fa_pack_q4(qt + c, ldqt, D, ws + w.qp + c * D * 4)
+              and P.k_kind != FA_STORE_NATIVE and D % 8 == 0 and D <= FA_KT8_MAX_D)
     # The common case (no causal diagonal, window or per-sequence lengths in the tile) in
     # one flag, so that the per-block stages need not scan the rows.
     t.same_keys = t.tile_lo < t.tile_hi
@@ -393,8 +385,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
                          floating* ws) noexcept nogil:
     # S^T of a decode-sized tile, keys as the lanes: KC keys per call (zero keys pad the
     # last call), each against the rows in passes of 8/4/2/1 (4-row passes over a whole
-    # call of 16-bit keys: fa_score_gqa4, with Q^T as _setup_rows packed it for that
-    # kernel); only rows < nrows are stored.  The first pass prefetches the V rows of its
+    # call of 16-bit keys: fa_score_gqa4); only rows < nrows are stored.  The first pass prefetches the V rows of its
     # keys, unless the output kernel streams the next block's V instead (pv_next_v; then
     # only for the first block) or the block was widened (_load_block prefetched it).
     # KC: one vector of lanes, or 32 (4 groups of 8) with 32-byte float vectors.
@@ -424,7 +415,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
                     # a second 4-row pass follows (more than 2 rows after these 4): one
                     # call takes both, widening the keys once
                     npass = 2 if nrows - r > 6 else 1
-                    score_gqa4(t.krows[0], ldk, ws + w.qp + r * P.D * 4, P.D, scale,
+                    score_gqa4(t.krows[0], ldk, qt + r, t.ldqt, P.D, scale,
                                s + jb * FA_BQ + r, <int> (nrows - r),
                                t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind, npass)
                     r += 4 * npass

@@ -56,23 +56,9 @@
 #else
 #define FA_DEC_NR_MAX 4
 #endif
-/* The largest head dim of the 16-bit GQA score kernel (fa_score_gqa4_fh/fb): its per-call
- * buffer of 32 widened keys is 32 KiB at this size. */
-#define FA_KT4_MAX_D 256
-
-/* 4 query rows of Q^T (qt[d * ldqt + r]) as the 16-bit GQA score kernel reads them:
- * qp[d * 16 + 4 r + i] = qt[d * ldqt + r], i < 4 (each value 4 times, [q0 x4 | q1 x4] and
- * [q2 x4 | q3 x4] per dimension), so that its loop loads q instead of shuffling it. */
-FA_NOINLINE void fa_pack_q4(const float* qt, ptrdiff_t ldqt, ptrdiff_t D, float* qp)
-{
-    typedef float v4 __attribute__((vector_size(16)));
-    for (ptrdiff_t d = 0; d < D; d++)
-        for (int r = 0; r < 4; r++) {
-            const float q = qt[d * ldqt + r];
-            const v4 x = {q, q, q, q};
-            memcpy(qp + d * 16 + 4 * r, &x, sizeof x);
-        }
-}
+/* The largest head dim of the 16-bit decode score kernel (fa_score_keys32_kt8): its
+ * per-call buffer of 32 transposed keys is 16 KiB at this size. */
+#define FA_KT8_MAX_D 256
 
 /* causal modes */
 #define FA_CAUSAL_NONE 0
@@ -254,6 +240,61 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 { return fa_widen_bf16x8(fa_h8_rows(lo, hi)); }
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* The 8 x 8 transpose of 16-bit elements within each 128-bit lane: x_i = row i (8 elements
+ * per lane) in, y_j = element j of rows 0..7 out.  Three rounds of interleaves (16-, 32-,
+ * then 64-bit), 24 in-lane shuffles for 128 elements. */
+FA_INLINE void fa_transpose_h8x8(const __m256i* x, __m256i* y)
+{
+    /* pairs of rows 2p, 2p+1: 32-bit lane u of lo[p] is their element u, of hi[p] 4 + u */
+    __m256i lo[4], hi[4];
+    for (int p = 0; p < 4; p++) {
+        lo[p] = _mm256_unpacklo_epi16(x[2 * p], x[2 * p + 1]);
+        hi[p] = _mm256_unpackhi_epi16(x[2 * p], x[2 * p + 1]);
+    }
+    /* quads of rows 4Q..4Q+3: 64-bit lane v of c[Q][w] is their element 2w + v */
+    __m256i c[2][4];
+    for (int Q = 0; Q < 2; Q++) {
+        c[Q][0] = _mm256_unpacklo_epi32(lo[2 * Q], lo[2 * Q + 1]);
+        c[Q][1] = _mm256_unpackhi_epi32(lo[2 * Q], lo[2 * Q + 1]);
+        c[Q][2] = _mm256_unpacklo_epi32(hi[2 * Q], hi[2 * Q + 1]);
+        c[Q][3] = _mm256_unpackhi_epi32(hi[2 * Q], hi[2 * Q + 1]);
+    }
+    for (int w = 0; w < 4; w++) {
+        y[2 * w] = _mm256_unpacklo_epi64(c[0][w], c[1][w]);
+        y[2 * w + 1] = _mm256_unpackhi_epi64(c[0][w], c[1][w]);
+    }
+}
+
+/* The 32 keys k + i ldk (i < 32; D 16-bit elements each, D % 8 == 0) transposed, as bits,
+ * for the 16-bit decode score kernel (fa_score_keys32_kt8): the 8 keys of group g
+ * (keys 8g .. 8g+7) at kh + 8 g D, 8 elements per dimension; in each block of 16 dims
+ * from d0, dim d0 + e at kh + 8 (d0 + 2 (e % 8) + e / 8), the two 128-bit lanes of the
+ * transpose side by side; a last block of 8 dims (D % 16 == 8) in order. */
+FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D, uint16_t* kh)
+{
+    for (int g = 0; g < 4; g++) {
+        const uint16_t* r = k + 8 * g * ldk;
+        uint16_t* o = kh + 8 * g * D;
+        __m256i x[8], y[8];
+        ptrdiff_t d0 = 0;
+        for (; d0 + 16 <= D; d0 += 16) {
+            for (int i = 0; i < 8; i++)
+                x[i] = _mm256_loadu_si256((const __m256i*)(r + i * ldk + d0));
+            fa_transpose_h8x8(x, y);
+            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i*)(o + 8 * d0 + 16 * j), y[j]);
+        }
+        if (d0 < D) {
+            for (int i = 0; i < 8; i++)
+                x[i] = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(r + i * ldk + d0)));
+            fa_transpose_h8x8(x, y);
+            for (int j = 0; j < 8; j++)
+                _mm_store_si128((__m128i*)(o + 8 * d0 + 8 * j), _mm256_castsi256_si128(y[j]));
+        }
+    }
+}
+#endif
+
 #define KE float
 #define K32(name) name##_f
 #define KE_SCALAR(x) (x)
@@ -265,6 +306,7 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #define FA_YROWS fa_yrows_fh
 #if defined(__AVX2__) && defined(__F16C__)
 #define KE_LOAD8W(p) ((fa_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p))))
+#define KE_KT8_MIN_NR 1
 #endif
 #include "fa_keys32.h"
 #define KE uint16_t
@@ -274,22 +316,25 @@ FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #if defined(__AVX2__) && defined(__F16C__)
 #define KE_LOAD8W(p) \
     ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+/* A single bfloat16 row keeps the in-loop transposes, whose widening is one interleave with
+ * zeros: from memory it is faster there (see docs/performance.md). */
+#define KE_KT8_MIN_NR 2
 #endif
 #include "fa_keys32.h"
 #if defined(__AVX2__) && defined(__F16C__)
-/* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt4)
- * over a whole call of evenly spaced keys, with q packed by fa_pack_q4. */
+/* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt8)
+ * over a whole call of evenly spaced keys. */
 #define FA_HAVE_GQA4_16 1
-FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* k, ptrdiff_t ldk, const float* qp,
-                                  ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
-                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes,
-                                  int npass)
-{ fa_score_keys32_kt4_fh(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes, npass); }
-FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float* qp,
-                                  ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
-                                  int nstore, const char* const* pf, ptrdiff_t pf_bytes,
-                                  int npass)
-{ fa_score_keys32_kt4_fb(k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes, npass); }
+FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* k, ptrdiff_t ldk, const float* qt,
+                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                  ptrdiff_t lds, int nstore, const char* const* pf,
+                                  ptrdiff_t pf_bytes, int npass)
+{ fa_score_keys32_kt8_fh(k, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float* qt,
+                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                  ptrdiff_t lds, int nstore, const char* const* pf,
+                                  ptrdiff_t pf_bytes, int npass)
+{ fa_score_keys32_kt8_fb(k, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
 #endif
 #if defined(__AVX__)
 #define FA_KEYS32_WIDE(suf) fa_score_keys32_wide##suf

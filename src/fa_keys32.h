@@ -6,11 +6,12 @@
  *   K32(name)          the name of this instantiation's function
  *   KE_SCALAR(x)       one element widened to float
  *   FA_YROWS(lo, hi)   4 elements of two rows as one float vector [lo[0..3] | hi[0..3]]
- *   KE_LOAD8W(p)       optional (16-bit K, AVX2): 8 elements loaded and widened
+ *   KE_LOAD8W(p)       optional (16-bit K, AVX2): 8 elements loaded and widened; with
+ *   KE_KT8_MIN_NR      the fewest rows a call hands to fa_score_keys32_kt8
  * (all undefined at the end: each inclusion names its own)
  * The float arithmetic is the same for every storage type: a 16-bit K is widened in
- * registers as it is loaded (one 8-element conversion per pair of rows), and widening is
- * exact, so a score's bits do not depend on how its key is stored.
+ * registers as it is loaded, and widening is exact, so a score's bits do not depend on
+ * how its key is stored.
  */
 
 /* The 4 x 4 transpose within each 128-bit lane that turns y_i = [row i | row i+4] (4
@@ -62,6 +63,120 @@ FA_INLINE void K32(fa_keys32_step)(const KE* const* kr, ptrdiff_t ldk, int g, pt
         for (int r = 0; r < nr; r++) a[r] += fa_bcast_f(qd[r]) * t[i];
     }
 }
+
+#if defined(KE_LOAD8W)
+/* One dimension of fa_kt8_pass: the nr x ng accumulators a[r][g] += q[r] k_g, where
+ * kd + g gs holds the dimension's 8 keys of group g as 16-bit values. */
+FA_INLINE void K32(fa_kt8_dim)(const KE* kd, ptrdiff_t gs, const float* qd, const int nr,
+                              const int ng, fa_vf (*a)[4])
+{
+    fa_vf kv[4];
+    for (int g = 0; g < ng; g++) kv[g] = KE_LOAD8W(kd + g * gs);
+    for (int r = 0; r < nr; r++) {
+        const fa_vf qb = fa_bcast_f(qd[r]);
+        for (int g = 0; g < ng; g++) a[r][g] += qb * kv[g];
+    }
+}
+
+/* One pass of fa_score_keys32_kt8: nr rows of Q^T (qt[d * ldqt + r]) over the call's 32
+ * transposed keys kh, ng groups of 8 keys per sweep so that nr x ng = 4 (one row) or 8
+ * accumulator chains are in flight.  pfs: the call's prefetch streams, on the first pass
+ * only (else NULL). */
+FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
+                               float scale, float* s, ptrdiff_t lds, int nstore, const int nr,
+                               fa_dec_pf* pfs)
+{
+    const int ng = nr >= 4 ? 2 : 4;
+    const ptrdiff_t gs = 8 * D;   /* elements per group of 8 keys */
+    const fa_vf sc = fa_bcast_f(scale);
+    for (int g0 = 0; g0 < 4; g0 += ng) {
+        fa_vf a[4][4];
+        float part[4][4][8];   /* the sums of the chunks before the current one */
+        for (int r = 0; r < nr; r++)
+            for (int g = 0; g < ng; g++) a[r][g] = fa_bcast_f(0);
+        const KE* kg = kh + g0 * gs;
+        for (ptrdiff_t c0 = 0; c0 < D; c0 += FA_DCHUNK) {
+            if (c0)
+                for (int r = 0; r < nr; r++)
+                    for (int g = 0; g < ng; g++) {
+                        fa_store_f(part[r][g], c0 == FA_DCHUNK ? a[r][g]
+                                                               : fa_load_f(part[r][g]) + a[r][g]);
+                        a[r][g] = fa_bcast_f(0);
+                    }
+            const ptrdiff_t c1 = c0 + FA_DCHUNK < D ? c0 + FA_DCHUNK : D;
+            ptrdiff_t d0 = c0;
+            for (; d0 + 16 <= c1; d0 += 16)
+                for (int h = 0; h < 2; h++) {   /* dims d0 + 8h + e, e < 8 */
+                    if (pfs) fa_dec_pf_step(pfs);
+#pragma GCC unroll 8
+                    for (int e = 0; e < 8; e++)
+                        K32(fa_kt8_dim)(kg + 8 * (d0 + 2 * e + h), gs,
+                                        qt + (d0 + 8 * h + e) * ldqt, nr, ng, a);
+                }
+            if (d0 < c1) {   /* the last 8 dims, D % 16 == 8 */
+                if (pfs) fa_dec_pf_step(pfs);
+#pragma GCC unroll 8
+                for (int e = 0; e < 8; e++)
+                    K32(fa_kt8_dim)(kg + 8 * (d0 + e), gs, qt + (d0 + e) * ldqt, nr, ng, a);
+            }
+        }
+        /* out by constant indices (a runtime bound on r would keep a[][] in memory) */
+        float o[4][4][8];
+        for (int r = 0; r < nr; r++)
+            for (int g = 0; g < ng; g++)
+                fa_store_f(o[r][g], (D > FA_DCHUNK ? fa_load_f(part[r][g]) + a[r][g]
+                                                   : a[r][g]) * sc);
+        for (int g = 0; g < ng; g++) {
+            float* sg = s + 8 * (g0 + g) * lds;
+            if (nr == 4 && nstore >= 4) {
+                /* [key i: rows 0-3 | key i + 4: rows 0-3] */
+                fa_vf t[4];
+                K32(fa_transpose_y4)(fa_load_f(o[0][g]), fa_load_f(o[1][g]), fa_load_f(o[2][g]),
+                                     fa_load_f(o[3][g]), t);
+                for (int i = 0; i < 4; i++) {
+                    float w[8];
+                    fa_store_f(w, t[i]);
+                    memcpy(sg + i * lds, w, 4 * sizeof(float));
+                    memcpy(sg + (i + 4) * lds, w + 4, 4 * sizeof(float));
+                }
+            } else {
+                for (int r = 0; r < nr && r < nstore; r++)
+                    for (int i = 0; i < 8; i++) sg[i * lds + r] = o[r][g][i];
+            }
+        }
+    }
+}
+
+/* AVX2, npass x nr rows (nr = 1, 2 or 4), 32 evenly spaced 16-bit keys, D a multiple of 8
+ * (up to FA_KT8_MAX_D).  The call's K is first transposed, still 16-bit, into an L1
+ * buffer (fa_kt8_transpose: 24 in-lane shuffles per 8 keys x 16 dims, and 16-byte loads
+ * and stores), once for all its passes.  The score loop then takes per dimension one
+ * 8-key load widened in the load (vcvtph2ps, or a zero-extension and a shift), for nr
+ * broadcasts of q and nr FMAs per group: the conversions run beside the FMAs, not on
+ * their ports.  Transposing 16-bit elements moves half the bytes of the float transposes
+ * of fa_score_keys32 and needs no conversion before it.
+ * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
+ * then * scale. */
+FA_INLINE void K32(fa_score_keys32_kt8)(const KE* k, ptrdiff_t ldk, const float* qt,
+                                       ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                       ptrdiff_t lds, int nstore, const char* const* pf,
+                                       ptrdiff_t pf_bytes, int npass, const int nr)
+{
+    KE kh[32 * FA_KT8_MAX_D] __attribute__((aligned(32)));
+    fa_kt8_transpose(k, ldk, D, kh);
+    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf: issued by the first pass */
+    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)k, ldk, sizeof(KE), D,
+                   (nr >= 4 ? 2 : 1) * (D / 8));
+    /* ldqt is one vector of lanes in decode tiles: as a constant, the score loop addresses
+     * q from one pointer (a register per dimension of the unrolled loop spilled) */
+    for (int p = 0; p < npass; p++, qt += nr, s += nr, nstore -= nr) {
+        if (ldqt == 8)
+            K32(fa_kt8_pass)(kh, qt, 8, D, scale, s, lds, nstore, nr, p == 0 ? &pfs : NULL);
+        else
+            K32(fa_kt8_pass)(kh, qt, ldqt, D, scale, s, lds, nstore, nr, p == 0 ? &pfs : NULL);
+    }
+}
+#endif
 
 FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int nk,
                                       const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
@@ -129,6 +244,13 @@ FA_INLINE void K32(fa_score_keys32)(const KE* const* kr, ptrdiff_t ldk, int nk,
                                  float* s, ptrdiff_t lds, const int nr, int nstore,
                                  const char* const* pf, ptrdiff_t pf_bytes)
 {
+#if defined(KE_LOAD8W)
+    if (ldk && nk == 32 && nr <= 2 && nr >= KE_KT8_MIN_NR && D % 8 == 0 && D <= FA_KT8_MAX_D) {
+        K32(fa_score_keys32_kt8)(kr[0], ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes,
+                                 1, nr);
+        return;
+    }
+#endif
     if (ldk)
         K32(fa_score_keys32_body)(kr, ldk, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
     else
@@ -186,107 +308,6 @@ FA_INLINE void K32(fa_keys8x4s_r4)(const KE* b, const KE* b3, ptrdiff_t ldk,
 #undef FA_FMA4
 }
 
-#if defined(KE_LOAD8W)
-/* One pass of fa_score_keys32_kt4: 4 rows over the 32 widened keys kt. */
-FA_INLINE void K32(fa_kt4_pass)(const float* kt, const KE* k, ptrdiff_t ldk, const float* qp,
-                               ptrdiff_t D, float scale, float* s, ptrdiff_t lds, int nstore,
-                               const char* const* pf, ptrdiff_t pf_bytes)
-{
-    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
-    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)k, ldk, sizeof(KE), D, 2 * (D / 8));
-    const fa_vf sc = fa_bcast_f(scale);
-    for (int h = 0; h < 2; h++) {   /* key groups 4h .. 4h+3: 8 accumulator chains */
-        fa_vf a[4][2];
-        float part[4][2][8];   /* the sums of the chunks before the current one */
-        for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = fa_bcast_f(0);
-        for (ptrdiff_t c0 = 0; c0 < D; c0 += FA_DCHUNK) {
-            if (c0)
-                for (int g = 0; g < 4; g++)
-                    for (int j = 0; j < 2; j++) {
-                        fa_store_f(part[g][j], c0 == FA_DCHUNK ? a[g][j]
-                                                               : fa_load_f(part[g][j]) + a[g][j]);
-                        a[g][j] = fa_bcast_f(0);
-                    }
-            const ptrdiff_t c1 = c0 + FA_DCHUNK < D ? c0 + FA_DCHUNK : D;
-            for (ptrdiff_t d0 = c0; d0 < c1; d0 += 8) {
-                fa_dec_pf_step(&pfs);
-                const float* kb = kt + (d0 + 4 * h) * 32;
-#pragma GCC unroll 8
-                for (int e = 0; e < 8; e++) {
-                    const fa_vf q01 = fa_load_f(qp + (d0 + e) * 16);
-                    const fa_vf q23 = fa_load_f(qp + (d0 + e) * 16 + 8);
-#pragma GCC unroll 4
-                    for (int g = 0; g < 4; g++) {
-                        const fa_vf kv = (fa_vf)_mm256_broadcast_ps(
-                            (const __m128*)(kb + g * 32 + (e % 4) * 8 + (e / 4) * 4));
-                        a[g][0] += q01 * kv;
-                        a[g][1] += q23 * kv;
-                    }
-                }
-            }
-        }
-        for (int g = 0; g < 4; g++) {
-            fa_vf y[2];
-            for (int j = 0; j < 2; j++)
-                y[j] = (D > FA_DCHUNK ? a[g][j] + fa_load_f(part[g][j]) : a[g][j]) * sc;
-            /* [r0 | r1], [r2 | r3] over keys i: per key its 4 rows, a 4 x 4 transpose */
-            const fa_vf u0 = __builtin_shufflevector(y[0], y[1], 0, 4, 8, 12, 1, 5, 9, 13);
-            const fa_vf u1 = __builtin_shufflevector(y[0], y[1], 2, 6, 10, 14, 3, 7, 11, 15);
-            float o[16];
-            fa_store_f(o, u0);
-            fa_store_f(o + 8, u1);
-            float* sk = s + (16 * h + 4 * g) * lds;
-            if (nstore >= 4)
-                for (int i = 0; i < 4; i++) memcpy(sk + i * lds, o + 4 * i, 4 * sizeof(float));
-            else
-                for (int i = 0; i < 4; i++)
-                    for (int r = 0; r < nstore; r++) sk[i * lds + r] = o[4 * i + r];
-        }
-    }
-}
-/* AVX2, npass x 4 rows, 32 evenly spaced 16-bit keys, D a multiple of 8 (up to
- * FA_KT4_MAX_D): the lanes are [row 2i: keys 4g..4g+3 | row 2i+1: the same keys], so that
- * q enters as two vectors per dimension, [q0 x4 | q1 x4] and [q2 x4 | q3 x4] (qp, packed
- * once per tile by fa_pack_q4), and 4 keys as one 128-bit broadcast load.  The call's K
- * is first widened into an L1 buffer in that shape, once for all its passes (a GQA group
- * of 8 rows is two): 4 keys x 8 dimensions at a time, a conversion per key and an in-lane
- * 4 x 4 transpose (two shuffles per key).  The score loop then takes per dimension two
- * loads of q and 4 broadcasts of keys for 8 FMAs: no shuffle at all (a shuffle shares a
- * port with the FMAs), where the wide kernel below transposes in the loop and lanes of
- * (row, key) pairs would need a broadcast shuffle per FMA.
- * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
- * then * scale. */
-FA_INLINE void K32(fa_score_keys32_kt4)(const KE* k, ptrdiff_t ldk, const float* qp,
-                                       ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
-                                       int nstore, const char* const* pf, ptrdiff_t pf_bytes,
-                                       int npass)
-{
-    /* kt[((d / 8) * 8 + g) * 32 + (d % 4) * 8 + ((d % 8) / 4) * 4 + i]: key 4g + i at
-     * dimension d */
-    float kt[32 * FA_KT4_MAX_D] __attribute__((aligned(32)));
-    for (int g = 0; g < 8; g++) {
-        const KE* r = k + 4 * g * ldk;
-        for (ptrdiff_t d0 = 0; d0 < D; d0 += 8) {
-            const fa_vf x0 = KE_LOAD8W(r + d0), x1 = KE_LOAD8W(r + ldk + d0);
-            const fa_vf x2 = KE_LOAD8W(r + 2 * ldk + d0), x3 = KE_LOAD8W(r + 3 * ldk + d0);
-            const fa_vf t0 = __builtin_shufflevector(x0, x1, 0, 8, 1, 9, 4, 12, 5, 13);
-            const fa_vf t1 = __builtin_shufflevector(x0, x1, 2, 10, 3, 11, 6, 14, 7, 15);
-            const fa_vf t2 = __builtin_shufflevector(x2, x3, 0, 8, 1, 9, 4, 12, 5, 13);
-            const fa_vf t3 = __builtin_shufflevector(x2, x3, 2, 10, 3, 11, 6, 14, 7, 15);
-            float* o = kt + (d0 + g) * 32;   /* (d0 / 8) * 8 * 32 + g * 32 */
-            fa_store_f(o, __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13));
-            fa_store_f(o + 8, __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15));
-            fa_store_f(o + 16, __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13));
-            fa_store_f(o + 24, __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15));
-        }
-    }
-    /* npass passes of 4 rows (a GQA group of 8: two) share the widened keys; the first
-     * issues the prefetches */
-    for (int p = 0; p < npass; p++, qp += 16 * D, s += 4, nstore -= 4, pf_bytes = 0)
-        K32(fa_kt4_pass)(kt, k, ldk, qp, D, scale, s, lds, nstore, pf, pf_bytes);
-}
-
-#endif
 
 FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int nk,
                                       const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
@@ -343,3 +364,4 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
 #undef KE_SCALAR
 #undef FA_YROWS
 #undef KE_LOAD8W
+#undef KE_KT8_MIN_NR

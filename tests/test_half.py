@@ -49,9 +49,10 @@ def _f32(*arrays):
 
 # Shapes for every tile path: single decode rows (1 query head per kv head), GQA groups of
 # 2, 3 (a 4-row pass that stores 3), 4, 7 and 8 rows (two 4-row passes sharing one
-# widening of the keys), prefill tiles with and without causal masking, head dims that leave
-# leftovers in the decode transposes (D % 4, D % 8) or span two score chunks (D > 64),
-# value widths with a tail strip, and more than 1024 keys (merged key chunks).
+# transpose of the keys), prefill tiles with and without causal masking, head dims that
+# leave leftovers in the decode transposes (D % 4, D % 8, and D % 16 == 8 in the 16-bit
+# transpose) or span two score chunks (D > 64), value widths with a tail strip, and more
+# than 1024 keys (merged key chunks).
 SHAPES = [
     # batch, Hq, Hkv, Lq, Lk, D, Dv, causal
     ((2,), 4, 4, 1, 300, 64, 64, False),
@@ -64,6 +65,9 @@ SHAPES = [
     ((1,), 6, 3, 1, 77, 130, 8, False),
     ((2,), 4, 2, 200, 333, 40, 40, True),
     ((1,), 2, 2, 97, 1100, 16, 24, False),
+    ((1,), 4, 2, 1, 300, 72, 72, False),
+    ((2,), 3, 3, 1, 100, 40, 40, False),
+    ((1,), 8, 2, 1, 96, 24, 24, False),
 ]
 
 
