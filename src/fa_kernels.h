@@ -306,7 +306,6 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D,
 #define FA_YROWS fa_yrows_fh
 #if defined(__AVX2__) && defined(__F16C__)
 #define KE_LOAD8W(p) ((fa_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p))))
-#define KE_KT8_MIN_NR 1
 #endif
 #include "fa_keys32.h"
 #define KE uint16_t
@@ -316,9 +315,6 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D,
 #if defined(__AVX2__) && defined(__F16C__)
 #define KE_LOAD8W(p) \
     ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
-/* A single bfloat16 row keeps the in-loop transposes, whose widening is one interleave with
- * zeros: from memory it is faster there (see docs/performance.md). */
-#define KE_KT8_MIN_NR 2
 #endif
 #include "fa_keys32.h"
 #if defined(__AVX2__) && defined(__F16C__)

@@ -6,8 +6,7 @@
  *   K32(name)          the name of this instantiation's function
  *   KE_SCALAR(x)       one element widened to float
  *   FA_YROWS(lo, hi)   4 elements of two rows as one float vector [lo[0..3] | hi[0..3]]
- *   KE_LOAD8W(p)       optional (16-bit K, AVX2): 8 elements loaded and widened; with
- *   KE_KT8_MIN_NR      the fewest rows a call hands to fa_score_keys32_kt8
+ *   KE_LOAD8W(p)       optional (16-bit K, AVX2): 8 elements loaded and widened
  * (all undefined at the end: each inclusion names its own)
  * The float arithmetic is the same for every storage type: a 16-bit K is widened in
  * registers as it is loaded, and widening is exact, so a score's bits do not depend on
@@ -79,8 +78,8 @@ FA_INLINE void K32(fa_kt8_dim)(const KE* kd, ptrdiff_t gs, const float* qd, cons
 }
 
 /* One pass of fa_score_keys32_kt8: nr rows of Q^T (qt[d * ldqt + r]) over the call's 32
- * transposed keys kh, ng groups of 8 keys per sweep so that nr x ng = 4 (one row) or 8
- * accumulator chains are in flight.  pfs: the call's prefetch streams, on the first pass
+ * transposed keys kh, ng groups of 8 keys per sweep so that nr x ng = 8 accumulator
+ * chains are in flight (4 with one row).  pfs: the call's prefetch streams, on the first pass
  * only (else NULL). */
 FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
                                float scale, float* s, ptrdiff_t lds, int nstore, const int nr,
@@ -147,14 +146,16 @@ FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, p
     }
 }
 
-/* AVX2, npass x nr rows (nr = 1, 2 or 4), 32 evenly spaced 16-bit keys, D a multiple of 8
- * (up to FA_KT8_MAX_D).  The call's K is first transposed, still 16-bit, into an L1
- * buffer (fa_kt8_transpose: 24 in-lane shuffles per 8 keys x 16 dims, and 16-byte loads
- * and stores), once for all its passes.  The score loop then takes per dimension one
- * 8-key load widened in the load (vcvtph2ps, or a zero-extension and a shift), for nr
- * broadcasts of q and nr FMAs per group: the conversions run beside the FMAs, not on
- * their ports.  Transposing 16-bit elements moves half the bytes of the float transposes
- * of fa_score_keys32 and needs no conversion before it.
+/* AVX2, npass x nr rows (nr = 2 or 4: GQA groups), 32 evenly spaced 16-bit keys, D a
+ * multiple of 8 (up to FA_KT8_MAX_D).  The call's K is first transposed, still 16-bit,
+ * into an L1 buffer (fa_kt8_transpose: 24 in-lane shuffles, 8 loads and 8 stores of 32
+ * bytes per 8 keys x 16 dims), once for all its passes.  The score loop then takes per
+ * dimension and group one 8-key load, widened as it is loaded (vcvtph2ps, or a
+ * zero-extension and a shift), for nr broadcasts of q and nr FMAs: no shuffle shares the
+ * FMAs' port.  Transposing 16-bit elements moves half the bytes of a float transpose and
+ * needs no conversion before it.  (A single row keeps the in-loop transposes of
+ * fa_score_keys32_body: one FMA per key vector leaves them time to hide the memory
+ * reads, which a transpose up front exposes.)
  * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
  * then * scale. */
 FA_INLINE void K32(fa_score_keys32_kt8)(const KE* k, ptrdiff_t ldk, const float* qt,
@@ -245,7 +246,7 @@ FA_INLINE void K32(fa_score_keys32)(const KE* const* kr, ptrdiff_t ldk, int nk,
                                  const char* const* pf, ptrdiff_t pf_bytes)
 {
 #if defined(KE_LOAD8W)
-    if (ldk && nk == 32 && nr <= 2 && nr >= KE_KT8_MIN_NR && D % 8 == 0 && D <= FA_KT8_MAX_D) {
+    if (ldk && nk == 32 && nr == 2 && D % 8 == 0 && D <= FA_KT8_MAX_D) {
         K32(fa_score_keys32_kt8)(kr[0], ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes,
                                  1, nr);
         return;
@@ -364,4 +365,3 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
 #undef KE_SCALAR
 #undef FA_YROWS
 #undef KE_LOAD8W
-#undef KE_KT8_MIN_NR
