@@ -122,8 +122,8 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t x, Py_ssize_t m) noexcept nogil:
 
 cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     # The layout of one thread's workspace, in elements of the compute type.  Blocks of
-    # widened K and V only for 16-bit K and V, a vector's widened query rows only for a 16-bit q, and output rows only for a
-    # 16-bit out.
+    # widened K and V only for 16-bit K and V, a vector's widened query rows only for a
+    # 16-bit q, and output rows only for a 16-bit out.
     cdef Py_ssize_t D = P.D, Dv = P.Dv, dv_pad = _round_up(Dv, 2 * VL), o = 0
     w.qt = o; o += D * FA_BQ                    # Q^T
     w.qw = o                                    # VL query rows widened, to pack into Q^T
@@ -389,9 +389,10 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
                          floating* ws) noexcept nogil:
     # S^T of a decode-sized tile, keys as the lanes: KC keys per call (zero keys pad the
     # last call), each against the rows in passes of 8/4/2/1 (4-row passes over a whole
-    # call of 16-bit keys: fa_score_gqa4); only rows < nrows are stored.  The first pass prefetches the V rows of its
-    # keys, unless the output kernel streams the next block's V instead (pv_next_v; then
-    # only for the first block) or the block was widened (_load_block prefetched it).
+    # call of 16-bit keys: fa_score_gqa4); only rows < nrows are stored.  The first pass
+    # prefetches the V rows of its keys, unless the output kernel streams the next
+    # block's V instead (pv_next_v; then only for the first block) or the block was
+    # widened (_load_block prefetched it).
     # KC: one vector of lanes, or 32 (4 groups of 8) with 32-byte float vectors.
     cdef floating* s = ws + w.s
     cdef const floating* qt = ws + w.qt
@@ -623,10 +624,9 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     # vectors at a time.  K and V are read a few rows at a time, which the hardware
     # prefetchers do not follow, so the first row group also prefetches: the next block's
     # V rows for a single row of float32 V (pv_next_v: requests then go out during both
-    # kernels),
-    # else the next block's K rows unless the score kernel streams them itself.  GQA groups
-    # keep their V prefetch in the score kernel: their output kernel is too short to carry
-    # a stream.
+    # kernels), else the next block's K rows unless the score kernel streams them itself.
+    # GQA groups keep their V prefetch in the score kernel (their output kernel is too
+    # short to carry a stream), and so does a single row of 16-bit V (see _setup).
     cdef Py_ssize_t nr = 4 if t.nrows >= 2 else 1, rg, pf_rows = 0, ja, z
     cdef Py_ssize_t pf_stride, pf_cols
     cdef const char* pf

@@ -77,9 +77,9 @@ FA_INLINE void K32(fa_kt8_dim)(const KE* kd, ptrdiff_t gs, const float* qd, cons
     }
 }
 
-/* One pass of fa_score_keys32_kt8: nr rows of Q^T (qt[d * ldqt + r]) over the call's 32
- * transposed keys kh, ng groups of 8 keys per sweep so that nr x ng = 8 accumulator
- * chains are in flight (4 with one row).  pfs: the call's prefetch streams, on the first pass
+/* One pass of fa_score_keys32_kt8: nr = 2 or 4 rows of Q^T (qt[d * ldqt + r]) over the
+ * call's 32 transposed keys kh, ng groups of 8 keys per sweep so that nr x ng = 8
+ * accumulator chains are in flight.  pfs: the call's prefetch streams, on the first pass
  * only (else NULL). */
 FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
                                float scale, float* s, ptrdiff_t lds, int nstore, const int nr,
