@@ -234,8 +234,7 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.widen_v = P.v_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
-    # prefetches its own keys' V rows, spread over its steps (16-20% less time per
-    # decode step from memory).
+    # prefetches its own keys' V rows, spread over its steps.
     t.pv_next_v = t.decode and floating is float and t.nrows == 1 and P.v_kind == FA_STORE_NATIVE
     t.first_blk = True
     t.scale_log2 = P.scale * LOG2E

@@ -270,7 +270,8 @@ FA_INLINE void fa_transpose_h8x8(const __m256i* x, __m256i* y)
  * for the 16-bit decode score kernel (fa_score_keys32_kt8): the 8 keys of group g
  * (keys 8g .. 8g+7) at kh + 8 g D, 8 elements per dimension; in each block of 16 dims
  * from d0, dim d0 + e at kh + 8 (d0 + 2 (e % 8) + e / 8), the two 128-bit lanes of the
- * transpose side by side; a last block of 8 dims (D % 16 == 8) in order. */
+ * transpose side by side; a last block of 8 dims (D % 16 == 8) in order.  Not inlined:
+ * inside the score kernel GCC keeps the 8 row offsets on the stack and reloads them. */
 FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D, uint16_t* kh)
 {
     for (int g = 0; g < 4; g++) {

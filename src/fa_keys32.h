@@ -169,7 +169,8 @@ FA_INLINE void K32(fa_score_keys32_kt8)(const KE* k, ptrdiff_t ldk, const float*
     fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)k, ldk, sizeof(KE), D,
                    (nr >= 4 ? 2 : 1) * (D / 8));
     /* ldqt is one vector of lanes in decode tiles: as a constant, the score loop addresses
-     * q from one pointer (a register per dimension of the unrolled loop spilled) */
+     * q from one pointer, where a variable ldqt takes a register per dimension of the
+     * unrolled loop and those spill */
     for (int p = 0; p < npass; p++, qt += nr, s += nr, nstore -= nr) {
         if (ldqt == 8)
             K32(fa_kt8_pass)(kh, qt, 8, D, scale, s, lds, nstore, nr, p == 0 ? &pfs : NULL);
