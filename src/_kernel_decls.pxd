@@ -23,6 +23,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_DEC_KEYS_F
         FA_DEC_SCORES_PREFETCH_K_ROWS_F
         FA_HAVE_GQA4_16
+        FA_HAVE_SOFTMAX_PAIRS
         FA_KT8_MAX_D
         FA_CAUSAL_NONE
         FA_CAUSAL_BOTTOM_RIGHT
@@ -86,6 +87,9 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_softmax_step_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
                            Py_ssize_t jhi, double* m, double* l, double* alpha)
     void fa_softmax_step2_f(float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
+                            Py_ssize_t jhi, float* m, float* l, float* alpha)
+    # with FA_HAVE_SOFTMAX_PAIRS only
+    void fa_softmax_pairs_f(float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
                             Py_ssize_t jhi, float* m, float* l, float* alpha)
     void fa_softmax_step2_d(double* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t jlo,
                             Py_ssize_t jhi, double* m, double* l, double* alpha)

@@ -397,6 +397,67 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float*
 #endif
 #include "fa_tile_impl.h"
 #undef FA_KV_KERNELS_ONLY
+#if FA_VBYTES == 32
+/*
+ * The online-softmax step of fa_softmax_step_f for a decode tile of at most 4 query rows
+ * (lanes 0-3 of its vector; the other lanes are padding, left as they are): two keys per
+ * vector, [key j: rows 0-3 | key j + 1: rows 0-3], so that no exp is computed for the
+ * padding lanes, half the exps of the plain step.  The same bits in lanes 0-3: each lane
+ * runs the same operations on the same values (exp2, the selects, and l * alpha + sum as
+ * one FMA, in 8 lanes whose halves are equal), the sum adds the keys one at a time in key
+ * order (the low half, then the high one), and the block max is the same value whatever
+ * the order of the comparisons.
+ */
+FA_INLINE fa_v4f fa_load4_f(const float* p) { fa_v4f x; memcpy(&x, p, sizeof x); return x; }
+FA_INLINE void fa_store4_f(float* p, fa_v4f x) { memcpy(p, &x, sizeof x); }
+FA_INLINE fa_vf fa_join4_f(fa_v4f lo, fa_v4f hi)
+{ return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7); }
+FA_INLINE fa_v4f fa_lo4_f(fa_vf x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3); }
+FA_INLINE fa_v4f fa_hi4_f(fa_vf x) { return __builtin_shufflevector(x, x, 4, 5, 6, 7); }
+/* keys j and j1 of the 4 rows (the same key twice for a single one) */
+FA_INLINE fa_vf fa_key_pair_f(const float* s, ptrdiff_t lds, ptrdiff_t j, ptrdiff_t j1)
+{ return fa_join4_f(fa_load4_f(s + j * lds), fa_load4_f(s + j1 * lds)); }
+
+#define FA_HAVE_SOFTMAX_PAIRS 1
+FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t jlo,
+                                    ptrdiff_t jhi, float* m, float* l, float* alpha)
+{
+    const fa_vf ninf = fa_bcast_f(-INFINITY), zero = fa_bcast_f(0), one = fa_bcast_f(1);
+    fa_vf mb = ninf;
+    ptrdiff_t j = jlo;
+    for (; j + 1 < jhi; j += 2) mb = fa_max_f(mb, fa_key_pair_f(s, lds, j, j + 1));
+    if (j < jhi) mb = fa_max_f(mb, fa_key_pair_f(s, lds, j, j));
+    const fa_v4f mb4 = fa_lo4_f(fa_max_f(mb, __builtin_shufflevector(mb, mb, 4, 5, 6, 7, 0, 1,
+                                                                     2, 3)));
+    const fa_vf m_old = fa_join4_f(fa_load4_f(m), fa_load4_f(m));
+    const fa_vf m_new = fa_max_f(m_old, fa_join4_f(mb4, mb4));
+    const fa_vf a = fa_select_f(m_new == m_old, one, fa_exp2_f(m_old - m_new));
+    const fa_vf m_sub = fa_select_f(m_new == ninf, zero, m_new);
+    fa_store4_f(m, fa_lo4_f(m_new));
+    fa_store4_f(alpha, fa_lo4_f(a));
+    for (j = 0; j < jlo; j++) fa_store_f(s + j * lds, zero);
+    fa_v4f sum = fa_lo4_f(zero);
+    for (j = jlo; j + 1 < jhi; j += 2) {
+        const fa_vf p = fa_exp2_f(fa_key_pair_f(s, lds, j, j + 1) - m_sub);
+        fa_store4_f(s + j * lds, fa_lo4_f(p));
+        fa_store4_f(s + (j + 1) * lds, fa_hi4_f(p));
+        sum += fa_lo4_f(p);
+        sum += fa_hi4_f(p);
+    }
+    if (j < jhi) {
+        const fa_vf p = fa_exp2_f(fa_key_pair_f(s, lds, j, j) - m_sub);
+        fa_store4_f(s + j * lds, fa_lo4_f(p));
+        sum += fa_lo4_f(p);
+    }
+    for (j = jhi; j < nj; j++) fa_store_f(s + j * lds, zero);
+    const fa_vf l_old = fa_join4_f(fa_load4_f(l), fa_load4_f(l));
+    fa_store4_f(l, fa_lo4_f(l_old * a + fa_join4_f(sum, sum)));
+}
+#endif
+#ifndef FA_HAVE_SOFTMAX_PAIRS
+#define FA_HAVE_SOFTMAX_PAIRS 0
+#define fa_softmax_pairs_f(...) ((void)0)
+#endif
 #undef T
 #undef V
 #undef VL
