@@ -539,18 +539,18 @@ cdef void _softmax(const Tile* t, const Workspace* w, floating* ws) noexcept nog
     cdef floating* alpha = ws + w.alpha
     cdef Py_ssize_t nv = t.nlanes // t.VL, j0 = t.j0, j1 = t.j1, ic = 0, c, vj0, vj1
     cdef int nvec
-    if floating is float and FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4 and nv == 1:
-        # at most 4 rows in a vector of 8 lanes: two keys per vector, the same bits
-        vj0 = min(max(t.vec_lo[0], j0), j1) - j0
-        vj1 = max(min(t.vec_hi[0], j1) - j0, vj0)
-        fa_softmax_pairs_f(s, FA_BQ, t.nj, vj0, vj1, m, l, alpha)
-        return
+    # A decode tile of at most 4 rows is one vector of 8 lanes, half of them padding:
+    # two keys per vector there, the same bits.
+    cdef bint pairs = FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
     while ic < nv:
         c = ic * t.VL
         nvec = <int> min(2, nv - ic)
         vj0 = min(max(min(t.vec_lo[ic], t.vec_lo[ic + nvec - 1]), j0), j1) - j0
         vj1 = max(min(max(t.vec_hi[ic], t.vec_hi[ic + nvec - 1]), j1) - j0, vj0)
-        softmax_step(s + c, t.nj, vj0, vj1, m + c, l + c, alpha + c, nvec)
+        if floating is float and pairs:
+            fa_softmax_pairs_f(s, FA_BQ, t.nj, vj0, vj1, m, l, alpha)
+        else:
+            softmax_step(s + c, t.nj, vj0, vj1, m + c, l + c, alpha + c, nvec)
         ic += nvec
 
 
