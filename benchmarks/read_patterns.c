@@ -2,11 +2,12 @@
  * read_patterns.c -- how fast can this machine read K/V blocks the way the decode kernels do?
  *
  * The decode kernels make keys the SIMD lanes, so that a decode step gives the prefill's
- * bits (SPEC section 1).  They therefore read a block of K rows a strip of rows at a time,
- * 16 bytes of each row per step (the 8x4 in-register transposes), not each row front to
- * back.  This program streams a large buffer of such blocks (32 rows x 512 bytes, the K or
- * V rows of decode-gqa-8k: D = 128, float32) with no arithmetic, in several orders, to
- * separate what the read pattern costs from what the kernels' arithmetic costs:
+ * bits (the reproducibility rule in the README).  They therefore read a block of K rows a
+ * strip of rows at a time, 16 bytes of each row per step (the 8x4 in-register transposes),
+ * not each row front to back.  This program streams a large buffer of such blocks (32 rows
+ * x 512 bytes, the K or V rows of decode-gqa-8k: D = 128, float32) with no arithmetic, in
+ * several orders, to separate what the read pattern costs from what the kernels'
+ * arithmetic costs:
  *
  *   seq        each block front to back (what the hardware prefetchers follow best)
  *   strips     strips of 16 rows, 16 bytes of each row per step (the kernels' loads)

@@ -1,5 +1,5 @@
-"""fastattn, the NumPy reference and PyTorch side by side, one benchmark group per SPEC
-section 5 shape (see fastattn/bench.py for the shapes and `python -m fastattn bench` for the
+"""fastattn, the NumPy reference and PyTorch side by side, one benchmark group per bench
+shape (see fastattn/bench.py for the shapes and `python -m fastattn bench` for the
 table with GFLOP/s and speed-ups).
 
 Inputs are made once per shape (cached), outside the timed region; every library runs on

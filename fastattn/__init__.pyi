@@ -1,4 +1,4 @@
-# Type stub of fastattn's public API (SPEC.md).  The implementation modules carry no
+# Type stub of fastattn's public API.  The implementation modules carry no
 # annotations; this stub is what type checkers see for ``import fastattn`` /
 # ``from fastattn import ...``.  tests/test_typing.py checks it against the runtime with
 # mypy.stubtest, so a renamed argument or a new public name fails the test suite.
@@ -24,7 +24,7 @@ _Causal = bool | Literal["bottom-right", "top-left"]
 _Window = tuple[int, int] | None
 _Array = npt.NDArray[Any]
 
-# -- core kernel (SPEC §1) ----------------------------------------------------------------
+# -- core kernel --------------------------------------------------------------------------
 @overload
 def attention(
     q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
@@ -90,7 +90,7 @@ def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
 def num_threads(n: int) -> AbstractContextManager[int]: ...
 
-# -- layers (SPEC §3) ---------------------------------------------------------------------
+# -- layers -------------------------------------------------------------------------------
 def self_attention(
     x: npt.ArrayLike,
     w_q: npt.ArrayLike | None = None, w_k: npt.ArrayLike | None = None,
