@@ -159,6 +159,10 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_score_gqa4_fb(const uint16_t* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
                           Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
                           const char** pf, Py_ssize_t pf_bytes, int npass)
+    void fa_pv_tile_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile1_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
                         Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile1_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
@@ -379,12 +383,18 @@ cdef inline void pv_tile(const floating* p, Py_ssize_t nj, const char* v, Py_ssi
                          floating* acc, Py_ssize_t ldacc, const floating* alpha,
                          Py_ssize_t nrows, int kind) noexcept nogil:
     # One output micro-tile of FA_MR_PV rows or of a single row, 2 vectors of columns; V
-    # stored as `kind` (16-bit kinds: single rows with float compute only).
+    # stored as `kind` (16-bit kinds with float compute only).
     if floating is float:
         if kind == FA_STORE_F16:
-            fa_pv_tile1_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+            if nrows == FA_MR_PV:
+                fa_pv_tile_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+            else:
+                fa_pv_tile1_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
         elif kind == FA_STORE_BF16:
-            fa_pv_tile1_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+            if nrows == FA_MR_PV:
+                fa_pv_tile_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+            else:
+                fa_pv_tile1_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
         elif nrows == FA_MR_PV:
             fa_pv_tile_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
         else:

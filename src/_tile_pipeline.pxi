@@ -228,10 +228,14 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # and the prefetched V rows in L1.
     t.ldqt = t.nlanes if t.decode else FA_BQ
     # 16-bit K and V are widened in registers by the decode kernels of float compute (as
-    # they load them), and a block at a time into the workspace otherwise: once for all
-    # the rows of a prefill tile.
+    # they load them), and so is float16 V by the prefill's P.V tiles, where vcvtph2ps
+    # fits beside the FMAs.  Otherwise they are widened a block at a time into the
+    # workspace, once for all the rows of a prefill tile: K, whose score tiles broadcast
+    # single elements; bfloat16 V, whose shift would compete with the FMAs; and both for
+    # double compute.
     t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
-    t.widen_v = P.v_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
+    t.widen_v = P.v_kind != FA_STORE_NATIVE and not (
+        floating is float and (t.decode or P.v_kind == FA_STORE_F16))
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
     # prefetches its own keys' V rows, spread over its steps.
@@ -319,8 +323,8 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
 cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
                       floating* ws) noexcept nogil:
     # The block's K and V rows as the kernels read them.  Stored in the compute type, or
-    # in 16 bits for a decode tile of float compute (its kernels widen in registers), they
-    # are read in place.  Otherwise 16-bit rows are widened into the workspace while the
+    # in 16 bits where a float kernel widens them in registers (see widen_k), they are
+    # read in place.  Otherwise 16-bit rows are widened into the workspace while the
     # next block's rows are prefetched: one pass over the block serves every row of the
     # tile.  Widening is exact (every float16 and bfloat16 value is a float32), so the
     # kernels compute the same bits whichever way a value arrives.
