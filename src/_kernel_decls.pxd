@@ -23,6 +23,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_DEC_KEYS_F
         FA_DEC_SCORES_PREFETCH_K_ROWS_F
         FA_HAVE_GQA4_16
+        FA_HAVE_F16C
         FA_HAVE_SOFTMAX_PAIRS
         FA_KT8_MAX_D
         FA_CAUSAL_NONE

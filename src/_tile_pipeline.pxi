@@ -228,14 +228,15 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # and the prefetched V rows in L1.
     t.ldqt = t.nlanes if t.decode else FA_BQ
     # 16-bit K and V are widened in registers by the decode kernels of float compute (as
-    # they load them), and so is float16 V by the prefill's P.V tiles, where vcvtph2ps
-    # fits beside the FMAs.  Otherwise they are widened a block at a time into the
-    # workspace, once for all the rows of a prefill tile: K, whose score tiles broadcast
-    # single elements; bfloat16 V, whose shift would compete with the FMAs; and both for
-    # double compute.
+    # they load them), and so is float16 V by the prefill's P.V tiles on F16C builds,
+    # where vcvtph2ps fits beside the FMAs.  Otherwise they are widened a block at a time
+    # into the workspace, once for all the rows of a prefill tile: K, whose score tiles
+    # broadcast single elements; bfloat16 V, whose shift would compete with the FMAs;
+    # float16 V without F16C, whose integer widening would be repeated by every 6-row
+    # tile; and both for double compute.
     t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
     t.widen_v = P.v_kind != FA_STORE_NATIVE and not (
-        floating is float and (t.decode or P.v_kind == FA_STORE_F16))
+        floating is float and (t.decode or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C)))
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
     # prefetches its own keys' V rows, spread over its steps.

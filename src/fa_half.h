@@ -23,6 +23,13 @@
 #define FA_STORE_F16 1
 #define FA_STORE_BF16 2
 
+/* Whether float16 widens in one instruction (F16C), or in the portable integer sequence. */
+#if defined(__F16C__)
+#define FA_HAVE_F16C 1
+#else
+#define FA_HAVE_F16C 0
+#endif
+
 typedef uint16_t fa_vh8 __attribute__((vector_size(16)));
 typedef uint32_t fa_vu8 __attribute__((vector_size(32)));
 typedef int32_t fa_vi8 __attribute__((vector_size(32)));
