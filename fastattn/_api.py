@@ -8,92 +8,24 @@ batch dimensions into one element offset per flattened batch element, so broadca
 are read in place.  float16 and bfloat16 inputs are never cast: the kernel reads them in
 place and widens them itself, and writes a 16-bit result directly.
 """
-import math
-import numbers
-import operator
+import os
 
 import numpy as np
 
-from . import _threads, _variants
+from . import _args, _threads, reference
 from ._dispatch import kernel as _kernel
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "softmax"]
 
-_CAUSAL_MODES = {
-    False: _kernel.CAUSAL_NONE,
-    True: _kernel.CAUSAL_BOTTOM_RIGHT,
-    "bottom-right": _kernel.CAUSAL_BOTTOM_RIGHT,
-    "top-left": _kernel.CAUSAL_TOP_LEFT,
-}
+# --------------------------------------------------------------------------- kernel glue
 
+# The kernel's codes for the normalised arguments of fastattn._args.
+_CAUSAL_CODES = {"none": _kernel.CAUSAL_NONE, "bottom-right": _kernel.CAUSAL_BOTTOM_RIGHT,
+                 "top-left": _kernel.CAUSAL_TOP_LEFT}
+_MASK_CODES = {None: _kernel.MASK_NONE, "bool": _kernel.MASK_BOOL, "add": _kernel.MASK_ADD}
 
-# --------------------------------------------------------------------------- validation
-
-def _as_array(x, name):
-    if isinstance(x, np.ndarray):
-        a = x
-    else:
-        try:
-            a = np.asarray(x)
-        except (ValueError, TypeError) as e:  # ragged nested lists, odd objects
-            raise ValueError(f"{name} could not be converted to an array: {e}") from None
-    if a.dtype.kind not in "biuf" and not _variants.is_bfloat16(a.dtype):
-        raise TypeError(
-            f"{name} must hold real numbers (bool, integer, float16, bfloat16, float32 or "
-            f"float64), got dtype {a.dtype}")
-    return a
-
-
-def _scale(scale, D):
-    if scale is None:
-        if D == 0:
-            raise ValueError("scale=None needs a head dimension D >= 1 (q.shape[-1] is 0)")
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    try:
-        scale = float(scale)
-    except OverflowError:  # an int beyond float's range
-        raise ValueError(f"scale must be finite, got {scale}") from None
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
-
-
-def _causal(causal):
-    if isinstance(causal, np.bool_):
-        causal = bool(causal)
-    if isinstance(causal, (bool, str)) and causal in _CAUSAL_MODES:
-        return _CAUSAL_MODES[causal]
-    if isinstance(causal, str):
-        raise ValueError(f"causal must be True, False, 'bottom-right' or 'top-left', got {causal!r}")
-    raise TypeError(
-        f"causal must be a bool or 'top-left'/'bottom-right', got {type(causal).__name__}")
-
-
-def _window(window):
-    if window is None:
-        return -1, -1
-    if isinstance(window, np.ndarray):
-        window = window.tolist()
-    if not isinstance(window, (tuple, list)):  # not any iterable: a dict would unpack its keys
-        raise TypeError(f"window must be None or a pair (left, right), got {type(window).__name__}")
-    if len(window) != 2:
-        raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
-    left, right = window
-    sides = []
-    for side, w in (("left", left), ("right", right)):
-        if isinstance(w, (bool, np.bool_)):
-            raise TypeError(f"window {side} must be an int, got bool")
-        try:
-            w = operator.index(w)
-        except TypeError:
-            raise TypeError(f"window {side} must be an int, got {type(w).__name__}") from None
-        if w < -1:
-            raise ValueError(f"window {side} must be >= 0 or -1 (unbounded), got {w}")
-        # Any width beyond 2**62 is wider than every sequence: keep it in C's range.
-        sides.append(min(w, 2**62))
-    return sides[0], sides[1]
+# Set to False to send every call through the validated path (tests compare the two).
+_LEAN_PATH = os.environ.get("FASTATTN_VALIDATED_ONLY", "") in ("", "0")
 
 
 def _kernel_layout(a):
@@ -104,149 +36,47 @@ def _kernel_layout(a):
 def _kernel_ready(a, dtype):
     """``a`` as the kernel reads it: 16-bit floats as they are, anything else cast to the
     compute dtype; copied only if the kernel cannot read it in place."""
-    if not _variants.is_16bit(a.dtype):
+    if not _args.is_16bit(a.dtype):
         a = a.astype(dtype, copy=False)
     return a if _kernel_layout(a) else np.ascontiguousarray(a)
 
 
-def _check_out(out, shape, dtype):
-    """``out`` (or None) checked as the preallocated result of that shape and dtype."""
-    if out is None:
+def _kernel_mask(p):
+    """The mask as the kernel reads it (a uint8 view of a bool mask, or the compute dtype
+    with element strides), broadcast to ``(..., Hq, Lq, Lk)``; None without one."""
+    mask = p.mask
+    if mask is None:
         return None
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-    if out.shape != shape:
-        raise ValueError(f"out must have shape {shape}, got {out.shape}")
-    if out.dtype != dtype:
-        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
-    if not out.flags.writeable:
-        raise ValueError("out must be writeable")
-    return out
+    if p.mask_kind == "bool":
+        mask = mask.view(np.uint8)
+    else:
+        mask = mask.astype(p.compute_dtype, copy=False)
+        if any(st % mask.itemsize for st in mask.strides):
+            mask = np.ascontiguousarray(mask)
+    return np.broadcast_to(mask, p.batch + (p.Hq, p.Lq, p.Lk))
 
 
 def _writes_in_place(target, cdt, inputs):
     """Whether the kernel can write straight into ``target``: the compute dtype (or a 16-bit
-    result of float32 compute), rows it can address, and no overlap with an input (tiles
-    read the inputs while others are written)."""
+    result of float32 compute) in native byte order, rows it can address, and no overlap
+    with an input (tiles read the inputs while others are written)."""
     return (target is not None and _kernel_writes(target.dtype, cdt) and _kernel_layout(target)
             and not any(np.may_share_memory(target, a) for a in inputs if a is not None))
 
 
 def _kernel_writes(dtype, cdt):
     """Whether the kernel writes results of compute dtype ``cdt`` as ``dtype`` itself."""
-    return dtype == cdt or (cdt == np.float32 and _variants.is_16bit(dtype))
+    return dtype == cdt or (cdt == np.float32 and _args.is_16bit(dtype))
 
 
-class _Call:
-    """Validated arguments of one attention / attention_weights call."""
-
-    def __init__(self, q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse,
-                 softcap=None, alibi_slopes=None, sinks=None, q_lengths=None):
-        q = _as_array(q, "q")
-        k = _as_array(k, "k")
-        arrays = [q, k]
-        if v is not None:
-            v = _as_array(v, "v")
-            arrays.append(v)
-        if q.ndim < 2:
-            raise ValueError(f"q must have shape (..., Hq, Lq, D), (Hq, Lq, D) or (Lq, D); got {q.shape}")
-        for name, a in (("k", k), ("v", v)):
-            if a is not None and a.ndim != q.ndim:
-                raise ValueError(
-                    f"{name} must have as many dimensions as q: q.shape={q.shape}, {name}.shape={a.shape}")
-        self.squeeze_heads = q.ndim == 2
-        if self.squeeze_heads:  # (L, D): one head
-            q, k = q[None], k[None]
-            v = None if v is None else v[None]
-        Hq, Lq, D = q.shape[-3:]
-        Hkv, Lk, Dk = k.shape[-3:]
-        if Dk != D:
-            raise ValueError(f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
-        if v is not None:
-            if v.shape[-3] != Hkv or v.shape[-2] != Lk:
-                raise ValueError(
-                    f"k and v must have the same heads and length (..., Hkv, Lk, :): "
-                    f"k.shape={k.shape}, v.shape={v.shape}")
-        if Hkv == 0 or Hq % Hkv:
-            raise ValueError(
-                f"the number of query heads must be a multiple of the key/value heads: "
-                f"q.shape={q.shape} (Hq={Hq}), k.shape={k.shape} (Hkv={Hkv})")
-        shapes = [a.shape[:-3] for a in (q, k, v) if a is not None]
-        try:
-            batch = np.broadcast_shapes(*shapes)
-        except ValueError:
-            raise ValueError(
-                "the batch dimensions of q, k, v do not broadcast: "
-                + ", ".join(f"{n}.shape={a.shape}" for n, a in zip("qkv", (q, k, v)) if a is not None)
-            ) from None
-
-        self.compute_dtype, self.result_dtype = _variants.dtypes(**dict(zip("qkv", arrays)))
-        self.scale = _scale(scale, D)
-        self.causal = _causal(causal)
-        self.wl, self.wr = _window(window)
-        self.batch, self.Hq, self.Hkv, self.Lq, self.Lk, self.D = batch, Hq, Hkv, Lq, Lk, D
-        self.Dv = None if v is None else v.shape[-1]
-        self.nbatch = math.prod(batch)
-        self.mask, self.mask_kind = self._mask(mask)
-        self.kv_len = self._kv_lengths(kv_lengths)
-        self.softcap = _variants.check_softcap(softcap)
-        self.alibi = _variants.check_alibi_slopes(alibi_slopes, batch, Hq)
-        self.sinks = _variants.check_sinks(sinks, batch, Hq)
-        self.q_len = _variants.check_q_lengths(q_lengths, batch, Lq)
-        if not isinstance(return_lse, (bool, np.bool_)):
-            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-        self.return_lse = bool(return_lse)
-        self.out = self._out(out)
-        self.q, self.k, self.v = q, k, v
-
-    def _mask(self, mask):
-        if mask is None:
-            return None, _kernel.MASK_NONE
-        mask = _as_array(mask, "mask")
-        if mask.dtype.kind == "b":
-            kind = _kernel.MASK_BOOL
-        elif mask.dtype.kind == "f" or _variants.is_bfloat16(mask.dtype):
-            kind = _kernel.MASK_ADD
-        else:
-            raise TypeError(f"mask must be bool (True = may attend) or floating (added to the "
-                            f"scores), got dtype {mask.dtype}")
-        target = self.batch + (self.Hq, self.Lq, self.Lk)
-        try:
-            ok = mask.ndim <= len(target) and np.broadcast_shapes(mask.shape, target) == target
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"mask of shape {mask.shape} does not broadcast to (..., Hq, Lq, Lk) = {target}")
-        return mask, kind
-
-    def _kv_lengths(self, kv_lengths):
-        if kv_lengths is None:
-            return None
-        kvl = _as_array(kv_lengths, "kv_lengths")
-        if kvl.dtype.kind not in "iu":
-            raise TypeError(f"kv_lengths must be an integer array, got dtype {kvl.dtype}")
-        try:
-            kvl = np.broadcast_to(kvl, self.batch)
-        except ValueError:
-            raise ValueError(
-                f"kv_lengths of shape {kvl.shape} does not broadcast to the batch shape {self.batch}") from None
-        if kvl.size and (kvl.min() < 0 or kvl.max() > self.Lk):
-            raise ValueError(
-                f"kv_lengths must lie in [0, Lk] = [0, {self.Lk}], got values in "
-                f"[{kvl.min()}, {kvl.max()}]")
-        return kvl
-
-    def _out(self, out):
-        return _check_out(out, self.result_shape(self.Dv), self.result_dtype)
-
-    def result_shape(self, last):
-        shape = self.batch + (self.Hq, self.Lq, last)
-        return shape[1:] if self.squeeze_heads else shape
-
-    def kv_len_flat(self):
-        if self.kv_len is None:
-            return np.full(self.nbatch, self.Lk, dtype=np.intp)
-        return np.ascontiguousarray(self.kv_len.reshape(-1), dtype=np.intp)
+def _result(out, res, result_dtype, direct):
+    """The caller's ``out`` holding ``res`` (copied unless the kernel wrote it there), or
+    ``res`` in the result dtype."""
+    if out is not None:
+        if not direct:
+            np.copyto(out, res, casting="unsafe")
+        return out
+    return res if res.dtype == result_dtype else res.astype(result_dtype)
 
 
 # --------------------------------------------------------------------------- public API
@@ -329,57 +159,45 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     """
     if v is None:
         raise TypeError("v must be an array of shape (..., Hkv, Lk, Dv), got None")
-    if (window is None and mask is None and kv_lengths is None and type(return_lse) is bool
-            and softcap is None and alibi_slopes is None and q_lengths is None):
-        # The common case is validated and run entirely in C (see src/_kernel_impl.pxi,
-        # "The lean call path"); it returns None for anything it does not handle.
+    if _LEAN_PATH and (window is None and mask is None and kv_lengths is None
+                       and type(return_lse) is bool and softcap is None
+                       and alibi_slopes is None and q_lengths is None):
+        # The common case is recognised and run entirely in C (see src/_kernel_impl.pxi,
+        # "The lean call path"); it returns None for anything it does not take.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
                                      _threads.get_num_threads, sinks)
         if res is not None:
             return res
-    call = _Call(q, k, v, scale, causal, window, mask, kv_lengths, out, return_lse,
-                 softcap, alibi_slopes, sinks, q_lengths)
-    cdt = call.compute_dtype
-    q, k, v = (_kernel_ready(a, cdt) for a in (call.q, call.k, call.v))
-    batch = call.batch
-    full_shape = batch + (call.Hq, call.Lq, call.Dv)
+    p = _args.Problem(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                      kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
+                      alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse, out=out)
+    return _forward(p)
 
+
+def _forward(p):
+    """Run the kernel on a validated :class:`fastattn._args.Problem`."""
+    cdt = p.compute_dtype
+    q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    full_shape = p.batch + (p.Hq, p.Lq, p.Dv)
     # Write straight into the caller's `out` when the kernel can.
-    target = call.out
-    if target is not None and target.ndim == len(full_shape) - 1:
+    target = p.out
+    if target is not None and p.squeeze_heads:
         target = target[None]
-    direct = _writes_in_place(target, cdt, (q, k, v, call.mask))
-    rdt = call.result_dtype if _kernel_writes(call.result_dtype, cdt) else cdt
+    mask = _kernel_mask(p)
+    direct = _writes_in_place(target, cdt, (q, k, v, mask))
+    rdt = p.result_dtype if _kernel_writes(p.result_dtype, cdt) else cdt
     res = target if direct else np.empty(full_shape, dtype=rdt)
-    lse = np.empty(batch + (call.Hq, call.Lq), dtype=cdt) if call.return_lse else None
-
-    mask = call.mask
-    if mask is not None:
-        if call.mask_kind == _kernel.MASK_BOOL:
-            mask = mask.view(np.uint8)
-        else:
-            mask = mask.astype(cdt, copy=False)
-            if any(st % mask.itemsize for st in mask.strides):
-                mask = np.ascontiguousarray(mask)
-        mask = np.broadcast_to(mask, batch + (call.Hq, call.Lq, call.Lk))
-
+    lse = np.empty(p.batch + (p.Hq, p.Lq), dtype=cdt) if p.return_lse else None
     _kernel.forward(
-        q, k, v, res, lse, mask, call.mask_kind, batch, call.kv_len_flat(),
-        call.causal, call.wl, call.wr, call.scale, _threads.get_num_threads(),
-        call.softcap or 0.0, call.alibi, call.sinks, call.q_len,
+        q, k, v, res, lse, mask, _MASK_CODES[p.mask_kind], p.batch, p.kv_len_flat(),
+        _CAUSAL_CODES[p.causal], p.wl, p.wr, p.scale, _threads.get_num_threads(),
+        p.softcap or 0.0, p.alibi, p.sinks, p.q_len,
     )
-
-    if call.squeeze_heads:
+    if p.squeeze_heads:
         res = res[0]
-        if lse is not None:
-            lse = lse[0]
-    if call.out is not None:
-        if not direct:
-            np.copyto(call.out, res, casting="unsafe")
-        res = call.out
-    elif res.dtype != call.result_dtype:
-        res = res.astype(call.result_dtype)
-    return (res, lse) if call.return_lse else res
+        lse = None if lse is None else lse[0]
+    res = _result(p.out, res, p.result_dtype, direct)
+    return (res, lse) if p.return_lse else res
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
@@ -417,36 +235,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     >>> np.array_equal(out[:, 3:], fastattn.attention(q[:, 3:], q[:, 3:], q[:, 3:], causal=True))
     True
     """
-    arrays = {"q": _as_array(q, "q"), "k": _as_array(k, "k"), "v": _as_array(v, "v")}
-    Hq, Hkv, total_q, total_k, D, Dv = _variants.check_varlen_shapes(*arrays.values())
-    cu_q, cu_k = _variants.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
-    n_seq = cu_q.shape[0] - 1
-    cdt, rdt = _variants.dtypes(**arrays)
-    sc = _scale(scale, D)
-    causal_mode = _causal(causal)
-    wl, wr = _window(window)
-    cap = _variants.check_softcap(softcap)
-    slopes = _variants.check_alibi_slopes(alibi_slopes, (), Hq)
-    sink = _variants.check_sinks(sinks, (), Hq)
-    per_seq = lambda a: None if a is None else np.ascontiguousarray(np.broadcast_to(a, (n_seq, Hq)))
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    out = _check_out(out, (Hq, total_q, Dv), rdt)
-    q, k, v = (_kernel_ready(a, cdt) for a in arrays.values())
-    direct = _writes_in_place(out, cdt, (q, k, v))
-    res = out if direct else np.empty((Hq, total_q, Dv),
-                                      dtype=rdt if _kernel_writes(rdt, cdt) else cdt)
-    lse = np.empty((Hq, total_q), dtype=cdt) if return_lse else None
-    _kernel.forward_packed(q, k, v, res, lse, cu_q, cu_k, causal_mode, wl, wr, sc,
-                           _threads.get_num_threads(), cap or 0.0, per_seq(slopes),
-                           per_seq(sink))
-    if out is not None:
-        if not direct:
-            np.copyto(out, res, casting="unsafe")
-        res = out
-    elif res.dtype != rdt:
-        res = res.astype(rdt)
-    return (res, lse) if return_lse else res
+    p = _args.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
+                             window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             sinks=sinks, return_lse=return_lse, out=out)
+    cdt = p.compute_dtype
+    q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    direct = _writes_in_place(p.out, cdt, (q, k, v))
+    rdt = p.result_dtype if _kernel_writes(p.result_dtype, cdt) else cdt
+    res = p.out if direct else np.empty((p.Hq, p.total_q, p.Dv), dtype=rdt)
+    lse = np.empty((p.Hq, p.total_q), dtype=cdt) if p.return_lse else None
+    _kernel.forward_packed(q, k, v, res, lse, p.cu_q, p.cu_k, _CAUSAL_CODES[p.causal], p.wl,
+                           p.wr, p.scale, _threads.get_num_threads(), p.softcap or 0.0,
+                           p.alibi, p.sinks)
+    res = _result(p.out, res, p.result_dtype, direct)
+    return (res, lse) if p.return_lse else res
 
 
 def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None, kv_lengths=None,
@@ -462,62 +264,18 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     -------
     ndarray, shape (..., Hq, Lq, Lk), in the result dtype of ``q`` and ``k``.
     """
-    call = _Call(q, k, None, scale, causal, window, mask, kv_lengths, None, False,
-                 softcap, alibi_slopes, sinks, q_lengths)
-    cdt = call.compute_dtype
-    q = call.q.astype(cdt, copy=False)
-    k = call.k.astype(cdt, copy=False)
-    G = call.Hq // call.Hkv
-    # Group query heads by the kv head they read: (..., Hkv, G, Lq, D) @ (..., Hkv, 1, D, Lk).
-    qg = q.reshape(q.shape[:-3] + (call.Hkv, G, call.Lq, call.D))
-    kt = np.swapaxes(k, -1, -2)[..., :, None, :, :]
-    # errstate: some BLAS kernels (OpenBLAS's SME matmul) raise spurious FP warnings, and
-    # this function never warns.
-    with np.errstate(all="ignore"):
-        scores = np.matmul(qg, kt).reshape(call.batch + (call.Hq, call.Lq, call.Lk))
-    scores = scores * cdt.type(call.scale)
-    if call.softcap is not None:
-        c = cdt.type(call.softcap)
-        scores = c * np.tanh(scores / c)
-    per_head = call.batch + (call.Hq, 1, 1)
-    q_len = call.q_len if call.q_len is not None else np.full(call.nbatch, call.Lq, np.intp)
-    if call.alibi is not None:
-        diag = (np.arange(call.Lq)[:, None] + (call.kv_len_flat() - q_len)[:, None, None])
-        dist = np.abs(diag[:, None, :, :] - np.arange(call.Lk))     # (nbatch, 1, Lq, Lk)
-        bias = -call.alibi[:, :, None, None] * dist
-        scores = scores + bias.reshape(call.batch + bias.shape[1:]).astype(cdt)
-
-    # Visibility from the kernel's own rule (one definition for every code path).
-    lo, hi = _kernel.key_intervals(call.Lq, call.kv_len_flat(), call.causal, call.wl, call.wr,
-                                   call.q_len)
-    lo = lo.reshape(call.batch + (1, call.Lq, 1))
-    hi = hi.reshape(call.batch + (1, call.Lq, 1))
-    j = np.arange(call.Lk)
-    visible = (j >= lo) & (j < hi)
-    if call.mask is not None:
-        if call.mask_kind == _kernel.MASK_BOOL:
-            visible = visible & call.mask
-        else:
-            with np.errstate(invalid="ignore"):
-                scores = scores + call.mask.astype(cdt, copy=False)
-    scores = np.where(visible, scores, cdt.type(-np.inf))
-    if call.sinks is None:
-        w = softmax(scores, axis=-1)
-    else:
-        w = _softmax_with_sink(scores, call.sinks.reshape(per_head).astype(cdt))
-    if call.squeeze_heads:
+    p = _args.Problem(q, k, None, scale=scale, causal=causal, window=window, mask=mask,
+                      kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
+                      alibi_slopes=alibi_slopes, sinks=sinks)
+    # The reference's score stage, in the compute dtype, with the kernel's visibility.
+    lo, hi = _kernel.key_intervals(p.Lq, p.kv_len_flat(), _CAUSAL_CODES[p.causal], p.wl, p.wr,
+                                   p.q_len)
+    j = np.arange(p.Lk)
+    visible = ((j >= lo[..., None]) & (j < hi[..., None])).reshape(p.batch + (1, p.Lq, p.Lk))
+    w, _ = reference.probabilities(reference.with_batch_axes(p), p.compute_dtype, visible)
+    if p.squeeze_heads:
         w = w[0]
-    return w.astype(call.result_dtype, copy=False)
-
-
-def _softmax_with_sink(scores, sink):
-    """Rows of exp(s_j) / (exp(sink) + sum_j exp(s_j)), shifted by max(row max, sink)."""
-    m = np.maximum(np.max(scores, axis=-1, keepdims=True) if scores.shape[-1] else sink, sink)
-    m = np.where(np.isneginf(m), 0, m)
-    e = np.exp(scores - m)
-    den = np.exp(sink - m) + np.sum(e, axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den == 0, 0, e / np.where(den == 0, 1, den))
+    return w.astype(p.result_dtype, copy=False)
 
 
 def softmax(x, axis=-1):
@@ -525,8 +283,8 @@ def softmax(x, axis=-1):
 
     Integer and bool input is computed in float64, float16 in float32 (returned as float16).
     """
-    x = _as_array(x, "x")
-    cdt, rdt = _variants.dtypes(x=x)
+    x = _args.as_array(x, "x")
+    cdt, rdt = _args.dtypes(x=x)
     x = x.astype(cdt, copy=False)
     m = np.max(x, axis=axis, keepdims=True) if x.size else np.zeros_like(x)
     # Subtract the row max (stability); a row with no finite max subtracts 0 instead.

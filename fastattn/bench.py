@@ -121,7 +121,7 @@ class Shape:
 
     def np_dtype(self):
         """The NumPy dtype of the inputs (bfloat16 needs ml_dtypes: TypeError without)."""
-        from ._variants import storage_dtype
+        from ._args import storage_dtype
         return storage_dtype(self.dtype)
 
     def describe(self):

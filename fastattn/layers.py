@@ -33,7 +33,7 @@ import operator
 
 import numpy as np
 
-from . import _variants
+from . import _args
 from .positions import rope as _rope
 
 __all__ = ["self_attention", "MultiHeadAttention", "KVCache"]
@@ -59,7 +59,7 @@ def _positive_int(value, name):
 
 def _real_array(a, name):
     a = np.asarray(a)
-    if a.dtype.kind not in "biuf" and not _variants.is_bfloat16(a.dtype):
+    if a.dtype.kind not in "biuf" and not _args.is_bfloat16(a.dtype):
         raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
     return a
 
@@ -188,7 +188,7 @@ class KVCache:
         if not growth > 1.0:
             raise ValueError(f"growth must be > 1, got {growth}")
         self._growth = growth
-        self._dtype = None if dtype is None else _variants.storage_dtype(dtype, "dtype")
+        self._dtype = None if dtype is None else _args.storage_dtype(dtype, "dtype")
         self.reset()
 
     @property
@@ -287,7 +287,7 @@ class KVCache:
             )
         batch, L = k.shape[:-3], k.shape[-2]
         if self._k is None:
-            dtype = self._dtype if self._dtype is not None else _variants.dtypes(k=k, v=v)[1]
+            dtype = self._dtype if self._dtype is not None else _args.dtypes(k=k, v=v)[1]
         elif k.shape[:-2] != self._k.shape[:-2] or k.shape[-1] != self._k.shape[-1] \
                 or v.shape[-1] != self._v.shape[-1]:
             raise ValueError(
@@ -299,8 +299,8 @@ class KVCache:
             dtype = self._k.dtype
         new = self._new_counts(lengths, L, batch)
         # Rounded (and checked for overflow) before anything is allocated or written.
-        k = _variants.store_as(k, dtype, "k")
-        v = _variants.store_as(v, dtype, "v")
+        k = _args.store_as(k, dtype, "k")
+        v = _args.store_as(v, dtype, "v")
         if self._k is None:
             cap = max(self._initial_capacity, L)
             h = k.shape[-3]
@@ -463,11 +463,11 @@ class MultiHeadAttention:
         self.d_head, self.d_value, self.dtype = d_head, d_value, dtype
         self.scale = None if scale is None else float(scale)
         self.rope, self.rope_base = bool(rope), float(rope_base)
-        _kernel()._window(window)   # the front end's check: a clear error now, not at a call
+        _args.check_window(window)   # a clear error now, not at a call
         self.window = None if window is None else tuple(int(w) for w in window)
-        self.softcap = _variants.check_softcap(softcap)
+        self.softcap = _args.check_softcap(softcap)
         self.sinks = np.zeros(n_heads, dtype) if sinks else None
-        self.kv_dtype = None if kv_dtype is None else _variants.storage_dtype(kv_dtype, "kv_dtype")
+        self.kv_dtype = None if kv_dtype is None else _args.storage_dtype(kv_dtype, "kv_dtype")
 
         rng = np.random.default_rng(seed)
 
@@ -550,14 +550,14 @@ class MultiHeadAttention:
             q = _rope(q, positions, self.rope_base)
             k = _rope(k, positions, self.rope_base)
         if self.kv_dtype is not None:
-            k = _variants.store_as(k, self.kv_dtype, "k")
-            v = _variants.store_as(v, self.kv_dtype, "v")
+            k = _args.store_as(k, self.kv_dtype, "k")
+            v = _args.store_as(v, self.kv_dtype, "v")
         return q, k, v
 
     def _out(self, o, W):
         return self._linear(_merge_heads(o), W["w_o"], W["b_o"])
 
-    def _variants(self, W):
+    def _args(self, W):
         # The keywords of fastattn.attention that come from the layer itself.
         return dict(scale=self.scale, window=self.window, softcap=self.softcap,
                     sinks=W["sinks"])
@@ -617,7 +617,7 @@ class MultiHeadAttention:
                 pos = self._positions(positions, x.shape[:-2], x.shape[-2])
             q, k, v = self._qkv(x, W, pos)
             o = _kernel().attention(q, k, v, causal=causal, mask=mask, kv_lengths=kv_lengths,
-                                    **self._variants(W))
+                                    **self._args(W))
             return self._out(o, W)
 
         if not isinstance(cache, KVCache):
@@ -658,7 +658,7 @@ class MultiHeadAttention:
         keys, values = cache._k[..., :lk, :], cache._v[..., :lk, :]
         lengths = None if seen.size == 0 or np.all(seen == lk) else seen
         o = _kernel().attention(q, keys, values, causal=bool(causal), mask=mask,
-                                kv_lengths=lengths, **self._variants(W))
+                                kv_lengths=lengths, **self._args(W))
         return self._out(o, W), cache
 
     def attention_weights(self, x, *, causal=False, mask=None, kv_lengths=None):
@@ -666,7 +666,7 @@ class MultiHeadAttention:
         W = self._weights()
         q, k, _ = self._qkv(x, W)
         return _kernel().attention_weights(q, k, causal=causal, mask=mask, kv_lengths=kv_lengths,
-                                           **self._variants(W))
+                                           **self._args(W))
 
     # -- interop --------------------------------------------------------------
     @classmethod

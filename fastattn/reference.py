@@ -70,68 +70,18 @@ float64; the float64 result is rounded once to it. ``lse`` is in the compute dty
 for float16/bfloat16/float32, float64 otherwise). bfloat16 is ``ml_dtypes.bfloat16``;
 without the ``ml_dtypes`` package no array has that dtype, and nothing here imports it.
 
-Arguments are validated by :mod:`fastattn._variants` (the variants, dtypes and lengths) and
-by the few checks below, each failing with a clear ``ValueError``/``TypeError`` that names
-the argument before any work starts.
+Arguments are checked by :mod:`fastattn._args`, the rules every entry point shares, each
+failing with a clear ``ValueError``/``TypeError`` that names the argument before any work
+starts.
 """
-import math
-import numbers
-from types import SimpleNamespace
-
 import numpy as np
 
-from . import _variants
+from . import _args
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "softmax", "visible_keys"]
 
 
-# --------------------------------------------------------------------------- dtypes
-
 # --------------------------------------------------------------------------- shapes
-
-def _split_shapes(q, k, v=None):
-    """Check q/k/v shapes; return (batch_shape, Hq, Hkv, Lq, Lk, D, Dv, squeeze_head).
-
-    ``(Lq, D)`` inputs are handled as one head; ``squeeze_head`` says to drop it again.
-    """
-    named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
-    for name, a in named:
-        if a.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dims (Lq/Lk, D), got shape {a.shape}")
-    for name, a in named[1:]:
-        if a.ndim != q.ndim:
-            raise ValueError(
-                f"{name} must have as many dims as q: q.shape={q.shape}, {name}.shape={a.shape}"
-            )
-    squeeze_head = q.ndim == 2
-    if squeeze_head:
-        q, k = q[None], k[None]
-        v = v[None] if v is not None else None
-
-    Hq, Lq, D = q.shape[-3:]
-    Hkv, Lk, Dk = k.shape[-3:]
-    if Dk != D:
-        raise ValueError(f"k's last dim must equal q's (D): q.shape={q.shape}, k.shape={k.shape}")
-    Dv = D
-    if v is not None:
-        if v.shape[-3:-1] != (Hkv, Lk):
-            raise ValueError(
-                f"v must have the heads and length of k (Hkv, Lk): "
-                f"k.shape={k.shape}, v.shape={v.shape}"
-            )
-        Dv = v.shape[-1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(
-            f"the number of query heads must be a multiple of the key/value heads: "
-            f"Hq={Hq} (q.shape={q.shape}), Hkv={Hkv} (k.shape={k.shape})"
-        )
-    try:
-        batch_shape = np.broadcast_shapes(*[a.shape[:-3] for _, a in named])
-    except ValueError:
-        shapes = ", ".join(f"{name}.shape={a.shape}" for name, a in named)
-        raise ValueError(f"batch dims of q, k, v do not broadcast: {shapes}") from None
-    return batch_shape, Hq, Hkv, Lq, Lk, D, Dv, squeeze_head
-
 
 def _expand_kv_heads(x, Hq):
     """Give every query head h its key/value head h // (Hq // Hkv) (GQA/MQA) by indexing."""
@@ -141,113 +91,21 @@ def _expand_kv_heads(x, Hq):
 
 # --------------------------------------------------------------------------- arguments
 
-def _check_scale(scale, D):
-    if scale is None:
-        if D == 0:
-            raise ValueError("scale=None needs a head dimension D >= 1 (q.shape[-1] is 0)")
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    try:
-        scale = float(scale)
-    except OverflowError:  # an int beyond float's range
-        raise ValueError(f"scale must be finite, got {scale!r}") from None
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return scale
+def _problem(q, k, v, out=None, return_lse=False, **keywords):
+    """The checked arguments (:class:`fastattn._args.Problem`, the rules every entry point
+    shares), with the per-batch lengths, slopes and sinks given back their batch axes."""
+    return with_batch_axes(_args.Problem(q, k, v, out=out, return_lse=return_lse, **keywords))
 
 
-def _check_causal(causal):
-    if isinstance(causal, str):
-        if causal == "bottom-right":  # the explicit spelling of causal=True
-            return True
-        if causal != "top-left":
-            raise ValueError(
-                f"causal must be True, False, 'top-left' or 'bottom-right', got {causal!r}")
-        return causal
-    if isinstance(causal, (bool, np.bool_)):
-        return bool(causal)
-    raise ValueError(f"causal must be True, False or 'top-left', got {causal!r}")
-
-
-def _check_window(window):
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be None or a pair (left, right), got {window!r}") from None
-    for side in (left, right):
-        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
-            raise TypeError(f"window entries must be ints, got {window!r}")
-        if side < -1:
-            raise ValueError(f"window entries must be >= -1 (-1 = unbounded), got {window!r}")
-    return int(left), int(right)
-
-
-def _check_mask(mask, full_shape):
-    if mask is None:
-        return None
-    mask = np.asarray(mask)
-    if not (mask.dtype.kind in "bf" or _variants.is_bfloat16(mask.dtype)):
-        raise TypeError(f"mask must be bool or floating, got dtype {mask.dtype}")
-    try:
-        return np.broadcast_to(mask, full_shape)
-    except ValueError:
-        raise ValueError(
-            f"mask of shape {mask.shape} does not broadcast to (..., Hq, Lq, Lk) = {full_shape}"
-        ) from None
-
-
-def _check_out(out, shape, dtype):
-    if out is None:
-        return None
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-    if out.shape != shape or out.dtype != dtype:
-        raise ValueError(f"out must have shape {shape} and dtype {dtype}, "
-                         f"got shape {out.shape} and dtype {out.dtype}")
-    return out
-
-
-def _validate(q, k, v, *, scale, causal, window, mask, kv_lengths, q_lengths, softcap,
-              alibi_slopes, sinks, out=None):
-    """Every argument checked and normalised before any work starts.
-
-    Per-batch arrays come back shaped ``batch_shape`` (lengths) or ``batch_shape + (Hq,)``
-    (slopes, sinks); ``q``, ``k``, ``v`` always have a head axis.
-    """
-    q, k = np.asarray(q), np.asarray(k)
-    named = {"q": q, "k": k}
-    if v is not None:
-        v = np.asarray(v)
-        named["v"] = v
-    compute_dtype, result_dtype = _variants.dtypes(**named)
-    batch_shape, Hq, Hkv, Lq, Lk, D, Dv, squeeze_head = _split_shapes(q, k, v)
-    if squeeze_head:
-        q, k = q[None], k[None]
-        v = v[None] if v is not None else None
-    result_shape = (*batch_shape, Hq, Lq, Dv)
-
-    def per_batch(flat, tail=()):
-        return None if flat is None else flat.reshape(batch_shape + tail)
-
-    kv_len = _variants.check_kv_lengths(kv_lengths, batch_shape, Lk)
-    q_len = _variants.check_q_lengths(q_lengths, batch_shape, Lq)
-    return SimpleNamespace(
-        q=q, k=k, v=v, compute_dtype=compute_dtype, result_dtype=result_dtype,
-        batch_shape=batch_shape, Hq=Hq, Lq=Lq, Lk=Lk, Dv=Dv, squeeze_head=squeeze_head,
-        scale=_check_scale(scale, D),
-        causal=_check_causal(causal),
-        window=_check_window(window),
-        mask=_check_mask(mask, (*batch_shape, Hq, Lq, Lk)),
-        kv_len=np.full(batch_shape, Lk, np.intp) if kv_len is None else per_batch(kv_len),
-        q_len=np.full(batch_shape, Lq, np.intp) if q_len is None else per_batch(q_len),
-        softcap=_variants.check_softcap(softcap),
-        slopes=per_batch(_variants.check_alibi_slopes(alibi_slopes, batch_shape, Hq), (Hq,)),
-        sinks=per_batch(_variants.check_sinks(sinks, batch_shape, Hq), (Hq,)),
-        out=_check_out(out, result_shape[1:] if squeeze_head else result_shape, result_dtype),
-    )
+def with_batch_axes(p):
+    """The :class:`fastattn._args.Problem` ``p`` with its per-batch lengths shaped
+    ``batch``, and its slopes and sinks ``batch + (Hq,)``, as this module reads them."""
+    p.kv_len = p.kv_len_flat().reshape(p.batch)
+    p.q_len = p.q_len_flat().reshape(p.batch)
+    for name in ("alibi", "sinks"):
+        if getattr(p, name) is not None:
+            setattr(p, name, getattr(p, name).reshape(p.batch + (p.Hq,)))
+    return p
 
 
 # --------------------------------------------------------------------------- visibility
@@ -260,30 +118,33 @@ def visible_keys(batch_shape, Lq, Lk, *, causal=False, window=None, kv_lengths=N
     is 1 because none of these rules depends on the head. ``mask`` is applied separately.
     Padding query rows (``i >= q_lengths[b]``) see no key.
     """
-    causal = _check_causal(causal)
-    window = _check_window(window)
-    i = np.arange(Lq)[:, None]  # (Lq, 1)
-    j = np.arange(Lk)[None, :]  # (1, Lk)
-    kv_len = _variants.check_kv_lengths(kv_lengths, batch_shape, Lk)
-    q_len = _variants.check_q_lengths(q_lengths, batch_shape, Lq)
+    kv_len = _args.check_kv_lengths(kv_lengths, batch_shape, Lk)
+    q_len = _args.check_q_lengths(q_lengths, batch_shape, Lq)
     kv_len = np.full(batch_shape, Lk) if kv_len is None else kv_len.reshape(batch_shape)
     q_len = np.full(batch_shape, Lq) if q_len is None else q_len.reshape(batch_shape)
+    return _visibility(batch_shape, Lq, Lk, _args.check_causal(causal),
+                       *_args.check_window(window), kv_len, q_len)
+
+
+def _visibility(batch_shape, Lq, Lk, causal, left, right, kv_len, q_len):
+    """:func:`visible_keys` for checked arguments: ``causal`` as
+    :func:`fastattn._args.check_causal` gives it, lengths shaped ``batch_shape``."""
+    i = np.arange(Lq)[:, None]  # (Lq, 1)
+    j = np.arange(Lk)[None, :]  # (1, Lk)
     # (..., 1 head, 1 query, 1 key): the per-batch numbers of queries and keys
     kv_len = kv_len[..., None, None, None]
     q_len = q_len[..., None, None, None]
     offset = kv_len - q_len  # bottom-right alignment: the last query sits on the last key
 
     visible = (j < kv_len) & (i < q_len)
-    if causal is True:
+    if causal == "bottom-right":
         visible = visible & (j <= i + offset)
     elif causal == "top-left":
         visible = visible & (j <= i)
-    if window is not None:
-        left, right = window
-        if left != -1:
-            visible = visible & (j >= i + offset - left)
-        if right != -1:
-            visible = visible & (j <= i + offset + right)
+    if left != -1:
+        visible = visible & (j >= i + offset - left)
+    if right != -1:
+        visible = visible & (j <= i + offset + right)
     return np.broadcast_to(visible, (*batch_shape, 1, Lq, Lk))
 
 
@@ -298,33 +159,52 @@ def _alibi_bias(slopes, q_len, kv_len, Lq, Lk):
     return -slopes[..., None, None] * distance
 
 
-def _finished_scores(a):
-    """float64 scores (..., Hq, Lq, Lk), every modifier applied and hidden keys at -inf,
-    and their visibility, for the validated arguments ``a`` (see :func:`_validate`)."""
-    full_shape = (*a.batch_shape, a.Hq, a.Lq, a.Lk)
-    q64 = a.q.astype(np.float64)
-    k64 = _expand_kv_heads(a.k.astype(np.float64), a.Hq)
-    scores = a.scale * (q64 @ np.swapaxes(k64, -1, -2))
+def _visible(a):
+    """The contract's visibility for the checked arguments ``a`` (see :func:`_problem`)."""
+    return _visibility(a.batch, a.Lq, a.Lk, a.causal, a.wl, a.wr, a.kv_len, a.q_len)
+
+
+def _finished_scores(a, dtype, visible):
+    """Scores ``(..., Hq, Lq, Lk)`` in ``dtype``, every modifier applied and hidden keys
+    at -inf, and their visibility, for the checked arguments ``a`` (see :func:`_problem`)
+    and ``visible``, which keys each row may see before the mask (``(..., 1, Lq, Lk)``).
+
+    The oracle runs this in float64 with :func:`visible_keys`;
+    :func:`fastattn.attention_weights` runs it in the compute dtype with the kernel's
+    visibility rule."""
+    full_shape = (*a.batch, a.Hq, a.Lq, a.Lk)
+    q = a.q.astype(dtype)
+    k = _expand_kv_heads(a.k.astype(dtype), a.Hq)
+    # errstate: some BLAS kernels (OpenBLAS's SME matmul) raise spurious FP warnings, and
+    # nothing here warns.
+    with np.errstate(all="ignore"):
+        scores = dtype.type(a.scale) * (q @ np.swapaxes(k, -1, -2))
     scores = np.broadcast_to(scores, full_shape)
     if a.softcap is not None:
+        cap = dtype.type(a.softcap)
         with np.errstate(over="ignore"):  # s / softcap may overflow: tanh(+-inf) = +-1
-            scores = a.softcap * np.tanh(scores / a.softcap)
-    if a.slopes is not None:
-        scores = scores + _alibi_bias(a.slopes, a.q_len, a.kv_len, a.Lq, a.Lk)
-
-    visible = visible_keys(a.batch_shape, a.Lq, a.Lk, causal=a.causal, window=a.window,
-                           kv_lengths=a.kv_len, q_lengths=a.q_len)
-    if a.mask is not None:
-        if a.mask.dtype == bool:
-            visible = visible & a.mask
-        else:
-            scores = scores + a.mask.astype(np.float64)
+            scores = cap * np.tanh(scores / cap)
+    if a.alibi is not None:
+        scores = scores + _alibi_bias(a.alibi, a.q_len, a.kv_len, a.Lq, a.Lk).astype(dtype)
+    if a.mask_kind == "bool":
+        visible = visible & a.mask
+    elif a.mask_kind == "add":
+        with np.errstate(invalid="ignore"):  # -inf + inf in a mask gives NaN, as it should
+            scores = scores + a.mask.astype(dtype)
     visible = np.broadcast_to(visible, full_shape)
     # A float mask's -inf hides a key just as a False would.
     # (NaN scores stay visible so that they propagate instead of vanishing.)
     visible = visible & (scores != -np.inf)
-    scores = np.where(visible, scores, -np.inf)
+    scores = np.where(visible, scores, dtype.type(-np.inf))
     return scores, visible
+
+
+def probabilities(a, dtype, visible):
+    """The probabilities ``(..., Hq, Lq, Lk)`` in ``dtype`` and their ``lse``: the score
+    stage (:func:`_finished_scores`) and the row softmax with sinks."""
+    scores, visible = _finished_scores(a, dtype, visible)
+    sinks = _row_sinks(a)
+    return _softmax_rows(scores, visible, None if sinks is None else sinks.astype(dtype))
 
 
 def _row_sinks(a):
@@ -343,7 +223,7 @@ def _softmax_rows(scores, visible, sinks=None):
     Returns ``(weights, lse)``. A row with nothing visible gives zeros and ``lse = sink``.
     """
     if sinks is None:
-        sinks = np.array(-np.inf)
+        sinks = np.array(-np.inf, scores.dtype)
     m = np.maximum(scores.max(axis=-1, keepdims=True, initial=-np.inf), sinks)
     empty = m == -np.inf
     m = np.where(empty, 0.0, m)
@@ -369,27 +249,26 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     visibility rules (``causal``, ``window``, ``kv_lengths``, ``q_lengths``) and ``sinks``.
     Computes in float64, materialising the ``(..., Hq, Lq, Lk)`` scores.
     """
-    a = _validate(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
-                  kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
-                  alibi_slopes=alibi_slopes, sinks=sinks, out=out)
-    scores, visible = _finished_scores(a)
-    weights, lse = _softmax_rows(scores, visible, _row_sinks(a))
+    a = _problem(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                 kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
+                 alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse, out=out)
+    weights_, lse = probabilities(a, np.dtype(np.float64), _visible(a))
     v64 = _expand_kv_heads(a.v.astype(np.float64), a.Hq)
     # Keys at j >= kv_lengths[b] do not exist (e.g. the unused tail of a preallocated KV
     # cache, which may hold garbage): zero their values so that a weight of 0 times a NaN
     # there cannot leak into the weighted sum.
     v64 = np.where(np.arange(a.Lk)[:, None] < a.kv_len[..., None, None, None], v64, 0.0)
-    context = weights @ v64  # (..., Hq, Lq, Dv): the weighted sum of the values
-    context = np.broadcast_to(context, (*a.batch_shape, a.Hq, a.Lq, a.Dv))
+    context = weights_ @ v64  # (..., Hq, Lq, Dv): the weighted sum of the values
+    context = np.broadcast_to(context, (*a.batch, a.Hq, a.Lq, a.Dv))
 
-    if a.squeeze_head:
+    if a.squeeze_heads:
         context, lse = context[0], lse[0]
     if a.out is None:
-        result = _variants.round_to(context, a.result_dtype)
+        result = _args.round_to(context, a.result_dtype)
     else:
-        a.out[...] = _variants.round_to(context, a.result_dtype)
+        a.out[...] = _args.round_to(context, a.result_dtype)
         result = a.out
-    if return_lse:
+    if a.return_lse:
         return result, lse.astype(a.compute_dtype)
     return result
 
@@ -401,14 +280,13 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
 
     With ``sinks`` a row sums to ``1 - p_sink``, the weight the sink takes.
     """
-    a = _validate(q, k, None, scale=scale, causal=causal, window=window, mask=mask,
-                  kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
-                  alibi_slopes=alibi_slopes, sinks=sinks)
-    scores, visible = _finished_scores(a)
-    weights, _ = _softmax_rows(scores, visible, _row_sinks(a))
-    if a.squeeze_head:
-        weights = weights[0]
-    return _variants.round_to(weights, a.result_dtype)
+    a = _problem(q, k, None, scale=scale, causal=causal, window=window, mask=mask,
+                 kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
+                 alibi_slopes=alibi_slopes, sinks=sinks)
+    weights_, _ = probabilities(a, np.dtype(np.float64), _visible(a))
+    if a.squeeze_heads:
+        weights_ = weights_[0]
+    return _args.round_to(weights_, a.result_dtype)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
@@ -423,29 +301,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     ``alibi_slopes`` and ``sinks`` are per head, broadcastable to ``(Hq,)``.
     Returns ``(Hq, total_q, Dv)``, and ``lse (Hq, total_q)`` with ``return_lse=True``.
     """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    compute_dtype, result_dtype = _variants.dtypes(q=q, k=k, v=v)
-    Hq, _, total_q, total_k, D, Dv = _variants.check_varlen_shapes(q, k, v)
-    cu_q, cu_k = _variants.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
-    keywords = dict(
-        scale=_check_scale(scale, D), causal=_check_causal(causal), window=_check_window(window),
-        softcap=_variants.check_softcap(softcap),
-        alibi_slopes=_variants.check_alibi_slopes(alibi_slopes, (), Hq),
-        sinks=_variants.check_sinks(sinks, (), Hq),
-    )
-    for name in ("alibi_slopes", "sinks"):
-        if keywords[name] is not None:
-            keywords[name] = keywords[name][0]  # (1, Hq) -> (Hq,)
-    out = _check_out(out, (Hq, total_q, Dv), result_dtype)
-
-    result = np.zeros((Hq, total_q, Dv), result_dtype) if out is None else out
-    lse = np.full((Hq, total_q), -np.inf, compute_dtype)
-    for s in range(len(cu_q) - 1):
-        rows = slice(cu_q[s], cu_q[s + 1])
-        keys = slice(cu_k[s], cu_k[s + 1])
-        result[:, rows], lse[:, rows] = attention(q[:, rows], k[:, keys], v[:, keys],
-                                                  return_lse=True, **keywords)
-    return (result, lse) if return_lse else result
+    p = _args.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
+                             window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             sinks=sinks, return_lse=return_lse, out=out)
+    keywords = dict(scale=p.scale, causal=causal, window=window, softcap=p.softcap)
+    result = np.zeros((p.Hq, p.total_q, p.Dv), p.result_dtype) if p.out is None else p.out
+    lse = np.full((p.Hq, p.total_q), -np.inf, p.compute_dtype)
+    for s in range(p.n_seq):
+        rows = slice(p.cu_q[s], p.cu_q[s + 1])
+        keys = slice(p.cu_k[s], p.cu_k[s + 1])
+        per_head = {name: None if x is None else x[s]
+                    for name, x in (("alibi_slopes", p.alibi), ("sinks", p.sinks))}
+        result[:, rows], lse[:, rows] = attention(p.q[:, rows], p.k[:, keys], p.v[:, keys],
+                                                  return_lse=True, **keywords, **per_head)
+    return (result, lse) if p.return_lse else result
 
 
 def softmax(x, axis=-1):
@@ -453,9 +322,9 @@ def softmax(x, axis=-1):
 
     float16/bfloat16/float32/float64 keep their dtype; integers and bool give float64.
     """
-    x = np.asarray(x)
-    _, result_dtype = _variants.dtypes(x=x)
+    x = _args.as_array(x, "x")
+    _, result_dtype = _args.dtypes(x=x)
     x64 = x.astype(np.float64)
     visible = x64 != -np.inf
     weights, _ = _softmax_rows(np.moveaxis(x64, axis, -1), np.moveaxis(visible, axis, -1))
-    return _variants.round_to(np.moveaxis(weights, -1, axis), result_dtype)
+    return _args.round_to(np.moveaxis(weights, -1, axis), result_dtype)

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastattn import _variants
+from fastattn import _args
 from fastattn import reference as ref
 
 from conftest import assert_close
@@ -597,7 +597,7 @@ def test_reduced_precision_result_dtypes(rng, names, result, lse):
     exp_out, _, exp_lse = _fa_call(q64[None], k64[None], v64[None], causal=True, sinks=0.5)
     assert_close(out, exp_out[0], out.dtype)
     assert_close(l, exp_lse[0], l.dtype)
-    assert ref.attention_weights(q, k).dtype == _variants.dtypes(q=q, k=k)[1]
+    assert ref.attention_weights(q, k).dtype == _args.dtypes(q=q, k=k)[1]
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
@@ -633,9 +633,9 @@ def test_bfloat16_rounds_once_to_nearest(rng):
     d_lo, d_hi = np.abs(x - table[lo]), np.abs(table[hi] - x)
     even_hi = (table[hi].astype(np.float32).view(np.uint32) >> 16) % 2 == 0
     nearest = np.where((d_hi < d_lo) | ((d_hi == d_lo) & even_hi), table[hi], table[lo])
-    got = _variants.round_to(x, bf16).astype(np.float64)
+    got = _args.round_to(x, bf16).astype(np.float64)
     np.testing.assert_array_equal(got, nearest)
-    assert _variants.round_to(np.array([1 + 2**-8 + 2**-30]), bf16).astype(float)[0] == 1 + 2**-7
+    assert _args.round_to(np.array([1 + 2**-8 + 2**-30]), bf16).astype(float)[0] == 1 + 2**-7
 
 
 @pytest.mark.parametrize("make, name", [
@@ -662,13 +662,13 @@ import sys
 sys.modules["ml_dtypes"] = None  # import ml_dtypes now raises ImportError
 import numpy as np
 import fastattn
-from fastattn import _variants, reference as ref
+from fastattn import _args, reference as ref
 x = np.ones((2, 3, 4), np.float16)
 out, lse = ref.attention(x, x, x, sinks=[0.0, 1.0], return_lse=True)
 assert out.dtype == np.float16 and lse.dtype == np.float32
-assert not _variants.is_bfloat16(np.float16) and not _variants.is_bfloat16("bfloat16")
+assert not _args.is_bfloat16(np.float16) and not _args.is_bfloat16("bfloat16")
 try:
-    _variants.storage_dtype("bfloat16")
+    _args.storage_dtype("bfloat16")
 except TypeError as e:
     assert "pip install ml_dtypes" in str(e), e
 else:
@@ -709,7 +709,7 @@ X = np.ones((2, 3, 4, 5))  # batch 2, Hq 3, L 4, D 5
 ])
 def test_bad_softcap(softcap, error):
     with pytest.raises(error, match="softcap"):
-        _variants.check_softcap(softcap)
+        _args.check_softcap(softcap)
     with pytest.raises(error, match="softcap"):
         ref.attention(X, X, X, softcap=softcap)
     with pytest.raises(error, match="softcap"):
@@ -717,9 +717,9 @@ def test_bad_softcap(softcap, error):
 
 
 def test_good_softcap():
-    assert _variants.check_softcap(None) is None
+    assert _args.check_softcap(None) is None
     for value in (30, 50.0, np.float32(2.5), np.int64(1), 1e-300):
-        out = _variants.check_softcap(value)
+        out = _args.check_softcap(value)
         assert type(out) is float and out == float(value)
 
 
@@ -736,7 +736,7 @@ def test_good_softcap():
     ([[1.0], [1.0, 2.0]], ValueError, "could not be converted"),
 ])
 def test_bad_per_head(name, value, error, words):
-    check = {"alibi_slopes": _variants.check_alibi_slopes, "sinks": _variants.check_sinks}[name]
+    check = {"alibi_slopes": _args.check_alibi_slopes, "sinks": _args.check_sinks}[name]
     with pytest.raises(error, match=f"^{name}.*{words}"):
         check(value, (2,), 3)
     with pytest.raises(error, match=f"^{name}"):
@@ -746,28 +746,28 @@ def test_bad_per_head(name, value, error, words):
 
 
 def test_minus_inf_is_a_sink_not_a_slope():
-    s = _variants.check_sinks([0.0, -np.inf, 1.0], (2,), 3)
+    s = _args.check_sinks([0.0, -np.inf, 1.0], (2,), 3)
     assert s.shape == (2, 3) and s.dtype == np.float64 and s[1, 1] == -np.inf
     with pytest.raises(ValueError, match="^alibi_slopes must be finite"):
-        _variants.check_alibi_slopes([0.0, -np.inf, 1.0], (2,), 3)
+        _args.check_alibi_slopes([0.0, -np.inf, 1.0], (2,), 3)
     with pytest.raises(ValueError, match=r"^sinks must be finite or -inf"):
-        _variants.check_sinks([0.0, np.inf, 1.0], (2,), 3)
+        _args.check_sinks([0.0, np.inf, 1.0], (2,), 3)
 
 
 def test_per_head_normalised(rng):
     slopes = rng.random((3, 1, 4))
-    got = _variants.check_alibi_slopes(slopes, (3, 2), 4)
+    got = _args.check_alibi_slopes(slopes, (3, 2), 4)
     assert got.shape == (6, 4) and got.dtype == np.float64 and got.flags.c_contiguous
     np.testing.assert_array_equal(got.reshape(3, 2, 4), np.broadcast_to(slopes, (3, 2, 4)))
-    assert _variants.check_sinks(2, (), 3).tolist() == [[2.0, 2.0, 2.0]]
-    assert _variants.check_alibi_slopes(None, (3,), 4) is None
-    assert _variants.check_sinks(np.ones(3, np.float16), (), 3).dtype == np.float64
+    assert _args.check_sinks(2, (), 3).tolist() == [[2.0, 2.0, 2.0]]
+    assert _args.check_alibi_slopes(None, (3,), 4) is None
+    assert _args.check_sinks(np.ones(3, np.float16), (), 3).dtype == np.float64
 
 
 def test_per_head_bfloat16():
     # gpt-oss ships its sinks in bfloat16.
     sinks = np.array([0.5, -1.25, 3.0]).astype(_bf16())
-    assert _variants.check_sinks(sinks, (), 3).tolist() == [[0.5, -1.25, 3.0]]
+    assert _args.check_sinks(sinks, (), 3).tolist() == [[0.5, -1.25, 3.0]]
 
 
 @pytest.mark.parametrize("value, error, words", [
@@ -780,7 +780,7 @@ def test_per_head_bfloat16():
 ])
 def test_bad_q_lengths(value, error, words):
     with pytest.raises(error, match=f"^q_lengths.*{words}"):
-        _variants.check_q_lengths(value, (2,), 4)
+        _args.check_q_lengths(value, (2,), 4)
     with pytest.raises(error, match="^q_lengths"):
         ref.attention(X, X, X, q_lengths=value)
     with pytest.raises(error, match="^q_lengths"):
@@ -788,12 +788,12 @@ def test_bad_q_lengths(value, error, words):
 
 
 def test_lengths_normalised():
-    got = _variants.check_q_lengths(np.array([[1], [3]], np.uint8), (2, 3), 4)
+    got = _args.check_q_lengths(np.array([[1], [3]], np.uint8), (2, 3), 4)
     assert got.dtype == np.intp and got.tolist() == [1, 1, 1, 3, 3, 3]
-    assert _variants.check_kv_lengths(np.int64(0), (), 0).tolist() == [0]
-    assert _variants.check_q_lengths(None, (2,), 4) is None
+    assert _args.check_kv_lengths(np.int64(0), (), 0).tolist() == [0]
+    assert _args.check_q_lengths(None, (2,), 4) is None
     with pytest.raises(ValueError, match=r"^kv_lengths must lie in \[0, Lk\] = \[0, 7\]"):
-        _variants.check_kv_lengths([8], (1,), 7)
+        _args.check_kv_lengths([8], (1,), 7)
 
 
 @pytest.mark.parametrize("cu_q, cu_k, error, words", [
@@ -813,7 +813,7 @@ def test_lengths_normalised():
 ])
 def test_bad_cu_seqlens(cu_q, cu_k, error, words):
     with pytest.raises(error, match=words):
-        _variants.check_cu_seqlens(cu_q, cu_k, 4, 4)
+        _args.check_cu_seqlens(cu_q, cu_k, 4, 4)
     out = np.full((3, 4, 5), 7.0)
     with pytest.raises(error, match=words):
         ref.attention_varlen(X[0], X[0], X[0], cu_q, cu_k, out=out)
@@ -821,7 +821,7 @@ def test_bad_cu_seqlens(cu_q, cu_k, error, words):
 
 
 def test_cu_seqlens_normalised():
-    cu_q, cu_k = _variants.check_cu_seqlens(np.array([0, 2, 2, 5], np.int32), [0, 0, 3, 3], 5, 3)
+    cu_q, cu_k = _args.check_cu_seqlens(np.array([0, 2, 2, 5], np.int32), [0, 0, 3, 3], 5, 3)
     assert cu_q.dtype == cu_k.dtype == np.intp
     assert cu_q.tolist() == [0, 2, 2, 5] and cu_k.tolist() == [0, 0, 3, 3]
 
@@ -836,7 +836,7 @@ def test_cu_seqlens_normalised():
 def test_bad_varlen_shapes(q_shape, k_shape, v_shape, words):
     q, k, v = np.ones(q_shape), np.ones(k_shape), np.ones(v_shape)
     with pytest.raises(ValueError, match=words):
-        _variants.check_varlen_shapes(q, k, v)
+        _args.check_varlen_shapes(q, k, v)
     with pytest.raises(ValueError, match=words):
         ref.attention_varlen(q, k, v, [0, 4], [0, 4])
 
@@ -854,17 +854,17 @@ def test_bad_varlen_keywords():
 
 
 def test_storage_dtype():
-    assert _variants.storage_dtype(np.float16) == np.float16
-    assert _variants.storage_dtype("float32") == np.float32
+    assert _args.storage_dtype(np.float16) == np.float16
+    assert _args.storage_dtype("float32") == np.float32
     for bad in (np.int8, np.complex64, "float8"):
         with pytest.raises(TypeError, match="^kv_dtype"):
-            _variants.storage_dtype(bad, "kv_dtype")
+            _args.storage_dtype(bad, "kv_dtype")
 
 
 def test_storage_dtype_bfloat16():
     bf16 = _bf16()
-    assert _variants.storage_dtype("bfloat16") == bf16
-    assert _variants.storage_dtype(bf16) == bf16
+    assert _args.storage_dtype("bfloat16") == bf16
+    assert _args.storage_dtype(bf16) == bf16
 
 
 # --------------------------------------------------------------------------- randomised
