@@ -1,0 +1,162 @@
+"""Every entry point applies the same argument rules, and arrays in any byte order compute
+the same numbers.
+
+fastattn._args owns each rule; these tests hold the entry points to it: the same bad
+argument raises the same exception type from the kernel's front end, the reference and
+attention_weights, and a big-endian array gives the bits of its native twin everywhere.
+"""
+import re
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference as ref
+
+
+def _swapped(a):
+    """``a`` with the same values in the opposite byte order."""
+    a = np.asarray(a)
+    return a.astype(a.dtype.newbyteorder("S"))
+
+
+@pytest.fixture
+def qkv():
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 5, 8))
+    k = rng.standard_normal((2, 2, 7, 8))
+    v = rng.standard_normal((2, 2, 7, 6))
+    return q, k, v
+
+
+# --------------------------------------------------------------------------- byte order
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("keywords", [{}, {"causal": True}, {"window": (2, 1)},
+                                      {"softcap": 3.0}, {"sinks": np.zeros(4)}])
+def test_big_endian_inputs_give_the_native_bits(qkv, dtype, keywords):
+    q, k, v = (a.astype(dtype) for a in qkv)
+    want = fastattn.attention(q, k, v, return_lse=True, **keywords)
+    got = fastattn.attention(_swapped(q), _swapped(k), _swapped(v), return_lse=True, **keywords)
+    for w, g in zip(want, got):
+        assert g.dtype.isnative and g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
+def test_the_readme_example_of_a_big_endian_file():
+    # The new user's report: a big-endian .npy file gave [[3.45e-41, 2.30e-41], ...].
+    x = np.array([[1.0, 2.0], [3.0, 4.0]], dtype=">f4")
+    want = fastattn.attention(x.astype("<f4"), x.astype("<f4"), x.astype("<f4"), scale=1.0)
+    np.testing.assert_array_equal(fastattn.attention(x, x, x, scale=1.0), want)
+    assert np.allclose(want, ref.attention(x, x, x, scale=1.0), rtol=1e-6)
+    np.testing.assert_array_equal(fastattn.self_attention(x, scale=1.0), want)
+
+
+@pytest.mark.parametrize("dtype", [">f8", ">f4", ">f2"])
+def test_big_endian_out_receives_the_right_numbers(qkv, dtype):
+    q, k, v = (a.astype(np.dtype(dtype).newbyteorder("=")) for a in qkv)
+    want = fastattn.attention(q, k, v)
+    out = np.full(want.shape, 7, dtype=dtype)
+    assert fastattn.attention(q, k, v, out=out) is out
+    np.testing.assert_array_equal(out, want)
+
+
+def test_big_endian_masks_lengths_and_per_head_arrays(qkv):
+    q, k, v = qkv
+    rng = np.random.default_rng(3)
+    keywords = dict(mask=rng.standard_normal((5, 7)), kv_lengths=np.array([7, 4]),
+                    q_lengths=np.array([5, 3]), alibi_slopes=np.linspace(0.1, 0.4, 4),
+                    sinks=np.linspace(-1, 1, 4))
+    swapped = {name: _swapped(a) for name, a in keywords.items()}
+    np.testing.assert_array_equal(fastattn.attention(q, k, v, **swapped),
+                                  fastattn.attention(q, k, v, **keywords))
+    np.testing.assert_array_equal(ref.attention(q, k, v, **swapped),
+                                  ref.attention(q, k, v, **keywords))
+
+
+def test_big_endian_on_every_other_entry_point(qkv):
+    q, k, v = qkv
+    sq, sk, sv = (_swapped(a) for a in qkv)
+    np.testing.assert_array_equal(fastattn.attention_weights(sq, sk, causal=True),
+                                  fastattn.attention_weights(q, k, causal=True))
+    np.testing.assert_array_equal(fastattn.softmax(sq), fastattn.softmax(q))
+    np.testing.assert_array_equal(ref.attention_weights(sq, sk), ref.attention_weights(q, k))
+    np.testing.assert_array_equal(ref.softmax(sq), ref.softmax(q))
+    packed = (a[0] for a in (q, k, v))
+    q1, k1, v1 = packed
+    cu_q, cu_k = np.array([0, 2, 5]), _swapped(np.array([0, 3, 7]))
+    np.testing.assert_array_equal(
+        fastattn.attention_varlen(_swapped(q1), _swapped(k1), _swapped(v1), cu_q, cu_k),
+        fastattn.attention_varlen(q1, k1, v1, cu_q, cu_k.astype("=i8")))
+
+
+# --------------------------------------------------------------------------- error types
+
+def _entry_points():
+    """Callables taking (q, k, v, **keywords) for every entry point with those keywords."""
+    return {
+        "attention": fastattn.attention,
+        "reference.attention": ref.attention,
+        "attention_weights": lambda q, k, v, **kw: fastattn.attention_weights(q, k, **kw),
+        "reference.attention_weights": lambda q, k, v, **kw: ref.attention_weights(q, k, **kw),
+    }
+
+
+BAD_ARGUMENTS = [  # (keywords, exception, what the message names)
+    (dict(causal=1.5), TypeError, "causal"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(causal="left"), ValueError, "causal"),
+    (dict(scale="2"), TypeError, "scale"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(window=(1.5, 2)), TypeError, "window"),
+    (dict(window={1: 2, 3: 4}), TypeError, "window"),
+    (dict(window=(1, 2, 3)), ValueError, "window"),
+    (dict(window=(-2, 0)), ValueError, "window"),
+    (dict(mask=np.ones((5, 7), np.int32)), TypeError, "mask"),
+    (dict(mask=np.ones((5, 6), bool)), ValueError, "mask"),
+    (dict(kv_lengths=[1.5, 2.0]), TypeError, "kv_lengths"),
+    (dict(kv_lengths=[8, 2]), ValueError, "kv_lengths"),
+    (dict(q_lengths=[6, 2]), ValueError, "q_lengths"),
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
+    (dict(sinks=[np.inf] * 4), ValueError, "sinks"),
+]
+
+
+@pytest.mark.parametrize("entry", list(_entry_points()))
+@pytest.mark.parametrize("keywords, error, name", BAD_ARGUMENTS,
+                         ids=[str(kw) for kw, _, _ in BAD_ARGUMENTS])
+def test_every_entry_point_raises_the_same_error(qkv, entry, keywords, error, name):
+    with pytest.raises(error, match=re.escape(name)):
+        _entry_points()[entry](*qkv, **keywords)
+
+
+@pytest.mark.parametrize("attention", [fastattn.attention, ref.attention])
+def test_out_rules_are_the_same_on_both_sides(qkv, attention):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="out must have dtype float64"):
+        attention(q, k, v, out=np.empty((2, 4, 5, 6), np.float32))
+    with pytest.raises(ValueError, match=re.escape("out must have shape (2, 4, 5, 6)")):
+        attention(q, k, v, out=np.empty((2, 4, 5, 7)))
+    read_only = np.empty((2, 4, 5, 6))
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writeable"):
+        attention(q, k, v, out=read_only)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.complex64, object])
+def test_the_mask_dtype_error_lists_only_legal_dtypes(qkv, dtype):
+    with pytest.raises(TypeError) as info:
+        fastattn.attention(*qkv, mask=np.ones((5, 7), dtype))
+    message = str(info.value)
+    assert "bool" in message and "floating" in message and "integer" not in message
+
+
+@pytest.mark.parametrize("attention_varlen", [fastattn.attention_varlen, ref.attention_varlen])
+@pytest.mark.parametrize("keywords, error", [(dict(causal=1.5), TypeError),
+                                             (dict(window=(1, 2, 3)), ValueError),
+                                             (dict(return_lse=1), TypeError)])
+def test_varlen_entry_points_share_the_rules(attention_varlen, keywords, error):
+    x = np.ones((2, 5, 4))
+    with pytest.raises(error):
+        attention_varlen(x, x, x, [0, 2, 5], [0, 3, 5], **keywords)
