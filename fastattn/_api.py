@@ -125,10 +125,6 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
         Broadcastable to the batch shape; rows ``i >= q_lengths[b]`` are padding (zeros,
         ``lse = -inf``), and causal/window/ALiBi alignment uses it in place of ``Lq``.
 
-    The score of query ``i`` and key ``j`` is built in this order: ``scale * q_i . k_j``,
-    softcap, + ALiBi bias, + float mask, then visibility (causal, window, lengths, bool
-    mask).
-
     Returns
     -------
     out : ndarray, shape (..., Hq, Lq, Dv)
@@ -141,6 +137,14 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
 
     Notes
     -----
+    The score of query ``i`` and key ``j`` is built in this order: ``scale * q_i . k_j``,
+    softcap, + ALiBi bias, + float mask, then visibility (causal, window, lengths, bool
+    mask).
+
+    Arrays in non-native byte order (a big-endian ``.npy`` file) are converted to native
+    order, one copy, and an ``out`` in non-native order receives the result through a
+    byte-swapping copy.
+
     The result of a query row is bitwise identical whatever the thread count, batch size,
     ``Lq`` or the other rows in the call: a decode step reproduces the prefill row exactly.
 
