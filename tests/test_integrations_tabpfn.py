@@ -101,14 +101,20 @@ def test_reduced_precision(dtype):
         np.testing.assert_allclose(got.double().numpy(), expected.numpy(), rtol=8e-3, atol=8e-3)
 
 
-def test_declines_under_autograd_and_unregisters():
-    q = bshd((1, 5, 2, 8)).requires_grad_(True)
-    k, v = bshd((1, 5, 2, 8), seed=1), bshd((1, 5, 2, 8), seed=2)
+def test_takes_autograd_calls_with_torch_gradients_and_unregisters():
+    q = bshd((2, 5, 4, 8)).double().requires_grad_(True)
+    k = bshd((1, 7, 2, 8), seed=1).double().requires_grad_(True)   # broadcast batch, GQA
+    v = bshd((1, 7, 2, 6), seed=2).double().requires_grad_(True)
+    dout = bshd((2, 5, 4, 6), seed=3).double()
     with ab.recorded_attention_backends() as ran:
         out = sdpa(q, k, v)
-    assert ran == [None]  # grad mode on: TabPFN's torch path, with a backward
-    out.sum().backward()
-    assert q.grad is not None
+    assert [b.name for b in ran] == ["fastattn"]  # grad mode on: fastattn, with its backward
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    expected_out = sdpa(q, k, v, backend=None)
+    expected = torch.autograd.grad(expected_out, (q, k, v), dout)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        assert_close(g.numpy(), e.numpy())
     fa_tabpfn.unregister()
     with torch.no_grad(), ab.recorded_attention_backends() as ran:
         sdpa(q.detach(), k, v)
@@ -127,6 +133,7 @@ def test_is_preferred():
                 dtype=torch.float32, device=torch.device("cpu"), batch_size=1)
     backend = fa_tabpfn.FastattnBackend()
     assert backend.is_preferred(ab.AttentionSpec(**spec))
-    for change in ({"device": torch.device("meta")}, {"is_grad_enabled": True},
+    assert backend.is_preferred(ab.AttentionSpec(**dict(spec, is_grad_enabled=True)))
+    for change in ({"device": torch.device("meta")},
                    {"seq_len_kv": None}, {"num_kv_heads": 3}, {"dtype": torch.int32}):
         assert not backend.is_preferred(ab.AttentionSpec(**dict(spec, **change))), change

@@ -4,7 +4,7 @@ TabPFN (>= 9.2) routes every attention call of its architectures through one SDP
 ``tabpfn.architectures.shared.scaled_dot_product_attention``, which asks a registry of
 backends (``tabpfn.architectures.shared.attention_backends``) whether one of them prefers
 the call; if none does, torch's SDPA runs.  ``register()`` puts fastattn at the front of
-that registry for the calls it can take: CPU tensors, inference (grad mode off).
+that registry for the calls it can take: CPU tensors, in inference and in training.
 """
 __all__ = ["register", "unregister", "FastattnBackend"]
 
@@ -27,14 +27,14 @@ class FastattnBackend:
 
     def is_preferred(self, spec):
         """Whether fastattn takes a call: CPU tensors of float32/float16/bfloat16/float64,
-        grad mode off (fastattn computes no backward pass), keys present, ``Hq`` a
-        multiple of ``Hkv``, and not inside ``torch.compile`` (the call leaves torch).
+        keys present, ``Hq`` a multiple of ``Hkv``, and not inside ``torch.compile`` (the
+        call leaves torch).  Calls under autograd are taken too: they run as the
+        differentiable :func:`fastattn.integrations.torch.attention`.
         """
         import torch
 
         return (
             spec.device.type == "cpu"
-            and not spec.is_grad_enabled
             and str(spec.dtype).rpartition(".")[2] in _DTYPE_NAMES
             and spec.seq_len_kv is not None
             and spec.num_kv_heads > 0
@@ -58,6 +58,10 @@ class FastattnBackend:
 
         if k_BSJD is None or v_BSJD is None:
             raise ValueError("fastattn's TabPFN backend needs dense keys and values, got None")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q_BSHD, k_BSJD, v_BSJD)):
+            from . import torch as fa_torch
+            return fa_torch.attention(*(t.transpose(1, 2) for t in (q_BSHD, k_BSJD, v_BSJD))
+                                      ).transpose(1, 2)
         q, k, v = _torch.arrays(torch, q_BSHD, k_BSJD, v_BSJD)
         B = torch.broadcast_shapes(q_BSHD.shape[:1], k_BSJD.shape[:1], v_BSJD.shape[:1])[0]
         _, Sq, Hq, _ = q_BSHD.shape
@@ -76,9 +80,9 @@ _BACKEND = FastattnBackend()
 def register():
     """Register fastattn with TabPFN's attention backends, ahead of those registered before.
 
-    From then on TabPFN runs its CPU inference attention (grad mode off) on fastattn;
-    CUDA/MPS calls and calls under autograd keep their usual path.  Calling it again is a
-    no-op.  Needs ``tabpfn >= 9.2`` (``register_attention_backend``).
+    From then on TabPFN runs its CPU attention on fastattn, inference and fine-tuning
+    (calls under autograd use fastattn's backward); CUDA/MPS calls keep their usual path.
+    Calling it again is a no-op.  Needs ``tabpfn >= 9.2`` (``register_attention_backend``).
 
     Returns
     -------

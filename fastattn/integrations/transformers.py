@@ -44,8 +44,7 @@ def register(name="fastattn", *, fallback="sdpa"):
         The name to pass as ``attn_implementation`` (default ``"fastattn"``).
     fallback : {"sdpa", None}, optional
         What to do with a call fastattn cannot run but PyTorch's SDPA can: CUDA (or other
-        non-CPU) tensors, tensors that require gradients while autograd is on (fastattn
-        computes no backward), dropout in training, a T5-style ``position_bias``, a paged
+        non-CPU) tensors, dropout in training, a T5-style ``position_bias``, a paged
         cache.  ``"sdpa"`` (default) hands the call to transformers' ``sdpa`` function,
         with one ``RuntimeWarning`` per reason; ``None`` raises ``NotImplementedError``.
 
@@ -73,6 +72,9 @@ def register(name="fastattn", *, fallback="sdpa"):
       says, because ``sdpa`` cannot compute them either): attention-logit soft-capping
       (Gemma 2) and attention sinks (gpt-oss), unless this fastattn build's ``attention``
       takes ``softcap`` / ``sinks``, in which case they are passed on.
+    - **Training.** When autograd records the call (grad mode on and an input that
+      requires grad), it runs as :func:`fastattn.integrations.torch.attention`, whose
+      backward is :func:`fastattn.attention_backward`; the result is then a new tensor.
     - The attention weights are not returned (``None``), as with ``sdpa``.
 
     Examples
@@ -177,6 +179,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     extra = {}
     if kwargs.get("softcap") is not None:
         extra["softcap"] = float(kwargs["softcap"])
+    if _needs_grad(torch, query, key, value, sinks):
+        # Training: the differentiable operation, whose backward is fastattn's.
+        from . import torch as fa_torch
+        out = fa_torch.attention(query, key, value, scale=scaling, causal=causal,
+                                 window=window, mask=mask, sinks=sinks, **extra)
+        return out.transpose(1, 2), None
     if sinks is not None:
         extra["sinks"] = sinks.detach().float().numpy()
 
@@ -196,6 +204,11 @@ def _takes(keyword):
     return keyword in inspect.signature(_api.attention).parameters
 
 
+def _needs_grad(torch, *tensors):
+    """Whether autograd records this call: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _unsupported(module, query, key, value, attention_mask, dropout, kwargs):
     """Why fastattn cannot take this call (a short phrase), or None if it can."""
     import torch
@@ -204,9 +217,6 @@ def _unsupported(module, query, key, value, attention_mask, dropout, kwargs):
     devices = {t.device.type for t in tensors}
     if devices != {"cpu"}:
         return f"tensors on {', '.join(sorted(devices - {'cpu'}))} (fastattn runs on the CPU)"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return ("the tensors require gradients and fastattn computes no backward pass "
-                "(run inference under torch.no_grad() or torch.inference_mode())")
     if dropout:
         return f"dropout={dropout} (the module is in training mode)"
     if kwargs.get("position_bias") is not None:

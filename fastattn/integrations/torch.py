@@ -1,0 +1,192 @@
+"""fastattn as differentiable torch operations on CPU tensors.
+
+- :func:`scaled_dot_product_attention` is a drop-in for
+  ``torch.nn.functional.scaled_dot_product_attention``: the same arguments and meaning
+  (``is_causal`` aligned top-left, ``enable_gqa``, a boolean or additive ``attn_mask``,
+  ``scale``).
+- :func:`attention` is :func:`fastattn.attention` on tensors, with its keywords
+  (bottom-right ``causal``, ``window``, lengths, ``softcap``, ``alibi_slopes``, ``sinks``)
+  and ``lse`` returned with ``return_lse=True``.
+
+Both are ``torch.autograd.Function``\\ s: the forward keeps the ``lse`` that
+:func:`fastattn.attention` returns, and the backward is :func:`fastattn.attention_backward`,
+which recomputes the probabilities from it tile by tile.  Gradients flow to q, k, v,
+``sinks`` (when given as a tensor) and through ``lse``; masks, ALiBi slopes and lengths are
+constants.  Tensors are handed to fastattn as NumPy views of the same memory wherever the
+dtype allows (float32, float64, float16, and bfloat16 with ``ml_dtypes`` installed).
+
+What these functions do not take, they refuse with an error rather than guess: tensors
+not on the CPU, ``dropout_p > 0``, a float ``attn_mask`` that requires gradients, and a
+second backward (double backward) through them.
+
+torch is imported when a function is first called, never by importing this module.
+"""
+import functools
+
+import numpy as np
+
+__all__ = ["attention", "scaled_dot_product_attention"]
+
+
+def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
+    """:func:`fastattn.attention` on torch tensors, differentiable.
+
+    Parameters
+    ----------
+    q, k, v : torch.Tensor
+        CPU tensors in fastattn's layout, ``(..., Hq, Lq, D)``, ``(..., Hkv, Lk, D)``,
+        ``(..., Hkv, Lk, Dv)``, of float32, float64, float16 or bfloat16.
+    return_lse : bool, optional
+        Also return ``lse`` ``(..., Hq, Lq)`` (float32, or float64 for float64 inputs);
+        it is differentiable too.
+    sinks : torch.Tensor or array_like, optional
+        One logit per head, broadcastable to ``(..., Hq)``; a tensor that requires grad
+        gets its gradient.
+    **keywords
+        ``scale``, ``causal``, ``window``, ``mask``, ``kv_lengths``, ``q_lengths``,
+        ``softcap``, ``alibi_slopes`` as in :func:`fastattn.attention` (tensors or
+        arrays; masks, slopes and lengths are constants).
+
+    Returns
+    -------
+    torch.Tensor, or (torch.Tensor, torch.Tensor) with ``return_lse=True``
+
+    Examples
+    --------
+    >>> import torch                                                # doctest: +SKIP
+    >>> q = torch.randn(2, 4, 16, 8, requires_grad=True)           # doctest: +SKIP
+    >>> out = fastattn.integrations.torch.attention(q, q, q, causal=True)  # doctest: +SKIP
+    >>> out.sum().backward()                                       # doctest: +SKIP
+    """
+    import torch
+
+    if "out" in keywords or "return_lse" in keywords:
+        raise TypeError("out is not taken by the torch operation (autograd owns its results)")
+    _check_tensors(torch, q=q, k=k, v=v)
+    keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
+    if sinks is not None and not torch.is_tensor(sinks):
+        sinks = torch.as_tensor(np.asarray(sinks, dtype=np.float64))
+    out, lse = _function().apply(q, k, v, sinks, keywords)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` computed by fastattn.
+
+    The same signature and semantics on CPU tensors: ``query (..., Hq, L, E)``,
+    ``key (..., Hkv, S, E)``, ``value (..., Hkv, S, Ev)``; ``attn_mask`` boolean (True =
+    may attend) or additive, broadcastable to ``(..., Hq, L, S)``; ``is_causal`` hides key
+    ``j > i`` (top-left, as torch aligns it); ``scale`` defaults to ``1 / sqrt(E)``;
+    ``enable_gqa`` lets ``Hq`` be a multiple of ``Hkv``.  Differentiable in query, key and
+    value.  A row that sees no key gives zeros (as torch's CPU path does).
+
+    Raises ``NotImplementedError`` for ``dropout_p > 0`` and for a float ``attn_mask`` that
+    requires gradients; ``ValueError`` for ``attn_mask`` with ``is_causal=True`` and for
+    ``Hq != Hkv`` without ``enable_gqa``, as torch does.
+
+    Examples
+    --------
+    >>> import torch                                                # doctest: +SKIP
+    >>> from fastattn.integrations.torch import scaled_dot_product_attention
+    >>> q = torch.randn(1, 8, 128, 64, requires_grad=True)         # doctest: +SKIP
+    >>> scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()  # doctest: +SKIP
+    """
+    import torch
+
+    if dropout_p:
+        raise NotImplementedError(f"fastattn computes no dropout: dropout_p must be 0, got {dropout_p}")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal=True cannot be given together (as in torch)")
+    if query.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
+        raise ValueError(
+            f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass enable_gqa=True "
+            f"for grouped-query attention (query.shape={tuple(query.shape)}, "
+            f"key.shape={tuple(key.shape)})")
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("fastattn treats attn_mask as a constant: it computes no "
+                                  "gradient for a mask that requires one")
+    return attention(query, key, value, scale=scale, mask=attn_mask,
+                     causal="top-left" if is_causal else False)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _check_tensors(torch, **tensors):
+    for name, t in tensors.items():
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}: fastattn runs on CPU tensors")
+        if t.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+
+
+def _constant(torch, name, value):
+    """A keyword's value as fastattn takes it: tensors as NumPy arrays (detached)."""
+    if not torch.is_tensor(value):
+        return value
+    from . import _torch
+
+    if value.device.type != "cpu":
+        raise ValueError(f"{name} is on {value.device}: fastattn runs on CPU tensors")
+    value = value.detach()
+    if value.dtype == torch.bfloat16 and _torch.bfloat16_dtype() is None:
+        value = value.float()
+    return _torch.view(torch, value)
+
+
+def _arrays(torch, *tensors):
+    """NumPy views of detached CPU tensors (see ``_torch.arrays``)."""
+    from . import _torch
+
+    return _torch.arrays(torch, *(t.detach() for t in tensors))
+
+
+def _tensor(torch, a, dtype):
+    """The NumPy result ``a`` as a tensor of ``dtype`` (shared memory when it already is)."""
+    from . import _torch
+
+    if _torch.bfloat16_dtype() is not None and a.dtype == _torch.bfloat16_dtype():
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _function():
+    """The autograd Function, built on first use (torch imported only then)."""
+    import torch
+
+    import fastattn
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, sinks, keywords):
+            ctx.set_materialize_grads(False)
+            qa, ka, va = _arrays(torch, q, k, v)
+            sinks_a = None if sinks is None else sinks.detach().double().numpy()
+            out, lse = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=True,
+                                          **keywords)
+            out_t, lse_t = _tensor(torch, out, q.dtype), torch.from_numpy(lse)
+            ctx.save_for_backward(q, k, v, out_t, lse_t, sinks)
+            ctx.keywords = keywords
+            return out_t, lse_t
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse, sinks = ctx.saved_tensors
+            if dout is None:
+                dout = torch.zeros_like(out)
+            arrays = _arrays(torch, dout, q, k, v, out)
+            grads = fastattn.attention_backward(
+                *arrays, lse.numpy(), dlse=None if dlse is None else dlse.detach().numpy(),
+                sinks=None if sinks is None else sinks.detach().double().numpy(),
+                **ctx.keywords)
+            dq, dk, dv = (_tensor(torch, g, t.dtype) for g, t in zip(grads, (q, k, v)))
+            dsinks = None if sinks is None else _tensor(torch, grads[3], sinks.dtype)
+            return dq, dk, dv, dsinks, None
+
+    return Attention
