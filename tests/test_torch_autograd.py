@@ -1,0 +1,139 @@
+"""fastattn.integrations.torch: differentiable drop-ins checked against torch itself.
+
+Gradients are compared with torch autograd through ``F.scaled_dot_product_attention`` (and
+through a materialised softmax for what torch's SDPA lacks) in float64, and with
+``torch.autograd.gradcheck``'s finite differences.
+"""
+import numpy as np
+import pytest
+
+from conftest import import_optional
+
+torch = import_optional("torch")
+F = torch.nn.functional
+
+from fastattn.integrations import torch as fa_torch  # noqa: E402
+
+
+def _leaves(*shapes, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=dtype).requires_grad_(True) for s in shapes]
+
+
+def _grads(fn, tensors, seed=1):
+    """(output, gradients of <output, dout> with respect to ``tensors``)."""
+    out = fn(*tensors)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return out, torch.autograd.grad(out, tensors, dout)
+
+
+def _close(got, want, tol=1e-10):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        scale = max(float(w.abs().max()), 1e-300)
+        np.testing.assert_allclose(g.detach().numpy(), w.detach().numpy(), rtol=0,
+                                   atol=tol * scale)
+
+
+@pytest.mark.parametrize("keywords", [
+    {}, {"is_causal": True}, {"scale": 0.3}, {"enable_gqa": True},
+    {"attn_mask": "bool"}, {"attn_mask": "float"},
+])
+def test_sdpa_gradients_are_torchs(keywords):
+    Hkv = 2 if keywords.get("enable_gqa") else 4
+    q, k, v = _leaves((2, 4, 9, 8), (2, Hkv, 9, 8), (2, Hkv, 9, 5))
+    if keywords.get("attn_mask") == "bool":
+        keywords = dict(attn_mask=torch.rand(9, 9, generator=torch.Generator().manual_seed(2)) < 0.7)
+        keywords["attn_mask"][:, 0] = True  # every row sees a key: torch's rows agree
+    elif keywords.get("attn_mask") == "float":
+        keywords = dict(attn_mask=torch.randn(1, 4, 9, 9, dtype=torch.float64))
+    got = _grads(lambda *t: fa_torch.scaled_dot_product_attention(*t, **keywords), [q, k, v])
+    want = _grads(lambda *t: F.scaled_dot_product_attention(*t, **keywords), [q, k, v])
+    _close([got[0]], [want[0]])
+    _close(got[1], want[1])
+
+
+def test_sdpa_float32_matches_torch_to_float32_rounding():
+    q, k, v = _leaves((1, 3, 33, 16), (1, 3, 33, 16), (1, 3, 33, 16), dtype=torch.float32)
+    got = _grads(lambda *t: fa_torch.scaled_dot_product_attention(*t, is_causal=True), [q, k, v])
+    want = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), [q, k, v])
+    _close(got[1], want[1], tol=1e-5)
+
+
+def _materialised(q, k, v, sinks=None, causal=False, softcap=None):
+    """fastattn's attention with sinks and softcap, by the book in torch (float64)."""
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:
+        Lq, Lk = s.shape[-2:]
+        hidden = torch.arange(Lk)[None, :] > torch.arange(Lq)[:, None] + (Lk - Lq)
+        s = s.masked_fill(hidden, -torch.inf)
+    if sinks is not None:
+        sink = sinks[:, None, None].expand(*s.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+@pytest.mark.parametrize("keywords", [{}, {"causal": True}, {"softcap": 2.0},
+                                      {"causal": True, "softcap": 1.5}])
+def test_attention_with_sinks_and_lse_gradients(keywords):
+    q, k, v = _leaves((3, 6, 8), (3, 10, 8), (3, 10, 4))
+    sinks = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    g = torch.Generator().manual_seed(5)
+    dout, dlse = torch.randn(3, 6, 4, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+
+    def loss(fn):
+        out, lse = fn()
+        return (out * dout).sum() + (lse * dlse).sum()
+
+    got = torch.autograd.grad(loss(lambda: fa_torch.attention(
+        q, k, v, sinks=sinks, return_lse=True, **keywords)), (q, k, v, sinks))
+    want = torch.autograd.grad(loss(lambda: _materialised(q, k, v, sinks, **keywords)),
+                               (q, k, v, sinks))
+    _close(got, want)
+
+
+def test_gradcheck():
+    q, k, v = _leaves((2, 5, 4), (1, 6, 4), (1, 6, 3))
+    sinks = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, s: fa_torch.attention(q, k, v, sinks=s, causal=True, softcap=3.0,
+                                              return_lse=True),
+        (q, k, v, sinks))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradients_come_in_the_inputs_dtype(dtype):
+    q, k, v = _leaves((2, 7, 8), (2, 7, 8), (2, 7, 8), dtype=dtype)
+    out, grads = _grads(lambda *t: fa_torch.attention(*t, causal=True), [q, k, v])
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    want = _grads(lambda *t: fa_torch.attention(*t, causal=True),
+                  [t.detach().double().requires_grad_(True) for t in (q, k, v)])[1]
+    tol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    _close([g.double() for g in grads], want, tol=tol)
+
+
+def test_what_it_refuses():
+    q, k, v = _leaves((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fa_torch.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fa_torch.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(ValueError, match="is_causal"):
+        fa_torch.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=bool),
+                                              is_causal=True, enable_gqa=True)
+    with pytest.raises(NotImplementedError, match="mask"):
+        fa_torch.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.zeros(3, 3, dtype=torch.float64, requires_grad=True),
+            enable_gqa=True)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        fa_torch.attention(q.detach().numpy(), k, v)
+    with pytest.raises(TypeError, match="out"):
+        fa_torch.attention(q, k, v, out=torch.empty(1, 2, 3, 4))
+    out = fa_torch.attention(q, k, v)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):  # no double backward through fastattn's backward
+        torch.autograd.grad(g.sum(), q)
