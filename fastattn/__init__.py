@@ -1,21 +1,59 @@
 """fastattn -- scaled-dot-product attention for NumPy, as fused Cython/SIMD kernels.
 
-How the house is laid out
--------------------------
-``attention(q, k, v, ...)`` is the product: one fused pass per block of query rows computes
-scores, an online softmax and the weighted sum of values, with causal / sliding-window /
-length / mask visibility, never materialising the Lq x Lk score matrix.
+Design
+------
+Attention is ``softmax(scale * q @ k.T + mask) @ v``.  Written as three NumPy calls it
+stores the whole ``Lq x Lk`` score matrix and reads it three times; fastattn never stores
+it.  One work item takes a block of query rows (all the query heads that share a key/value
+head, so a GQA group reads its keys once) and streams over blocks of keys: a score tile,
+the "finish scores" stage (softcap, ALiBi, float mask, then which keys the rows may see),
+an online-softmax step that rescales what it has summed so far, and the weighted sum of
+the values.  Memory beyond the result is a few tiles per thread.  The backward pass runs
+the same stages from the forward's ``lse``: a pass over key blocks sums dK and dV, a pass
+over query blocks sums dQ, each in a fixed order, so gradients are reproducible bit for
+bit like the forward.
 
-- ``fastattn/_api.py``      validates every argument (clear ValueError/TypeError before any
-                            work), picks the compute dtype, maps broadcasting to offsets.
-- ``src/_kernel_impl.pxi``  the Cython kernel: work items, the online-softmax loop.
-- ``src/fa_pool.h``         the thread pool that runs the work items (shares cores politely).
-- ``src/fa_kernels.h``      the visibility rule (one definition) and the SIMD micro-kernels
-  ``src/fa_tile_impl.h``    (score tile, softmax step, output tile), compiled once per ISA.
-- ``fastattn/_dispatch.py`` imports the best compiled variant for the running CPU.
-- ``fastattn/reference.py`` the plain-NumPy oracle the tests and benchmarks compare with.
-- ``fastattn/layers.py``, ``positions.py``: self-attention, multi-head attention with a KV
-  cache, sinusoidal and rotary positions, all on the fused kernel.
+Every call has two halves.  The Python half decides whether the call is legal and what it
+means: each argument has one rule, in :mod:`fastattn._args`, which builds the whole call's
+``Problem`` (dtypes, shapes, broadcast batch, normalised keywords) for every entry point
+-- the kernels' front end, the NumPy oracle, ``attention_weights``, the backward and the
+layers.  The compiled half never re-validates; it addresses the arrays in place (any
+strides, broadcast batch dims, 16-bit K/V widened in registers) and runs the work items on
+its own thread pool.  The commonest call skips the Python half: a gate in C recognises it
+(plain float arrays, no mask or modifier) and hands anything else back, so both paths run
+the same kernel on the same problem description and give the same bits.
+
+The house
+---------
+Both call paths::
+
+    attention(q, k, v, ...)            fastattn/_api.py
+      |-- lean gate (C) -----------+     src/_kernel_impl.pxi: attention_fast
+      |-- Problem (_args.py) ------+     one rule per argument
+                                   v
+                        run step: Problem struct -> work items on the pool
+                                   |     src/fa_pool.h (threads shared politely)
+                                   v
+                        tile pipeline    src/_tile_pipeline.pxi, fa_tile_impl.h
+                        score tile -> finish scores -> softmax step -> output tile
+                                         (visibility: fa_key_interval, one definition)
+
+- ``fastattn/_api.py``        ``attention``, ``attention_varlen``, ``attention_weights``,
+                              ``softmax``: the front end and its glue to the kernel.
+- ``fastattn/_args.py``       every argument rule, and the ``Problem`` of a call.
+- ``fastattn/_backward.py``   ``attention_backward`` / ``attention_varlen_backward``.
+- ``fastattn/_merge.py``      ``merge_attention``: partial results over disjoint keys.
+- ``fastattn/reference.py``   the plain-NumPy oracle (float64, materialised scores);
+                              ``attention_weights`` reuses its score stage.
+- ``src/``                    the kernel, compiled once per instruction set;
+                              ``fastattn/_dispatch.py`` imports the best the CPU runs.
+- ``fastattn/_threads.py``    the thread count (``set_num_threads``, threadpoolctl).
+- ``fastattn/layers.py``, ``_kvcache.py``, ``positions.py``: self-attention,
+                              ``MultiHeadAttention`` with a KV cache, positions.
+- ``fastattn/integrations/``  torch (differentiable operations), transformers, TabPFN,
+                              Dask; each imports its framework only when used.
+- ``fastattn/cli/``           ``python -m fastattn bench | info | demo``: imports the
+                              library, never imported by it.
 """
 from importlib import metadata as _metadata
 
