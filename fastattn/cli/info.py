@@ -142,27 +142,32 @@ def collect(fa=None):
             pass
     kernel = _kernel_module(_dispatch)
     if kernel is not None:
-        info["kernel_module"] = kernel.__name__
-        try:
-            build = dict(kernel.build_info())
-        except Exception as exc:
-            info["build_info_error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            info["compiler"] = str(build.pop("compiler", UNKNOWN))
-            if "openmp" in build:
-                info["openmp"] = bool(build.pop("openmp"))
-            if info["isa"] == UNKNOWN and "isa" in build:
-                info["isa"] = str(build.pop("isa"))
-            else:
-                build.pop("isa", None)
-            try:
-                info["thread_pool"] = str(kernel.pool_info()["backend"])
-            except Exception:
-                pass
-            # Remaining facts (vector width, block sizes, ...) are shown as they come.
-            info["build"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v))
-                             for k, v in build.items()}
+        _kernel_facts(kernel, info)
     return info
+
+
+def _kernel_facts(kernel, info):
+    """Add the compiled kernel's build facts and thread pool to ``info``."""
+    info["kernel_module"] = kernel.__name__
+    try:
+        build = dict(kernel.build_info())
+    except Exception as exc:
+        info["build_info_error"] = f"{type(exc).__name__}: {exc}"
+        return
+    info["compiler"] = str(build.pop("compiler", UNKNOWN))
+    if "openmp" in build:
+        info["openmp"] = bool(build.pop("openmp"))
+    if info["isa"] == UNKNOWN and "isa" in build:
+        info["isa"] = str(build.pop("isa"))
+    else:
+        build.pop("isa", None)
+    try:
+        info["thread_pool"] = str(kernel.pool_info()["backend"])
+    except Exception:
+        pass
+    # Remaining facts (vector width, block sizes, ...) are shown as they come.
+    info["build"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v))
+                     for k, v in build.items()}
 
 
 def _openmp_role(info):
