@@ -662,3 +662,25 @@ def test_no_import_cycles_in_the_command_line():
 
     for node in sorted(graph):
         visit(node, [])
+
+
+def test_variants_table_times_as_the_shapes_table_does(monkeypatch):
+    # The same harness: a pause, then an untimed wake-up call, before every timed batch.
+    from fastattn.cli.bench import variants
+    events = []
+    monkeypatch.setattr(harness, "settle", lambda: events.append("pause"))
+    timed = harness.timed_batch
+
+    def logged_batch(fn, n):
+        events.append(f"batch of {n}")
+        return timed(fn, n)
+
+    monkeypatch.setattr(harness, "timed_batch", logged_batch)
+    monkeypatch.setattr(variants, "BATCH_S", 1e-4)
+    medians = variants._time({"variant": lambda: events.append("call"),
+                              "plain": lambda: events.append("call")}, 2)
+    assert set(medians) == {"variant", "plain"}
+    batches = [i for i, e in enumerate(events) if e.startswith("batch")]
+    assert len(batches) == 4
+    for i in batches:
+        assert events[i - 2:i] == ["pause", "call"], events[i - 3:i + 1]
