@@ -9,10 +9,8 @@ Compare saved runs:    python -m pytest benchmarks/ --benchmark-autosave, then
 The CI command is ``pytest tests/``, which never collects this folder.
 """
 import os
-import time
 
 import pytest
-
 
 
 def pytest_addoption(parser):
@@ -41,18 +39,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def threads():
-    """One thread count for every library: fastattn's default (honours OMP_NUM_THREADS)."""
+    """One thread count for fastattn, BLAS and torch: fastattn's default (honours
+    OMP_NUM_THREADS), held as the bench holds it."""
     import fastattn
-    from fastattn.bench import blas_threads
+    from fastattn.cli.bench.harness import hold_threads, import_torch
 
     n = fastattn.get_num_threads()
-    with blas_threads(n):
+    with hold_threads(n, fastattn, import_torch()):
         yield n
 
 
 @pytest.fixture(autouse=True)
 def _pause():
-    # Setup, outside the timed region: let the previous test's idle OpenMP/OpenBLAS workers
-    # stop spinning before this one starts (see fastattn.bench).
-    time.sleep(0.05)
+    # Setup, outside the timed region: the bench's pause, until the previous test's idle
+    # OpenMP/OpenBLAS workers stop spinning (see fastattn/cli/bench/harness.py).
+    from fastattn.cli.bench.harness import settle
+    settle()
     yield

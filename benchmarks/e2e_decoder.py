@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import fastattn
-from fastattn.bench import blas_threads
+from fastattn.cli.bench.harness import blas_threads
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 32000, 1024, 8, 16, 4, 2816
 HEAD_DIM = HIDDEN // HEADS

@@ -1,9 +1,10 @@
 """fastattn, the NumPy reference and PyTorch side by side, one benchmark group per bench
-shape (see fastattn/bench.py for the shapes and `python -m fastattn bench` for the
-table with GFLOP/s and speed-ups).
+shape (see fastattn/cli/bench/shapes.py for the shapes and `python -m fastattn bench` for
+the table with GFLOP/s and speed-ups).
 
 Inputs are made once per shape (cached), outside the timed region; every library runs on
-the same thread count.
+the same thread count. pytest-benchmark runs its rounds back to back after a warm-up
+round, which plays the part of the bench's untimed wake-up call.
 """
 import functools
 
@@ -12,7 +13,8 @@ import pytest
 
 import fastattn
 from fastattn import reference
-from fastattn.bench import SHAPES, _reference_slice, _to_torch, _tolerance, make_inputs
+from fastattn.cli.bench.harness import to_torch
+from fastattn.cli.bench.shapes import SHAPES, make_inputs, reference_slice, tolerance
 
 # Shapes that finish in well under a second for every library, the reference included;
 # the others are marked "big" and skipped by --bench-quick.
@@ -30,7 +32,7 @@ def _runnable(shape):
 def shape_params():
     """One pytest.param per shape (the float16/bfloat16 ones too), each its own group."""
     return [pytest.param(s, id=s.name,
-                         marks=[pytest.mark.benchmark(group=s.name)] + _runnable(s)
+                         marks=[pytest.mark.benchmark(group=s.name, warmup=True, warmup_iterations=1)] + _runnable(s)
                          + ([] if s.name in QUICK_SHAPES else [pytest.mark.big]))
             for s in SHAPES]
 
@@ -57,10 +59,10 @@ def test_fastattn(benchmark, shape, threads):
     with fastattn.num_threads(threads):
         result = benchmark(fastattn.attention, q, k, v, causal=shape.causal, out=out)
     # A fast but wrong kernel must not pass: check a slice against the reference.
-    (qs, ks, vs), (heads_q, rows) = _reference_slice(shape, q, k, v)
+    (qs, ks, vs), (heads_q, rows) = reference_slice(shape, q, k, v)
     want = reference.attention(qs, ks, vs, causal=shape.causal)
     np.testing.assert_allclose(result[:, heads_q, shape.lq - rows:].astype(np.float64),
-                               want.astype(np.float64), atol=_tolerance(shape.dtype), rtol=0)
+                               want.astype(np.float64), atol=tolerance(shape.dtype), rtol=0)
 
 
 @pytest.mark.parametrize("shape", shape_params())
@@ -77,17 +79,12 @@ def test_reference(benchmark, shape, threads):
 @pytest.mark.parametrize("shape", shape_params())
 def test_torch(benchmark, shape, threads):
     torch = pytest.importorskip("torch")
-    q, k, v = (_to_torch(torch, a) for a in _inputs(shape))
+    q, k, v = (to_torch(torch, a) for a in _inputs(shape))
     kwargs = {"is_causal": shape.causal}
     if shape.hq != shape.hkv:
         kwargs["enable_gqa"] = True
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    benchmark.extra_info.update(threads=threads, shape=shape.describe(),
+    benchmark.extra_info.update(threads=torch.get_num_threads(), shape=shape.describe(),
                                 torch=torch.__version__)
-    try:
-        with torch.inference_mode():
-            benchmark(sdpa, q, k, v, **kwargs)
-    finally:
-        torch.set_num_threads(old)
+    with torch.inference_mode():
+        benchmark(sdpa, q, k, v, **kwargs)

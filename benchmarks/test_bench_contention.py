@@ -1,5 +1,5 @@
 """fastattn on shared cores: the three situations of ``python -m fastattn bench --contention``
-(see fastattn/contention.py), one benchmark group each.
+(see fastattn/cli/bench/contention.py), one benchmark group each.
 
 Each test times the shared situation with pytest-benchmark and records in ``extra_info``
 the fair share (the same work with the machine to itself, or on one thread beside the same
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn.contention import Neighbour, decoder_step_calls, mean_call_seconds, small_inputs
+from fastattn.cli.bench.contention import Neighbour, decoder_step_calls, small_inputs
+from fastattn.cli.bench.harness import mean_call_seconds
 
 FAIR_WINDOW_S = 1.0
 

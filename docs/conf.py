@@ -11,7 +11,7 @@ Choices:
   README.
 - The furo theme: light (a few small pure-Python packages), quick to build, readable on
   a phone, and it lays out long signatures such as ``attention(q, k, v, *, ...)`` well.
-- The examples page is generated at build time by ``fastattn.demo`` (its printed tables
+- The examples page is generated at build time by ``fastattn.cli.demo`` (its printed tables
   and heatmaps), so the page shows what the code computes today and cannot drift from it.
 """
 
@@ -25,7 +25,7 @@ DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS.parent))
 
 import fastattn  # noqa: E402
-from fastattn import demo  # noqa: E402
+from fastattn.cli import demo  # noqa: E402
 
 project = "fastattn"
 author = "fastattn contributors"

@@ -1,4 +1,4 @@
-"""Tests of ``python -m fastattn demo`` (fastattn.demo.main) and its table formatting."""
+"""Tests of ``python -m fastattn demo`` (fastattn.cli.demo) and its table formatting."""
 
 import os
 import subprocess
@@ -7,11 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from fastattn import demo
+from fastattn.cli import common, demo
+from fastattn.cli.main import main
 
 
 def test_demo_prints_the_seed_sentences_and_weights(capsys):
-    assert demo.main([]) == 0
+    assert main(["demo"]) == 0
     out = capsys.readouterr().out
     for text in ['"A cat sat on the mat"', '"I love you today"',
                  "each session has a chair", "each person has a chair"]:
@@ -28,7 +29,7 @@ def test_demo_prints_the_seed_sentences_and_weights(capsys):
 
 
 def test_demo_weight_tables_are_probabilities(capsys):
-    demo.main([])
+    main(["demo"])
     rows = [line.split()[1:] for line in capsys.readouterr().out.splitlines()
             if line.strip().startswith(("cat ", "love ", "chair "))]
     numeric = [[float(c) for c in r if c != "."] for r in rows if r and r[0][0] in "0123456789."]
@@ -36,17 +37,20 @@ def test_demo_weight_tables_are_probabilities(capsys):
     assert all(abs(sum(r) - 1) < 6e-3 for r in numeric)
 
 
-def test_demo_ignores_a_leading_demo_word_and_has_help(capsys):
-    assert demo.main(["demo"]) == 0
+def test_demo_has_help_and_usage_errors(capsys):
+    assert main(["demo"]) == 0
     assert "A cat sat" in capsys.readouterr().out
-    assert demo.main(["--help"]) == 0
-    assert "--plot" in capsys.readouterr().out
-    assert demo.main(["--bogus"]) == 2
+    assert main(["demo", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--plot" in text
+    # It describes what the demo shows, not where its examples came from.
+    assert "notebook" not in text.lower() and "seed" not in text.lower()
+    assert main(["demo", "--bogus"]) == 2
 
 
 def test_demo_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` fail
-    assert demo.main(["--plot", str(tmp_path / "plots")]) == 1
+    assert main(["demo", "--plot", str(tmp_path / "plots")]) == common.ENVIRONMENT
     captured = capsys.readouterr()
     assert "pip install matplotlib" in captured.err
     assert captured.out == ""                               # fails before printing tables
@@ -55,7 +59,7 @@ def test_demo_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
 
 def test_demo_plot_writes_heatmaps(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    assert demo.main(["--plot", str(tmp_path)]) == 0
+    assert main(["demo", "--plot", str(tmp_path)]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["01_cat_sat_on_the_mat.png", "02_i_love_you_today.png",
                      "03_each_person_has_a_chair.png", "03_each_session_has_a_chair.png",
@@ -102,7 +106,7 @@ def _table(text, tokens):
 
 
 def test_demo_3b_text_agrees_with_its_table(capsys):
-    demo.main([])
+    main(["demo"])
     section = _section(capsys.readouterr().out, "== 3b.")
     tokens = ["each", "session", "has", "a", "chair"]
     table = _table(section, tokens)
@@ -131,7 +135,7 @@ def test_describe_peaks():
 
 
 def test_demo_text_and_titles_have_no_notebook_jargon(capsys):
-    demo.main([])
+    main(["demo"])
     out = capsys.readouterr().out
     titles = [title for _, figures in demo.examples() for _, title, _ in figures]
     assert len(titles) == 5
@@ -140,6 +144,6 @@ def test_demo_text_and_titles_have_no_notebook_jargon(capsys):
 
 
 def test_examples_are_what_the_demo_prints(capsys):
-    demo.main([])
+    main(["demo"])
     out = capsys.readouterr().out
     assert out == "".join(text + "\n" for text, _ in demo.examples())

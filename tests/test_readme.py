@@ -49,3 +49,38 @@ def test_docs_build_commands_in_readme_match_ci():
     command = "python -m sphinx -W --keep-going -b html docs docs/_build/html"
     assert command in README.read_text() and command in ci
     assert "python -m pip install -r docs/requirements.txt" in ci
+
+
+def test_readme_is_the_front_door_only():
+    # Details live in docs/; the README stays short enough to read at once.
+    assert len(README.read_text().splitlines()) <= 170
+
+
+def test_readme_says_the_in_place_build_needs_cython():
+    text = " ".join(README.read_text().split())
+    sentence = text.split("build_ext --inplace", 1)[1].split(".")[0]
+    assert "Cython" in sentence
+
+
+def test_readme_says_what_cached_decoding_keeps_bitwise():
+    # The attention step is bitwise; the projections around it only agree to rounding.
+    text = " ".join(README.read_text().split())
+    paragraph = text.split("KVCache` a call returns", 1)[1].split("```")[0]
+    assert "attention step gives bitwise" in paragraph and "to rounding" in paragraph
+
+
+def test_api_reference_lists_every_public_function_and_class():
+    import fastattn
+    api = (README.parent / "docs" / "api.rst").read_text()
+    documented = set(re.findall(r"^\.\. auto(?:function|class):: (\w+)", api, re.M))
+    public = {name for name in fastattn.__all__ if callable(getattr(fastattn, name))}
+    assert public <= documented, sorted(public - documented)
+
+
+def test_docs_say_what_the_thread_pool_is():
+    # The kernels run on fastattn's own pool of POSIX threads, as `info` says; OpenMP
+    # only gives the default thread count.
+    for page in (README, *sorted((README.parent / "docs").glob("*.md"))):
+        text = " ".join(page.read_text().split())
+        assert "on OpenMP threads" not in text, page.name
+        assert "Threads and OpenMP" not in text, page.name

@@ -5,7 +5,9 @@
 OLD_DIR and NEW_DIR each hold an importable ``fastattn`` package (a checkout with the
 extension built in place, or a copy of one).  Each round runs one subprocess per build,
 which one first alternating from round to round, and each subprocess times every shape
-(median of 5 batches of ~0.2 s after a warm-up).  The table gives, per shape, the median over rounds of each build's time and the
+with the bench's harness (median of 5 batches of ~0.2 s after a warm-up, each batch after
+the pause and the wake-up call; tools/abtime.py loads it from this checkout, so both
+builds are timed by the same code).  The table gives, per shape, the median over rounds of each build's time and the
 new/old ratio, plus the range of the per-round ratios, and the share of the CPUs other
 processes used meanwhile (trust only rounds where it is low).
 
@@ -20,22 +22,26 @@ import os
 import subprocess
 import sys
 
+import abtime
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+
 CHILD = r"""
-import json, os, sys, time
-import numpy as np
+import json, os, sys
+sys.path.append(sys.argv[2])      # tools/, after the build: it holds no fastattn
+import abtime
+harness, shapes = abtime.load("bench/harness"), abtime.load("bench/shapes")
 import fastattn
-from fastattn import bench
 assert os.path.dirname(os.path.dirname(fastattn.__file__)) == os.getcwd(), fastattn.__file__
-names = sys.argv[1].split(",")
-load = bench.OtherLoad()
+load = harness.OtherLoad()
 res = {}
-for name in names:
-    shape = bench.SHAPES_BY_NAME[name]
-    q, k, v = bench.make_inputs(shape)
+for name in sys.argv[1].split(","):
+    shape = shapes.SHAPES_BY_NAME[name]
+    q, k, v = shapes.make_inputs(shape)
     call = lambda: fastattn.attention(q, k, v, causal=shape.causal)
-    bench._warm_up(call, 0.3)
-    n = bench._iterations(bench._warm_call_seconds(call, 0.05), 0.2)
-    res[name] = float(np.median([bench._timed_batch(call, n) for _ in range(5)]))
+    harness.warm_up(call, 0.3)
+    medians, _, _ = harness.measure({name: harness.Timed(call, 5)}, 0.2)
+    res[name] = medians[name]
 frac = load.fraction()
 print(json.dumps({"times": res, "bg": frac[0] if frac else None}))
 """
@@ -45,9 +51,23 @@ def run_build(path, shapes):
     # Run inside the build's directory: `python -c` puts the working directory first on
     # sys.path, so from anywhere else a fastattn there would shadow the one under test.
     env = dict(os.environ, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-c", CHILD, ",".join(shapes)], env=env, cwd=path,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-c", CHILD, ",".join(shapes), TOOLS], env=env,
+                         cwd=path, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def table(shapes, old, new):
+    """Per shape: each build's median over rounds, new/old, and the per-round ratios."""
+    common = abtime.load("common")
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    rows = []
+    for s in shapes:
+        o = med([t[s] for t in old])
+        n = med([t[s] for t in new])
+        ratios = [b[s] / a[s] for a, b in zip(old, new)]
+        rows.append([s, f"{o * 1e3:.3f} ms", f"{n * 1e3:.3f} ms", f"{n / o:.3f}",
+                     f"{min(ratios):.3f}-{max(ratios):.3f}"])
+    return common.format_table(["shape", "old", "new", "new/old", "per-round ratios"], rows)
 
 
 def main():
@@ -70,14 +90,7 @@ def main():
             acc.append(res["times"])
             bg.append(res["bg"])
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-    print(f"{'shape':<20}{'old':>11}{'new':>11}{'new/old':>9}  per-round ratios")
-    for s in shapes:
-        o = med([t[s] for t in old])
-        n = med([t[s] for t in new])
-        ratios = [b[s] / a[s] for a, b in zip(old, new)]
-        print(f"{s:<20}{o * 1e3:>9.3f}ms{n * 1e3:>9.3f}ms{n / o:>9.3f}  "
-              f"{min(ratios):.3f}-{max(ratios):.3f}")
+    print(table(shapes, old, new))
     known = [b for b in bg if b is not None]
     if known:
         print(f"bg load (other processes' CPU share) per run: "

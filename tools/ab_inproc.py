@@ -8,7 +8,9 @@ extension built in place, or a copy of one).  The old package is imported first 
 modules renamed to ``fastattn_old``, then the new one is imported beside it, so both run
 on the same arrays, in the same process, with the same heap and the same state of the
 machine, each on its own extension modules (checked); the batches alternate (old first,
-then new first).  Per shape the table gives both builds' fastest batch, their ratio, and
+then new first), timed by the bench's harness (tools/abtime.py loads it from this
+checkout): each batch of ~0.15 s after the pause and the wake-up call.  Per shape the
+table gives both builds' fastest batch, their ratio, and
 the median of the per-round ratios.
 
 This resolves differences of 1-2%, where separate processes (tools/ab_bench.py) carry
@@ -21,7 +23,8 @@ import argparse
 import importlib
 import os
 import sys
-import time
+
+import abtime
 
 DEFAULT_SHAPES = ("tiny,small,prefill-1k,prefill-1k-causal,prefill-4k-causal,long-8k,"
                   "decode-4k,decode-gqa-8k,prefill-1k-f64")
@@ -57,26 +60,15 @@ def _load_both(old_dir, new_dir):
 
 def _time_shape(old, new, name, threads, rounds):
     import numpy as np
-    from fastattn import bench
-    shape = bench.SHAPES_BY_NAME[name]
-    q, k, v = bench.make_inputs(shape)
-    calls = {m: (lambda m=m: m.attention(q, k, v, causal=shape.causal)) for m in (old, new)}
-    for m in (old, new, old, new):   # warm-up: thread pools, page faults, caches
-        with m.num_threads(threads):
-            calls[m]()
-    with new.num_threads(threads):
-        t0 = time.perf_counter()
-        calls[new]()
-        n = max(1, int(0.15 / max(time.perf_counter() - t0, 1e-7)))
-    times = {old: [], new: []}
-    for r in range(rounds):
-        for m in ((old, new) if r % 2 == 0 else (new, old)):
-            with m.num_threads(threads):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    calls[m]()
-                times[m].append((time.perf_counter() - t0) / n)
-    o, w = np.array(times[old]), np.array(times[new])
+    harness, shapes = abtime.load("bench/harness"), abtime.load("bench/shapes")
+    shape = shapes.SHAPES_BY_NAME[name]
+    q, k, v = shapes.make_inputs(shape)
+    entries = {tag: harness.Timed(lambda m=m: m.attention(q, k, v, causal=shape.causal),
+                                  rounds, context=lambda m=m: m.num_threads(threads))
+               for tag, m in (("old", old), ("new", new))}
+    harness.first_calls(entries, 0.15)
+    times = harness.alternate(entries)
+    o, w = np.array(times["old"]), np.array(times["new"])
     return o.min(), w.min(), float(np.median(w / o))
 
 
@@ -89,12 +81,14 @@ def main(argv=None):
     p.add_argument("--shapes", default=DEFAULT_SHAPES)
     args = p.parse_args(argv)
     old, new = _load_both(args.old, args.new)
-    print(f"{'shape':20s} {'old (min)':>12s} {'new (min)':>12s} {'new/old':>8s} "
-          f"{'median of round ratios':>23s}")
+    rows = []
     for name in args.shapes.split(","):
         o, w, med = _time_shape(old, new, name, args.threads, args.rounds)
-        print(f"{name:20s} {o * 1e3:9.3f} ms {w * 1e3:9.3f} ms {w / o:8.3f} {med:23.3f}",
-              flush=True)
+        rows.append([name, f"{o * 1e3:.3f} ms", f"{w * 1e3:.3f} ms", f"{w / o:.3f}",
+                     f"{med:.3f}"])
+        print(f"  ... {name}", file=sys.stderr, flush=True)
+    print(abtime.load("common").format_table(
+        ["shape", "old (min)", "new (min)", "new/old", "median of round ratios"], rows))
 
 
 if __name__ == "__main__":

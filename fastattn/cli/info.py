@@ -1,8 +1,9 @@
 """``python -m fastattn info``: what this installation of fastattn runs on.
 
-Prints the package version, Python and NumPy versions, the compiler and OpenMP support of
-the compiled kernel, the thread count and the thread pool that runs the kernels, and the
-SIMD variant chosen at import time (see ``fastattn._dispatch``) with the variants this CPU
+Prints the package version, Python and NumPy versions, the compiler of the compiled
+kernel, the thread count and the thread pool that runs the kernels (fastattn's own pool of
+POSIX threads; OpenMP, when the build has it, only supplies the default thread count), and
+the SIMD variant chosen at import time (see ``fastattn._dispatch``) with the variants this CPU
 could run. Every fact is looked up defensively and shown as "unknown" when it cannot be
 found, so that ``info`` keeps working -- and stays useful for bug reports -- on a partial
 or unusual build. When the ``fastattn`` that Python imported is not the installed one (a
@@ -21,9 +22,13 @@ import textwrap
 
 import numpy as np
 
-__all__ = ["collect", "format_info", "shadowing_problems", "add_arguments", "run", "main"]
+from .common import ENVIRONMENT, OK
 
+HELP = "version, compiler, SIMD variant, threads and thread pool"
 UNKNOWN = "unknown"
+POOLS = {"pthreads": "fastattn's own pool of POSIX threads",
+         "openmp": "OpenMP threads on a dynamic schedule",
+         "none": "none: a single-threaded build"}
 
 
 def _kernel_module(dispatch):
@@ -137,27 +142,43 @@ def collect(fa=None):
             pass
     kernel = _kernel_module(_dispatch)
     if kernel is not None:
-        info["kernel_module"] = kernel.__name__
-        try:
-            build = dict(kernel.build_info())
-        except Exception as exc:
-            info["build_info_error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            info["compiler"] = str(build.pop("compiler", UNKNOWN))
-            if "openmp" in build:
-                info["openmp"] = bool(build.pop("openmp"))
-            if info["isa"] == UNKNOWN and "isa" in build:
-                info["isa"] = str(build.pop("isa"))
-            else:
-                build.pop("isa", None)
-            try:
-                info["thread_pool"] = str(kernel.pool_info()["backend"])
-            except Exception:
-                pass
-            # Remaining facts (vector width, block sizes, ...) are shown as they come.
-            info["build"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v))
-                             for k, v in build.items()}
+        _kernel_facts(kernel, info)
     return info
+
+
+def _kernel_facts(kernel, info):
+    """Add the compiled kernel's build facts and thread pool to ``info``."""
+    info["kernel_module"] = kernel.__name__
+    try:
+        build = dict(kernel.build_info())
+    except Exception as exc:
+        info["build_info_error"] = f"{type(exc).__name__}: {exc}"
+        return
+    info["compiler"] = str(build.pop("compiler", UNKNOWN))
+    if "openmp" in build:
+        info["openmp"] = bool(build.pop("openmp"))
+    if info["isa"] == UNKNOWN and "isa" in build:
+        info["isa"] = str(build.pop("isa"))
+    else:
+        build.pop("isa", None)
+    try:
+        info["thread_pool"] = str(kernel.pool_info()["backend"])
+    except Exception:
+        pass
+    # Remaining facts (vector width, block sizes, ...) are shown as they come.
+    info["build"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v))
+                     for k, v in build.items()}
+
+
+def _openmp_role(info):
+    """What OpenMP does in this build, in the words the documentation uses."""
+    if info["openmp"] is True:
+        if info.get("thread_pool") == "openmp":
+            return "yes: its threads run the kernels"
+        return "yes, only for the default thread count (honours OMP_NUM_THREADS)"
+    if info["openmp"] is False:
+        return "no (the default thread count still honours OMP_NUM_THREADS)"
+    return UNKNOWN
 
 
 def format_info(info):
@@ -168,15 +189,16 @@ def format_info(info):
             return ", ".join(v) if v else "none"
         return str(v)
 
+    pool = info.get("thread_pool", UNKNOWN)
     rows = [
         ("fastattn", info["version"]),
         ("Python", f"{info['python']} ({info['python_implementation']})"),
         ("NumPy", info["numpy"]),
         ("platform", info["platform"]),
         ("compiler", info["compiler"]),
-        ("OpenMP", info["openmp"]),
         ("threads", info["threads"]),
-        ("thread pool", info.get("thread_pool", UNKNOWN)),
+        ("thread pool", POOLS.get(pool, pool)),
+        ("OpenMP", _openmp_role(info)),
         ("SIMD variant", info["isa"]),
         ("variants this CPU runs", info["available_variants"]),
     ]
@@ -207,11 +229,4 @@ def run(args, stdout=None):
         print(json.dumps(info, indent=2), file=stdout)
     else:
         print(format_info(info), file=stdout)
-    return 3 if "import_error" in info or "problems" in info else 0
-
-
-def main(argv=None):
-    import argparse
-    parser = add_arguments(argparse.ArgumentParser(prog="python -m fastattn info",
-                                                   description=__doc__.split("\n\n")[0]))
-    return run(parser.parse_args(argv))
+    return ENVIRONMENT if "import_error" in info or "problems" in info else OK

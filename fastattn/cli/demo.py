@@ -13,19 +13,20 @@ token, column = the key token it attends to; each row sums to 1):
    on the first sentence.
 
 ``--plot DIR`` also saves each table as a heatmap PNG in ``DIR`` (needs
-matplotlib; without it the command prints how to install it and exits 1).
+matplotlib; without it the command says how to install it and exits with status 3
+before printing anything).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import textwrap
 
 import numpy as np
 
-__all__ = ["main", "format_table", "examples", "save_heatmaps"]
+from .common import ENVIRONMENT, OK, pyplot
+
+HELP = "classic self-attention examples with their attention weights"
 
 # Six tokens, embedding dimension 3.
 CAT_TOKENS = ["A", "cat", "sat", "on", "the", "mat"]
@@ -123,13 +124,12 @@ def _title(text):
 
 
 def _cat_sat(emit, figures):
-    from . import _api
-    from .layers import self_attention
+    from fastattn import attention_weights, self_attention
 
     x = CAT_VECTORS
     emit(_title('1. "A cat sat on the mat": attention without learned weights'))
     emit("Each token is a 3-d vector; weights = softmax(x @ x.T), context = weights @ x.\n")
-    weights = _api.attention_weights(x, x, scale=1.0)
+    weights = attention_weights(x, x, scale=1.0)
     emit(format_table(weights, CAT_TOKENS))
     context = self_attention(x, scale=1.0)
     emit("\ncontext vectors (each row of weights @ x):")
@@ -140,8 +140,7 @@ def _cat_sat(emit, figures):
 
 
 def _love_you(emit, figures):
-    from .layers import MultiHeadAttention
-    from .positions import sinusoidal_positions
+    from fastattn import MultiHeadAttention, sinusoidal_positions
 
     words = np.array([LOVE_VOCABULARY[w] for w in LOVE_TOKENS], dtype=np.float64)
     pe = sinusoidal_positions(len(LOVE_TOKENS), words.shape[1])
@@ -164,8 +163,7 @@ def _love_you(emit, figures):
 
 
 def _chair(emit, figures):
-    from . import _api
-    from .layers import self_attention
+    from fastattn import attention_weights, self_attention
 
     emit(_title('3. "each session/person has a chair": masked attention'))
     emit("Causal: a word attends to itself and the words before it ('.' = masked).")
@@ -173,7 +171,7 @@ def _chair(emit, figures):
     chairs = []
     for sentence in CHAIR_SENTENCES:
         x = np.array([CHAIR_EMBEDDINGS[w] for w in sentence], dtype=np.float64)
-        weights = _api.attention_weights(x, x, scale=1.0, causal=True)
+        weights = attention_weights(x, x, scale=1.0, causal=True)
         hidden = np.triu(np.ones((len(sentence),) * 2, dtype=bool), 1)
         emit(f"{' '.join(sentence)}:")
         emit(format_table(weights, sentence, hidden=hidden))
@@ -191,7 +189,7 @@ def _chair(emit, figures):
     x = np.array([CHAIR_EMBEDDINGS[w] for w in sentence], dtype=np.float64)
     emit(_title("3b. the same sentence with learned projections W_Q, W_K, W_V (d_v=4), W_O"))
     q, k = x @ W_Q, x @ W_K
-    weights = _api.attention_weights(q, k, causal=True)
+    weights = attention_weights(q, k, causal=True)
     hidden = np.triu(np.ones((len(sentence),) * 2, dtype=bool), 1)
     scores = np.where(hidden, np.nan, q @ k.T / np.sqrt(q.shape[-1]))
     emit(f"scores s_ij = (x_i W_Q).(x_j W_K) / sqrt(3), causal: they lie between "
@@ -229,9 +227,9 @@ def save_heatmaps(figures, directory, plt=None):
     Needs matplotlib (imported here when ``plt`` is not given, with the file-only backend).
     """
     if plt is None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot("demo")
+        if plt is None:
+            raise ImportError("save_heatmaps needs matplotlib")
     os.makedirs(directory, exist_ok=True)
     paths = []
     for name, title, panels in figures:
@@ -267,50 +265,28 @@ def save_heatmaps(figures, directory, plt=None):
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; ``argv`` are the arguments after ``demo`` (a leading "demo" is ignored).
-
-    Returns the exit status: 0, or 1 when ``--plot`` is asked for without matplotlib.
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:
-        argv = argv[1:]
-    parser = argparse.ArgumentParser(
-        prog="python -m fastattn demo",
-        description="The seed notebooks' attention examples with their attention weights.",
-    )
+def add_arguments(parser):
     parser.add_argument("--plot", metavar="DIR",
-                        help="also save the weight tables as heatmap PNGs in DIR (needs matplotlib)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:          # --help or a usage error: report, do not raise
-        return int(exc.code or 0)
+                        help="also save the weight tables as heatmap PNGs in DIR (needs "
+                             "matplotlib)")
+    return parser
 
+
+def run(args, stdout=None):
+    """Print the examples (and save their heatmaps with ``--plot``); the exit status."""
     plt = None
     if args.plot is not None:
         # Checked before any output so that a missing dependency fails fast and clearly.
-        try:
-            import matplotlib
-            matplotlib.use("Agg")      # files only; never needs a display
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("fastattn demo --plot needs matplotlib, which is not installed.\n"
-                  "Install it with:  pip install matplotlib   "
-                  "(or run the demo without --plot for the tables only)", file=sys.stderr)
-            return 1
-
+        plt = pyplot("demo")
+        if plt is None:
+            return ENVIRONMENT
     figures = []
     for text, figs in examples():
-        print(text)
+        print(text, file=stdout)
         figures += figs
-
     if plt is not None:
         paths = save_heatmaps(figures, args.plot, plt)
-        print(f"\nsaved {len(paths)} heatmaps:")
+        print(f"\nsaved {len(paths)} heatmaps:", file=stdout)
         for p in paths:
-            print("  " + p)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            print("  " + p, file=stdout)
+    return OK

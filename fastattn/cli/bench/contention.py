@@ -30,8 +30,9 @@ import time
 
 import numpy as np
 
-__all__ = ["SCENARIOS", "run_scenarios", "format_table", "mean_call_seconds", "Neighbour",
-           "small_inputs", "decoder_step_calls"]
+from ..common import OK, format_table, symbols
+from .harness import blas_threads, mean_call_seconds, settle
+from .report import write_json
 
 #: Scenario names, in the order they run.
 SCENARIOS = ("blas", "processes", "neighbour")
@@ -69,36 +70,20 @@ def decoder_step_calls(fa):
     return product, attend, pair
 
 
-def mean_call_seconds(call, seconds):
-    """Mean wall time per call of ``call``, repeated for about ``seconds`` (after warm-up)."""
-    end = time.perf_counter() + min(0.2, seconds / 4)
-    while time.perf_counter() < end:
-        call()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        call()
-        n += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            return elapsed / n
-
-
-def _settle(seconds=0.3):
-    # Idle BLAS workers spin for ~0.1 s after a product: let them sleep before a window.
-    time.sleep(seconds)
-
-
 # --------------------------------------------------------------------------- processes
 
 def _child_env():
+    # The children import the same fastattn as this process.
+    import fastattn
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
 def _spawn(role, threads, seconds=0.0):
-    code = f"from fastattn.contention import _child; _child({role!r}, {threads}, {seconds})"
+    code = (f"from fastattn.cli.bench.contention import _child; "
+            f"_child({role!r}, {threads}, {seconds})")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=_child_env())
 
@@ -112,7 +97,6 @@ def _wait_ready(proc):
 def _child(role, threads, seconds):
     """Entry point of the helper processes (``role``: "small" or "sgemm")."""
     import fastattn
-    from fastattn.bench import blas_threads
 
     with blas_threads(threads), fastattn.num_threads(threads):
         if role == "sgemm":
@@ -176,11 +160,11 @@ class Neighbour:
 def scenario_blas(fa, threads, seconds):
     product, attend, pair = decoder_step_calls(fa)
     with fa.num_threads(threads):
-        _settle()
+        settle()
         t_product = mean_call_seconds(product, seconds / 2)
-        _settle()
+        settle()
         t_attend = mean_call_seconds(attend, seconds / 2)
-        _settle()
+        settle()
         shared = mean_call_seconds(pair, seconds)
     return {"fair_s": t_product + t_attend, "shared_s": shared,
             "fair_parts_s": {"matmul": t_product, "attention": t_attend}}
@@ -225,7 +209,6 @@ _RUN = {"blas": scenario_blas, "processes": scenario_processes,
 def run_scenarios(names=SCENARIOS, threads=None, seconds=WINDOW_S):
     """Run the named scenarios; return a list of result dicts (times in seconds)."""
     import fastattn as fa
-    from .bench import blas_threads
 
     threads = threads or fa.get_num_threads()
     results = []
@@ -238,20 +221,27 @@ def run_scenarios(names=SCENARIOS, threads=None, seconds=WINDOW_S):
     return results
 
 
-def format_table(results):
+def format_scenarios(results):
     def ms(s):
         return f"{s * 1e3:.3f} ms"
 
     header = ("scenario", "what runs", "fair share", "shared", "ratio")
     rows = [(r["name"], DESCRIPTIONS[r["name"]], f"{ms(r['fair_s'])} ({FAIR[r['name']]})",
              ms(r["shared_s"]), f"{r['ratio']:.2f}") for r in results]
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(x.ljust(w) for x, w in zip(header, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    return format_table(header, rows, align="lll")
 
 
-if __name__ == "__main__":
-    res = run_scenarios(seconds=float(sys.argv[1]) if len(sys.argv) > 1 else WINDOW_S)
-    print(format_table(res))
+def run(fa, threads, quick, json_path, stdout):
+    """``bench --contention``: the scenarios as a table (and JSON); the exit status."""
+    seconds = 1.0 if quick else WINDOW_S
+    print(f"fastattn {fa.__version__} bench --contention {symbols()['dash']} {os.cpu_count()}"
+          f" CPUs; {threads} threads for fastattn and BLAS; mean per call over {seconds:g} s",
+          file=stdout, flush=True)
+    results = run_scenarios(threads=threads, seconds=seconds)
+    print(file=stdout)
+    print(format_scenarios(results), file=stdout)
+    print("ratio = shared / fair share; fastattn aims for 1.5 or less", file=stdout)
+    if json_path:
+        write_json({"threads": threads, "window_s": seconds, "scenarios": results}, json_path)
+        print(f"wrote {json_path}", file=stdout)
+    return OK

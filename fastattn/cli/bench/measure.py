@@ -1,0 +1,180 @@
+"""One shape of the bench: fastattn, the NumPy reference and torch timed and checked.
+
+The calls, on the same inputs and thread count:
+
+* ``fastattn.attention`` writing into a preallocated ``out=`` array, in the shape's dtype;
+* ``fastattn.reference.attention``, the NumPy oracle, which computes in float64 and builds
+  the whole (Hq, Lq, Lk) score matrix; slow on large shapes, so it gets at most 3 samples
+  (1 when a call takes over 2 s), and ``--quick`` skips it on the two largest shapes;
+* ``torch.nn.functional.scaled_dot_product_attention`` when torch can be imported
+  (``enable_gqa=True`` for grouped heads, ``is_causal`` for causal shapes, under
+  ``torch.inference_mode``);
+* for 16-bit shapes, fastattn and torch once more on float32 copies of the inputs.
+
+A fast but wrong kernel must not hide behind its speed: fastattn's output is compared
+with torch's (whole output) and the reference's (whole output where the reference was
+timed; otherwise two heads x the last 64 query rows, which keeps the bottom-right causal
+alignment), and the shape fails its check when a difference exceeds the tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import harness
+from .shapes import QUICK_SKIP_REFERENCE, bytes_moved, flops, make_inputs, reference_slice, \
+    tolerance
+
+# The oracle's calls are long: a few samples are enough for a speed-up ratio.
+REFERENCE_MAX_SAMPLES = 3
+REFERENCE_ONE_SAMPLE_S = 2.0
+
+
+def _fastattn_entries(shape, fa, q, k, v, repeat):
+    out = np.empty((1, shape.hq, shape.lq, shape.dv), q.dtype)
+    entries = {"fastattn": harness.Timed(functools.partial(
+        fa.attention, q, k, v, causal=shape.causal, out=out), repeat)}
+    if shape.half:
+        # the same values in float32, timed in the same rounds
+        q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+        out32 = np.empty(out.shape, np.float32)
+        entries["fastattn-f32"] = harness.Timed(functools.partial(
+            fa.attention, q32, k32, v32, causal=shape.causal, out=out32), repeat)
+    return entries
+
+
+def _torch_entries(shape, torch, q, k, v, repeat):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs = {"is_causal": shape.causal}
+    if shape.hq != shape.hkv:
+        kwargs["enable_gqa"] = True
+    arrays = {"torch": (q, k, v)}
+    if shape.half:
+        arrays["torch-f32"] = tuple(a.astype(np.float32) for a in (q, k, v))
+    return {name: harness.Timed(
+        functools.partial(sdpa, *(harness.to_torch(torch, a) for a in qkv), **kwargs),
+        repeat, context=torch.inference_mode) for name, qkv in arrays.items()}
+
+
+def _entries(shape, libs, q, k, v, repeat, quick):
+    """The calls to time, and ``{library: {"skipped": why}}`` for those that are not."""
+    fa, ref_mod, torch = libs
+    entries = _fastattn_entries(shape, fa, q, k, v, repeat)
+    skipped = {}
+    if quick and shape.name in QUICK_SKIP_REFERENCE:
+        skipped["reference"] = {
+            "skipped": "skipped with --quick (seconds per call); run without --quick"}
+    else:
+        entries["reference"] = harness.Timed(
+            functools.partial(ref_mod.attention, q, k, v, causal=shape.causal),
+            REFERENCE_MAX_SAMPLES, wake=False)
+    if torch is None:
+        skipped["torch"] = {"skipped": "torch is not installed"}
+    else:
+        entries.update(_torch_entries(shape, torch, q, k, v, repeat))
+    return entries, skipped
+
+
+def _as_numpy(torch, res):
+    if torch is not None and isinstance(res, torch.Tensor):
+        # NumPy has no bfloat16: that one result is compared in float32
+        return (res.float() if res.dtype == torch.bfloat16 else res).numpy()
+    return np.array(res, copy=True)
+
+
+def _max_diff(got, want):
+    """Largest absolute difference, and the scale the tolerance is relative to."""
+    diff = float(np.max(np.abs(got - want)))
+    return diff, float(np.max(np.abs(want)))
+
+
+def _reference_output(shape, ref_mod, outputs, q, k, v, check):
+    """The reference's output (or the slice it is computed on) and the rows of fastattn's
+    output it covers; None after noting an error in ``check``."""
+    if "reference" in outputs:
+        # The reference ran on the whole problem anyway: compare everything.
+        check["reference_slice"] = "whole output"
+        return outputs["reference"].astype(np.float64), np.s_[:]
+    (qs, ks, vs), (heads_q, rows) = reference_slice(shape, q, k, v)
+    try:
+        want = np.asarray(ref_mod.attention(qs, ks, vs, causal=shape.causal), np.float64)
+    except Exception as exc:
+        check["reference_error"] = f"{type(exc).__name__}: {exc}"
+        return None, None
+    check["reference_slice"] = f"heads {heads_q}, last {rows} query rows"
+    return want, np.s_[:, heads_q, shape.lq - rows:, :]
+
+
+def check_outputs(shape, ref_mod, outputs, q, k, v):
+    """fastattn's output against torch's and the reference's, within ``tolerance``."""
+    tol = tolerance(shape.dtype)
+    check = {"tolerance": tol, "ok": "fastattn" in outputs}
+    if "fastattn" not in outputs:
+        return check
+    got = outputs["fastattn"].astype(np.float64)
+    if not np.all(np.isfinite(got)):
+        check["ok"] = False
+        check["non_finite"] = True
+    if "torch" in outputs:
+        diff, scale = _max_diff(got, outputs["torch"].astype(np.float64))
+        check["vs_torch_max_abs"] = diff
+        check["ok"] = check["ok"] and diff <= tol * max(1.0, scale)
+    want, rows = _reference_output(shape, ref_mod, outputs, q, k, v, check)
+    if want is None:
+        check["ok"] = False
+    else:
+        diff, scale = _max_diff(got[rows], want)
+        check["vs_reference_max_abs"] = diff
+        check["ok"] = check["ok"] and diff <= tol * max(1.0, scale)
+    return check
+
+
+def _library_results(entries, samples, work):
+    flop, nbytes = work
+    out = {}
+    for name, entry in entries.items():
+        med = harness.median(samples[name])
+        out[name] = {"median_s": med, "samples_s": samples[name],
+                     "calls_per_sample": entry.calls_per_sample,
+                     "gflops": flop / med / 1e9, "gbs": nbytes / med / 1e9}
+    return out
+
+
+def _speedups(libraries):
+    """The other library's time over fastattn's, for each that ran."""
+    fa = libraries.get("fastattn", {})
+    return {f"speedup_vs_{other}": libraries[other]["median_s"] / fa["median_s"]
+            for other in ("reference", "torch", "fastattn-f32", "torch-f32")
+            if "median_s" in fa and "median_s" in libraries.get(other, {})}
+
+
+def measure_shape(shape, *, fa, ref_mod, torch, repeat, quick):
+    """Time and check one shape; return a JSON-ready dict."""
+    load = harness.OtherLoad()
+    q, k, v = make_inputs(shape)
+    result = {
+        "name": shape.name, "dtype": shape.dtype, "hq": shape.hq, "hkv": shape.hkv,
+        "lq": shape.lq, "lk": shape.lk, "d": shape.d, "dv": shape.dv, "causal": shape.causal,
+        "batch": 1, "kind": "decode" if shape.decode else "prefill",
+        "flops": flops(shape), "bytes": bytes_moved(shape),
+    }
+    entries, skipped = _entries(shape, (fa, ref_mod, torch), q, k, v, repeat, quick)
+    outputs, first_s, errors = harness.first_calls(entries, 0.01 if quick else 0.04)
+    if "reference" in entries:
+        entries["reference"].samples = (1 if first_s["reference"] > REFERENCE_ONE_SAMPLE_S
+                                        else min(repeat, REFERENCE_MAX_SAMPLES))
+    samples = harness.alternate(entries)
+    libraries = _library_results(entries, samples, (result["flops"], result["bytes"]))
+    libraries.update(skipped)
+    libraries.update({name: {"error": f"{type(exc).__name__}: {exc}"}
+                      for name, exc in errors.items()})
+    result["libraries"] = libraries
+    outputs = {name: _as_numpy(torch, res) for name, res in outputs.items()}
+    result["check"] = check_outputs(shape, ref_mod, outputs, q, k, v)
+    busy = load.fraction()
+    if busy is not None:
+        result["other_cpu_load"], result["cpu_steal"] = busy
+    result.update(_speedups(libraries))
+    return result

@@ -1,0 +1,253 @@
+"""The bench's text: the header, the shapes table, the 16-bit table, notes and JSON.
+
+Columns: ``fastattn`` is its time per call; ``throughput`` is GFLOP/s for prefill shapes
+and GB/s for decode shapes; ``% of measured`` is that throughput as a share of the
+yardstick measured at start-up (``sgemm``, ``dgemm`` for float64, ``read bw`` for decode:
+see :mod:`.machine`), with the yardstick named in the cell; ``ref f64`` is the NumPy
+reference, which computes in float64 and builds the whole score matrix, and ``×`` columns
+are the other library's time over fastattn's; ``bg load`` is the CPU share other
+processes took while the row ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import numpy as np
+
+from ..common import format_table, format_time, symbols
+from .harness import PAUSE_S
+from .shapes import SHAPES_BY_NAME
+
+# Above this share of the CPUs used by others, timings say more about the neighbours.
+BUSY_WARNING = 0.10
+
+REFERENCE_NOTE = ("ref f64 = fastattn.reference.attention: NumPy in float64, building the "
+                  "whole Lq x Lk score matrix, while fastattn computes in the shape's dtype "
+                  "without it; {x} = the other library's time / fastattn's (over 1: fastattn "
+                  "is faster)")
+
+
+def peak_basis(result):
+    """The yardstick a shape's throughput is compared with: sgemm, dgemm or read bw."""
+    if result["kind"] == "decode":
+        return "read bw"
+    return "dgemm" if result["dtype"] == "float64" else "sgemm"
+
+
+def peak_fraction(result, peaks):
+    """fastattn's throughput as a share of the measured yardstick, or None.
+
+    Prefill shapes against sgemm (dgemm for float64), decode shapes against the sgemv read
+    bandwidth. Over 1 is possible (see :func:`peak_note`) and flagged with "*".
+    """
+    fa = result["libraries"].get("fastattn", {})
+    if "median_s" not in fa:
+        return None
+    if result["kind"] == "decode":
+        rate, peak = fa["gbs"], peaks.get("read_gbs")
+    else:
+        rate = fa["gflops"]
+        peak = peaks.get("dgemm_gflops" if result["dtype"] == "float64" else "sgemm_gflops")
+    return rate / peak if peak else None
+
+
+def _percent(fraction):
+    return "<1%" if fraction < 0.01 else f"{100 * fraction:.0f}%"
+
+
+def format_peak(fraction):
+    """"85%", or "108%*" when over 100% (see :func:`peak_note`), or "?"."""
+    if fraction is None:
+        return "?"
+    return _percent(fraction) + ("*" if fraction > 1 else "")
+
+
+def peak_flagged(report):
+    """Names of the shapes whose share of the yardstick is over 100%."""
+    peaks = report["machine"]["peaks"]
+    return [r["name"] for r in report["results"] if (peak_fraction(r, peaks) or 0) > 1]
+
+
+def peak_note(report):
+    """The footnote for the "*" of shares over 100%, or None when there is none.
+
+    Which explanation holds depends on the load while the yardsticks were measured, not on
+    the shapes' own bg load column.
+    """
+    if not peak_flagged(report):
+        return None
+    bg = report["machine"].get("other_cpu_load_during_peaks")
+    if bg is not None and bg > BUSY_WARNING:
+        return (f"* over 100%: other processes used {100 * bg:.0f}% of the CPUs while the "
+                "yardsticks were measured at start-up, so they came out too low; rerun when "
+                "the machine is idle")
+    return ("* over 100%: faster than the yardstick measured at start-up, which is what "
+            "NumPy's OpenBLAS reaches here (sgemm on 2048 x 2048; sgemv streaming a buffer "
+            "larger than the last-level cache), not the hardware's limit; a decode shape's K "
+            "and V that stay partly in the caches between calls read faster than memory")
+
+
+def _background(entry):
+    if entry.get("other_cpu_load") is None:
+        return None
+    return entry["other_cpu_load"] + (entry.get("cpu_steal") or 0.0)
+
+
+def load_warning(report):
+    """A warning line when other processes used the CPUs during the run, else None."""
+    busy = [(r["name"], _background(r)) for r in report["results"]]
+    busy = [(n, b) for n, b in busy if b is not None and b > BUSY_WARNING]
+    if not busy:
+        return None
+    worst = max(busy, key=lambda nb: nb[1])
+    return (f"WARNING: other processes used > {100 * BUSY_WARNING:.0f}% of the CPUs during "
+            f"{len(busy)} of {len(report['results'])} shapes (worst: {worst[0]}, "
+            f"{100 * worst[1]:.0f}%); those timings are not this machine's -- rerun when idle")
+
+
+def _rate(x):
+    # Three significant digits: the tiny shape runs at a few hundredths of a GFLOP/s.
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _fastattn_cells(r, peaks, sym):
+    fa = r["libraries"].get("fastattn", {})
+    if "median_s" not in fa:
+        return ["ERROR", "", ""]
+    rate, unit = (fa["gbs"], "GB/s") if r["kind"] == "decode" else (fa["gflops"], "GFLOP/s")
+    frac = peak_fraction(r, peaks)
+    share = format_peak(frac) + (f" {peak_basis(r)}" if frac is not None else "")
+    return [format_time(fa["median_s"], sym), f"{_rate(rate)} {unit}", share]
+
+
+def _other_cells(r, other, sym):
+    o = r["libraries"].get(other, {})
+    if "median_s" in o:
+        s = r.get(f"speedup_vs_{other}")
+        return [format_time(o["median_s"], sym),
+                f"{s:.2f}{sym['x']}" if s is not None else sym["dash"]]
+    if "error" in o:
+        return ["error", sym["dash"]]
+    if "skipped" in o and other == "reference":
+        return ["skipped", sym["dash"]]
+    return ["n/a", sym["dash"]]
+
+
+def _shape_row(r, peaks, sym):
+    shape = SHAPES_BY_NAME.get(r["name"])
+    row = [r["name"], shape.describe() if shape else "?"] + _fastattn_cells(r, peaks, sym)
+    row += _other_cells(r, "reference", sym) + _other_cells(r, "torch", sym)
+    c = r.get("check", {})
+    diffs = [c[key] for key in ("vs_torch_max_abs", "vs_reference_max_abs") if key in c]
+    row.append(f"{max(diffs):.1e}" if diffs else sym["dash"])
+    row.append("ok" if c.get("ok") else "FAIL")
+    # CPU share taken by other processes (or the hypervisor) while this row ran.
+    bg = _background(r)
+    row.append(_percent(bg) if bg is not None else "?")
+    return row
+
+
+def format_shapes_table(report):
+    """The main table, one row per shape, with its notes underneath."""
+    sym = symbols()
+    x = sym["x"]
+    header = ["shape", "(Hq,Hkv,Lq,Lk,D)", "fastattn", "throughput", "% of measured",
+              "ref f64", f"{x} ref f64", "torch", f"{x} torch", f"max|{sym['delta']}|",
+              "check", "bg load"]
+    rows = [_shape_row(r, report["machine"]["peaks"], sym) for r in report["results"]]
+    return (format_table(header, rows, align="ll") + "\n"
+            + textwrap.fill(REFERENCE_NOTE.format(x=x), 100))
+
+
+def _half_row(r, peaks, sym):
+    libs = r["libraries"]
+    row = [r["name"], r["dtype"]]
+    for name in ("fastattn", "fastattn-f32", "torch", "torch-f32"):
+        o = libs.get(name, {})
+        row.append(format_time(o["median_s"], sym) if "median_s" in o else sym["dash"])
+    for key in ("fastattn-f32", "torch", "torch-f32"):
+        s = r.get(f"speedup_vs_{key}")
+        row.append(f"{s:.2f}{sym['x']}" if s is not None else sym["dash"])
+    if r["kind"] == "decode" and peaks.get("read_gbs"):
+        row.append(format_peak(peak_fraction(r, peaks)))
+    else:
+        row.append(sym["dash"])
+    return row
+
+
+def format_half_table(report):
+    """The 16-bit shapes against the same inputs in float32, or None when none ran."""
+    sym = symbols()
+    x = sym["x"]
+    rows = [_half_row(r, report["machine"]["peaks"], sym) for r in report["results"]
+            if r["dtype"] in ("float16", "bfloat16")]
+    if not rows:
+        return None
+    header = ["shape", "dtype", "fastattn", "fastattn f32", "torch", "torch f32",
+              f"{x} fastattn f32", f"{x} torch", f"{x} torch f32", "% read bw"]
+    return ("16-bit storage against the same values in float32 (same rounds; "
+            f"{x} = the other's time / fastattn's):\n" + format_table(header, rows, align="ll"))
+
+
+def _peaks_line(m):
+    peaks = m["peaks"]
+    parts = []
+    if "sgemm_gflops" in peaks:
+        parts.append(f"sgemm {peaks['sgemm_gflops']:.1f} GFLOP/s")
+    if "dgemm_gflops" in peaks:
+        parts.append(f"dgemm {peaks['dgemm_gflops']:.1f} GFLOP/s")
+    if "read_gbs" in peaks:
+        parts.append(f"read bw {peaks['read_gbs']:.1f} GB/s (sgemv)")
+    bg = m.get("other_cpu_load_during_peaks")
+    return ("measured peaks: " + (", ".join(parts) or "none")
+            + (f" (bg load {100 * bg:.0f}%)" if bg is not None else ""))
+
+
+def format_header(report):
+    m = report["machine"]
+    sym = symbols()
+    th = m["threads"]
+    lines = [
+        f"fastattn {m.get('fastattn', '?')} bench {sym['dash']} {m['cpu']}, {m['cpus']} CPUs, "
+        f"{m['platform']}",
+        f"Python {m['python']}, NumPy {m['numpy']}, torch {m.get('torch') or 'not installed'}; "
+        f"SIMD variant: {m.get('isa', 'unknown')}",
+        f"threads: fastattn {th['fastattn']}, torch {th.get('torch', sym['dash'])}, "
+        f"BLAS {th['blas']}",
+        _peaks_line(m),
+    ]
+    if m["env"]:
+        lines.append("environment: " + " ".join(f"{k}={v}" for k, v in m["env"].items()))
+    s = report["settings"]
+    lines.append(
+        f"method: median of {s['repeat']} batches per library (reference: at most"
+        f" {s['reference_repeat_max']}, 1 if a call takes > 2 s);\n        libraries alternate"
+        f" with a {int(PAUSE_S * 1000)} ms pause before each batch (longer until spinning"
+        f" BLAS/OpenMP workers sleep),\n        then one untimed call; fastattn writes into out="
+        + ("; --quick" if s["quick"] else ""))
+    lines.append("columns: % of measured = throughput over the yardstick named beside it"
+                 " (sgemm, dgemm, read bw);\n         bg load = CPU share used by other"
+                 " processes meanwhile")
+    return "\n".join(lines)
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        return _json_safe(x.item())
+    return x
+
+
+def write_json(data, path):
+    """``data`` as indented JSON, non-finite numbers as null."""
+    with open(path, "w") as f:
+        json.dump(_json_safe(data), f, indent=2, allow_nan=False)
+        f.write("\n")
