@@ -220,11 +220,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
         Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` against keys
         ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; both start at 0, never decrease and end at
         ``total_q`` / ``total_k``.
-    scale, causal, window, softcap : as in :func:`attention`, per sequence (causal and
-        window aligned on each sequence's own lengths).
+    scale, causal, window, softcap : optional
+        As in :func:`attention`, per sequence (causal and window aligned on each
+        sequence's own lengths).
     alibi_slopes, sinks : array_like, optional
         One value per query head, shape ``(Hq,)`` (or broadcastable to it).
-    return_lse, out : as in :func:`attention`; lse has shape ``(Hq, total_q)``.
+    return_lse, out : optional
+        As in :func:`attention`; lse has shape ``(Hq, total_q)``.
 
     Returns
     -------
