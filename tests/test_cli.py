@@ -21,13 +21,13 @@ import pytest
 import fastattn
 from fastattn import bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, run_python
+
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "fastattn", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python("-m", "fastattn", *args, cwd=ROOT, timeout=timeout, check=False)
 
 
 def positive_finite(x):
