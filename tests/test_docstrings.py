@@ -21,7 +21,6 @@ import fastattn
 
 from conftest import import_optional
 
-FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", re.MULTILINE)
 
 
@@ -70,11 +69,14 @@ def test_examples_are_collected():
 
 
 @pytest.mark.parametrize("test", EXAMPLES)
-def test_docstring_example(test):
+def test_docstring_example(test, pytestconfig):
     for package in _needs(test):
         import_optional(package)
+    flags = 0
+    for name in pytestconfig.getini("doctest_optionflags"):   # pyproject.toml's
+        flags |= doctest.OPTIONFLAGS_BY_NAME[name]
     report = io.StringIO()
-    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    runner = doctest.DocTestRunner(optionflags=flags)
     runner.run(test, out=report.write, clear_globs=False)
     assert runner.failures == 0, report.getvalue()
     if runner.tries == 0:
