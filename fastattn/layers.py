@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _api, _variants
 from ._kvcache import KVCache
-from .positions import _as_index
+from .positions import _as_index, _check_base
 from .positions import rope as _rope
 
 __all__ = ["self_attention", "MultiHeadAttention", "KVCache"]
@@ -253,9 +253,10 @@ class MultiHeadAttention:
             raise ValueError(f"rope needs an even d_head, got d_head={d_head}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head, self.d_value, self.dtype = d_head, d_value, dtype
-        self.scale = None if scale is None else float(scale)
-        self.rope, self.rope_base = bool(rope), float(rope_base)
-        _api._window(window)   # the front end's check: a clear error now, not at a call
+        # The front end's and rope's checks: a clear error now, not at a call.
+        self.scale = None if scale is None else _api._scale(scale, d_head)
+        self.rope, self.rope_base = bool(rope), _check_base(rope_base)
+        _api._window(window)
         self.window = None if window is None else tuple(int(w) for w in window)
         self.softcap = _variants.check_softcap(softcap)
         self.sinks = np.zeros(n_heads, dtype) if sinks else None

@@ -255,6 +255,12 @@ def test_mha_attention_weights(rng):
     (dict(d_model=8, n_heads=2, d_value=0), ValueError, "d_value"),
     (dict(d_model=8, n_heads=2, dtype=np.int32), TypeError, "dtype"),
     (dict(d_model=6, n_heads=2, rope=True), ValueError, "rope"),
+    # The rules of fastattn.attention's scale and window and of rope's base, at construction.
+    (dict(d_model=8, n_heads=2, scale="2"), TypeError, "scale"),
+    (dict(d_model=8, n_heads=2, scale=True), TypeError, "scale"),
+    (dict(d_model=8, n_heads=2, scale=np.inf), ValueError, "scale"),
+    (dict(d_model=8, n_heads=2, window=(-2, 0)), ValueError, "window"),
+    (dict(d_model=8, n_heads=2, rope=True, rope_base=0.0), ValueError, "base"),
 ])
 def test_mha_constructor_errors(kwargs, exc, word):
     with pytest.raises(exc, match=word):
