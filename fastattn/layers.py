@@ -219,6 +219,9 @@ class MultiHeadAttention:
     ``fan_in = d_model`` for ``w_q, w_k, w_v`` and ``n_heads * d_value`` for
     ``w_o``; biases start at zero (as in ``torch.nn.MultiheadAttention``).
 
+    A layer holds only its settings and NumPy arrays, so it pickles (to send a model to
+    other processes, e.g. dask workers) and computes the same bits after unpickling.
+
     Examples
     --------
     >>> mha = MultiHeadAttention(64, 8, n_kv_heads=2, seed=0)
