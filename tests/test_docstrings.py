@@ -36,17 +36,24 @@ def _module_names():
 
 
 def _docstring_examples():
+    """The docstrings with examples, and the modules that need a package not installed."""
     finder = doctest.DocTestFinder(exclude_empty=True)
-    cases = []
+    cases, unimportable = [], []
     for name in _module_names():
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:     # a module of an optional dependency's
+            if (e.name or "fastattn").partition(".")[0] == "fastattn":
+                raise
+            unimportable.append(pytest.param(name, e.name, id=name))
+            continue
         for test in finder.find(module, name, extraglobs={"np": np, "fastattn": fastattn}):
             if test.examples:
                 cases.append(pytest.param(test, id=test.name))
-    return cases
+    return cases, unimportable
 
 
-EXAMPLES = _docstring_examples()
+EXAMPLES, UNIMPORTABLE = _docstring_examples()
 
 
 def _needs(test):
@@ -81,3 +88,12 @@ def test_docstring_example(test, pytestconfig):
     assert runner.failures == 0, report.getvalue()
     if runner.tries == 0:
         pytest.skip("every example is marked +SKIP (they need a trained model to download)")
+
+
+@pytest.mark.parametrize("module, package", UNIMPORTABLE or [
+    pytest.param(None, None, marks=pytest.mark.skip(reason="every module imports"))])
+def test_modules_without_their_optional_package(module, package):
+    # Their examples cannot be collected here: skipped (or failed under
+    # FASTATTN_REQUIRE_INTEGRATIONS=1) by asking for the package that is missing.
+    import_optional(package)
+    pytest.fail(f"{module} did not import, but {package} does")
