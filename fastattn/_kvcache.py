@@ -195,9 +195,10 @@ class KVCache:
         Returns the lengths before the append (the positions of the new rows).
         """
         k, v = _variants._as_array(k, "k"), _variants._as_array(v, "v")
-        stored = _variants.dtypes(k=k, v=v)[1]     # checks both dtypes first
+        _variants._check_dtype(k, "k")
+        _variants._check_dtype(v, "v")
         self._check_shapes(k, v)
-        dtype = self.dtype if self.dtype is not None else stored
+        dtype = self.dtype if self.dtype is not None else _variants.dtypes(k=k, v=v)[1]
         batch, L = k.shape[:-3], k.shape[-2]
         new = self._new_counts(lengths, L, batch)
         # Rounded (and checked for overflow) before anything is allocated or written.
