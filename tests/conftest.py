@@ -1,4 +1,11 @@
-"""Shared fixtures and helpers for the fastattn test suite.
+"""Shared fixtures and helpers for the fastattn test suite (``from conftest import ...``).
+
+- results against references: ``assert_close``, ``tolerance``, ``max_error``,
+  ``merge_partials``;
+- inputs: ``make_qkv`` (with ``qkv_shapes``), the ``rng`` fixture;
+- error messages: ``names`` / ``names_any`` (the message names the argument);
+- fresh interpreters: ``run_python``, and ``ROOT``, the repository root;
+- optional packages: ``import_optional``.
 
 Tolerances (``assert_close``) are set per dtype from the arithmetic the kernels do, not
 tuned to make tests pass; see ``TOLERANCES``.
@@ -8,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -220,7 +228,7 @@ def run_python(*args, env=None, cwd=None, timeout=600, check=True):
     """Run ``python *args`` in a fresh interpreter; returns the CompletedProcess (text output).
 
     The child imports the same fastattn as this process (an in-place build or the installed
-    package, whatever the working directory): the folder holding it comes first on the
+    package, whatever the working directory): a source tree holding it comes first on the
     child's PYTHONPATH.  ``env`` adds variables to this process's environment (a value of
     None removes one).  With ``check``, an exit status other than 0 fails the test and
     shows the end of the child's stderr.
@@ -229,8 +237,11 @@ def run_python(*args, env=None, cwd=None, timeout=600, check=True):
 
     home = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (home, os.environ.get("PYTHONPATH")) if p)
+    # An installed package is found through site-packages, which must not go before the
+    # standard library; a source tree goes first.
+    if home not in {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}:
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (home, os.environ.get("PYTHONPATH")) if p)
     for name, value in (env or {}).items():
         if value is None:
             child_env.pop(name, None)
