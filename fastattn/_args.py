@@ -15,6 +15,7 @@ otherwise returns the argument normalised to the form a kernel wants.
 rule                           owner (returns)
 =============================  =========================================================
 array-like in, byte order      ``as_array`` (an ndarray in native byte order)
+one array's dtype              ``check_dtype`` (real numbers: bool, integers, floats)
 dtypes of q, k, v (or any x)   ``dtypes`` (``(compute_dtype, result_dtype)``)
 bfloat16                       ``is_bfloat16`` / ``is_16bit``
 q, k, v shapes and batch       ``check_shapes`` (a :class:`Shapes`)
@@ -22,7 +23,8 @@ scale                          ``check_scale`` (a finite float)
 causal                         ``check_causal`` (``"none"``, ``"bottom-right"``, ``"top-left"``)
 window                         ``check_window`` (``(left, right)``, -1 = unbounded)
 mask                           ``check_mask`` (``(mask, "bool" | "add")`` or ``(None, None)``)
-kv_lengths / q_lengths         ``check_kv_lengths`` / ``check_q_lengths`` (intp ``(nbatch,)``)
+kv_lengths / q_lengths         ``check_kv_lengths`` / ``check_q_lengths`` (intp ``(nbatch,)``),
+                               both ``check_lengths``, which a KV cache's lengths share
 softcap                        ``check_softcap`` (``None`` or a finite float > 0)
 alibi_slopes / sinks           ``check_alibi_slopes`` / ``check_sinks`` (float64 ``(nbatch, Hq)``)
 return_lse                     ``check_flag`` (a bool)
@@ -69,7 +71,7 @@ from types import SimpleNamespace
 import numpy as np
 
 __all__ = [
-    "as_array", "is_bfloat16", "is_16bit", "dtypes", "check_shapes", "Shapes",
+    "as_array", "is_bfloat16", "is_16bit", "check_dtype", "dtypes", "check_lengths", "check_shapes", "Shapes",
     "check_scale", "check_causal", "check_window", "check_flag", "check_mask",
     "check_softcap", "check_alibi_slopes", "check_sinks", "check_q_lengths",
     "check_kv_lengths", "check_out", "check_varlen_shapes", "check_cu_seqlens",
@@ -103,7 +105,7 @@ def _native(dtype):
     return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
-def _check_dtype(a, name):
+def check_dtype(a, name):
     dt = a.dtype
     if dt.kind in "biu" or _native(dt) in _NATIVE_FLOATS or is_bfloat16(dt):
         return
@@ -125,7 +127,7 @@ def dtypes(**arrays):
     float8 or int4 from ml_dtypes, longdouble, strings, datetimes).
     """
     for name, a in arrays.items():
-        _check_dtype(a, name)
+        check_dtype(a, name)
     dts = [_native(a.dtype) for a in arrays.values()]
     if is_16bit(dts[0]) and all(dt == dts[0] for dt in dts):
         return np.dtype(np.float32), dts[0]
@@ -335,7 +337,7 @@ def check_sinks(sinks, batch_shape, Hq):
     return _per_head(sinks, "sinks", batch_shape, Hq, allow_minus_inf=True)
 
 
-def _lengths(lengths, name, batch_shape, limit, limit_name):
+def check_lengths(lengths, name, batch_shape, limit, limit_name):
     if lengths is None:
         return None
     a = as_array(lengths, name)
@@ -356,13 +358,13 @@ def _lengths(lengths, name, batch_shape, limit, limit_name):
 def check_q_lengths(q_lengths, batch_shape, Lq):
     """``None``, or the number of real (not padding) query rows of each batch element as
     intp ``(nbatch,)``: integers broadcastable to ``batch_shape``, each in ``[0, Lq]``."""
-    return _lengths(q_lengths, "q_lengths", batch_shape, Lq, "Lq")
+    return check_lengths(q_lengths, "q_lengths", batch_shape, Lq, "Lq")
 
 
 def check_kv_lengths(kv_lengths, batch_shape, Lk):
     """``None``, or the number of existing keys of each batch element as intp
     ``(nbatch,)``: integers broadcastable to ``batch_shape``, each in ``[0, Lk]``."""
-    return _lengths(kv_lengths, "kv_lengths", batch_shape, Lk, "Lk")
+    return check_lengths(kv_lengths, "kv_lengths", batch_shape, Lk, "Lk")
 
 
 # --------------------------------------------------------------------------- packed sequences

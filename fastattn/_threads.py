@@ -85,8 +85,13 @@ def num_threads(n):
 
     Examples
     --------
-    >>> with fastattn.num_threads(1):
-    ...     out = fastattn.attention(q, k, v)
+    >>> q = k = v = np.random.default_rng(0).standard_normal((2, 64, 16))
+    >>> with fastattn.num_threads(1) as n:
+    ...     one = fastattn.attention(q, k, v)
+    >>> n, fastattn.get_num_threads() >= 1
+    (1, True)
+    >>> np.array_equal(one, fastattn.attention(q, k, v))   # any thread count, the same bits
+    True
     """
     n = _check(n)
     previous = _local.n

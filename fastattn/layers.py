@@ -6,9 +6,10 @@
 * ``MultiHeadAttention`` -- a layer holding plain NumPy weights the user owns
   (and may assign), with grouped-query attention (``n_kv_heads < n_heads``),
   optional biases, optional rotary embeddings, and incremental decoding.
-* ``KVCache`` -- the keys and values of the tokens seen so far, preallocated and
-  grown geometrically, so that a decode step costs one projection of the new
-  token and one kernel call over the cache, never a re-encoding of the prefix.
+* ``KVCache`` (defined in ``fastattn._kvcache``) -- the keys and values of the
+  tokens seen so far, preallocated and grown geometrically, so that a decode step
+  costs one projection of the new token and one kernel call over the cache, never a
+  re-encoding of the prefix.
 
 Every attention step is one call of ``fastattn.attention`` (the compiled
 kernel).  Heads are NumPy views: a projection ``(..., L, H*d)`` is reshaped to
@@ -29,38 +30,21 @@ to float rounding, since BLAS may round a 1-row product differently).
 from __future__ import annotations
 
 import math
-import operator
 
 import numpy as np
 
-from . import _args
+from . import _api, _args
+from ._kvcache import KVCache
+from .positions import _as_index, _check_base
 from .positions import rope as _rope
 
 __all__ = ["self_attention", "MultiHeadAttention", "KVCache"]
 
 
-def _kernel():
-    # Imported lazily so that ``fastattn/__init__.py`` may import this module
-    # before (or while) the compiled front-end loads, without a cycle.
-    from . import _api
-
-    return _api
-
-
-def _positive_int(value, name):
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
-def _real_array(a, name):
-    a = np.asarray(a)
-    if a.dtype.kind not in "biuf" and not _args.is_bfloat16(a.dtype):
-        raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
+def _array(a, name):
+    """``a`` as an array of a dtype the kernel accepts (the front end's rule)."""
+    a = _args.as_array(a, name)
+    _args.check_dtype(a, name)
     return a
 
 
@@ -71,7 +55,7 @@ def _real_array(a, name):
 def _project(x, w, name):
     if w is None:
         return x  # identity: attention without learned weights
-    w = _real_array(w, name)
+    w = _array(w, name)
     if w.ndim < 2 or w.shape[-2] != x.shape[-1]:
         raise ValueError(
             f"{name} must have shape (..., d_model, d) with d_model = {x.shape[-1]} "
@@ -100,14 +84,16 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
     causal : bool or "top-left"
         ``True``: token ``i`` attends to tokens ``j <= i`` (masked attention).
 
+    Returns
+    -------
+    ndarray, shape (..., L, d_out or d_v)
+        The dtype follows :func:`fastattn.attention` (integer inputs give float64).
+
+    Notes
+    -----
     Weights may carry leading batch dims that broadcast with ``x``'s, e.g.
     per-head weights ``w_q (H, d_model, d_k)`` give per-head contexts
     ``(H, L, d_v)``; broadcasting uses views, never copies.
-
-    Returns
-    -------
-    ndarray, (..., L, d_out or d_v); the dtype follows ``fastattn.attention``
-    (integer inputs give float64).
 
     Examples
     --------
@@ -115,7 +101,7 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
     >>> self_attention(x, scale=1.0)[0].round(8)
     array([0.93662106, 0.53168947, 0.93662106, 0.53168947])
     """
-    x = _real_array(x, "x")
+    x = _array(x, "x")
     if x.ndim < 2:
         raise ValueError(f"x must have shape (..., L, d_model), got shape {x.shape}")
     q = _project(x, w_q, "w_q")
@@ -136,9 +122,9 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
     # The kernel wants q, k, v with the same number of dims; broadcast_to gives
     # stride-0 views, so per-head weights never cause copies of shared keys.
     q, k, v = (np.broadcast_to(a, batch + a.shape[-2:]) for a in (q, k, v))
-    out = _kernel().attention(q, k, v, scale=scale, causal=causal)
+    out = _api.attention(q, k, v, scale=scale, causal=causal)
     if w_o is not None:
-        w_o = _real_array(w_o, "w_o")
+        w_o = _array(w_o, "w_o")
         if w_o.ndim < 2 or w_o.shape[-2] != out.shape[-1]:
             raise ValueError(
                 f"w_o must have shape (..., d_v, d_out) with d_v = {out.shape[-1]}, "
@@ -146,198 +132,6 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
             )
         out = out @ w_o
     return out
-
-
-# ----------------------------------------------------------------------------
-# KVCache
-# ----------------------------------------------------------------------------
-
-class KVCache:
-    """Keys and values of the tokens seen so far, for incremental decoding.
-
-    Storage is ``(*batch, n_kv_heads, capacity, d)`` for keys and
-    ``(*batch, n_kv_heads, capacity, d_value)`` for values.  The shapes are
-    taken from the first ``append``; ``capacity`` rows are reserved then, and
-    when an append does not fit the storage grows to
-    ``max(needed, growth * capacity)`` (one copy, amortised O(1) per token).
-
-    ``dtype`` (float16, bfloat16 -- ``ml_dtypes.bfloat16`` or the string
-    ``"bfloat16"`` --, float32 or float64) is the storage dtype; by default it
-    is the dtype of the first keys and values appended.  Keys and values of
-    another dtype are rounded to it (to nearest, once) as they are appended; a
-    finite value beyond its range (float16 stops at 65504) raises
-    ``ValueError`` instead of being stored as inf.  A float16 or bfloat16
-    cache holds half the bytes of a float32 one, and attention reads it in
-    place, so a decode step streams half the memory.
-
-    Each batch element has its own length (``lengths``, shape ``batch``), so
-    sequences of different lengths share one cache: rows at or beyond a
-    sequence's length are unused and may hold stale data.
-
-    Normally you do not call ``append`` yourself: create an empty cache and
-    pass it to ``MultiHeadAttention``::
-
-        cache = KVCache(capacity=256)
-        out, cache = mha(prompt, cache=cache, causal=True)   # prefill
-        out, cache = mha(next_token, cache=cache)            # one decode step
-    """
-
-    def __init__(self, capacity=64, *, growth=2.0, dtype=None):
-        self._initial_capacity = _positive_int(capacity, "capacity")
-        growth = float(growth)
-        if not growth > 1.0:
-            raise ValueError(f"growth must be > 1, got {growth}")
-        self._growth = growth
-        self._dtype = None if dtype is None else _args.storage_dtype(dtype, "dtype")
-        self.reset()
-
-    @property
-    def dtype(self):
-        """The storage dtype (None until the first append when none was given)."""
-        return self._dtype if self._k is None else self._k.dtype
-
-    def reset(self):
-        """Forget all tokens and release the storage."""
-        self._k = None
-        self._v = None
-        self._lengths = None
-
-    # -- read-only views ------------------------------------------------------
-    @property
-    def capacity(self):
-        """Rows currently allocated per sequence (0 before the first append)."""
-        return 0 if self._k is None else self._k.shape[-2]
-
-    @property
-    def lengths(self):
-        """Number of tokens stored per batch element, int64 array of shape ``batch``."""
-        if self._lengths is None:
-            return np.zeros((), dtype=np.int64)
-        view = self._lengths.view()
-        view.flags.writeable = False
-        return view
-
-    @property
-    def max_length(self):
-        return 0 if self._lengths is None else int(self._lengths.max(initial=0))
-
-    def __len__(self):
-        return self.max_length
-
-    @property
-    def k(self):
-        """Stored keys, a view ``(*batch, n_kv_heads, max_length, d)`` (None when empty)."""
-        return None if self._k is None else self._k[..., : self.max_length, :]
-
-    @property
-    def v(self):
-        """Stored values, a view ``(*batch, n_kv_heads, max_length, d_value)``."""
-        return None if self._v is None else self._v[..., : self.max_length, :]
-
-    @property
-    def batch_shape(self):
-        return None if self._k is None else self._k.shape[:-3]
-
-    def __repr__(self):
-        if self._k is None:
-            dt = "" if self._dtype is None else f", dtype={self._dtype}"
-            return f"KVCache(empty, capacity={self._initial_capacity}{dt})"
-        *batch, h, cap, d = self._k.shape
-        lengths = self._lengths
-        ln = int(lengths) if lengths.ndim == 0 else lengths.tolist()
-        return (f"KVCache(batch={tuple(batch)}, n_kv_heads={h}, d={d}, "
-                f"d_value={self._v.shape[-1]}, lengths={ln}, capacity={cap}, dtype={self._k.dtype})")
-
-    # -- writing --------------------------------------------------------------
-    @staticmethod
-    def _new_counts(lengths, L, batch, name="lengths"):
-        if lengths is None:
-            return np.full(batch, L, dtype=np.int64)
-        n = np.asarray(lengths)
-        if n.dtype.kind not in "biu":
-            raise TypeError(f"{name} must be integers, got dtype {n.dtype}")
-        try:
-            n = np.broadcast_to(n, batch).astype(np.int64)
-        except ValueError:
-            raise ValueError(
-                f"{name} of shape {n.shape} does not broadcast to the batch shape {batch}"
-            ) from None
-        if n.size and (n.min() < 0 or n.max() > L):
-            raise ValueError(
-                f"{name} must be in [0, {L}] (the number of new rows of x), got {n.tolist()}"
-            )
-        return n
-
-    def append(self, k, v, lengths=None):
-        """Append new keys ``(*batch, n_kv_heads, L, d)`` and values ``(..., L, d_value)``.
-
-        Sequence ``b`` receives the rows at its current end; ``lengths[b]``
-        (default ``L``) says how many of the ``L`` new rows are real tokens
-        (right padding), and the sequence's length grows by that much.
-        Returns the lengths before the append (the positions of the new rows).
-        """
-        k = _real_array(k, "k")
-        v = _real_array(v, "v")
-        if k.ndim < 3:
-            raise ValueError(f"k must have shape (..., n_kv_heads, L, d), got shape {k.shape}")
-        if v.ndim != k.ndim or v.shape[:-1] != k.shape[:-1]:
-            raise ValueError(
-                f"v must have shape {k.shape[:-1] + ('d_value',)} to match k {k.shape}, "
-                f"got v with shape {v.shape}"
-            )
-        batch, L = k.shape[:-3], k.shape[-2]
-        if self._k is None:
-            dtype = self._dtype if self._dtype is not None else _args.dtypes(k=k, v=v)[1]
-        elif k.shape[:-2] != self._k.shape[:-2] or k.shape[-1] != self._k.shape[-1] \
-                or v.shape[-1] != self._v.shape[-1]:
-            raise ValueError(
-                f"k {k.shape} / v {v.shape} do not match the cache's keys "
-                f"{self._k.shape[:-2] + ('L', self._k.shape[-1])} / values "
-                f"{self._v.shape[:-2] + ('L', self._v.shape[-1])}"
-            )
-        else:
-            dtype = self._k.dtype
-        new = self._new_counts(lengths, L, batch)
-        # Rounded (and checked for overflow) before anything is allocated or written.
-        k = _args.store_as(k, dtype, "k")
-        v = _args.store_as(v, dtype, "v")
-        if self._k is None:
-            cap = max(self._initial_capacity, L)
-            h = k.shape[-3]
-            self._k = np.empty(batch + (h, cap, k.shape[-1]), dtype=dtype)
-            self._v = np.empty(batch + (h, cap, v.shape[-1]), dtype=dtype)
-            self._lengths = np.zeros(batch, dtype=np.int64)
-        old = self._lengths.copy()
-        needed = int(old.max(initial=0)) + L   # every row is written, padding included
-        if needed > self.capacity:
-            self._grow(needed)
-        if old.size == 0 or L == 0:
-            pass
-        elif np.all(old == old.flat[0]):
-            start = int(old.flat[0])
-            self._k[..., start:start + L, :] = k
-            self._v[..., start:start + L, :] = v
-        else:
-            # Different lengths per sequence: scatter each sequence's rows at its own end.
-            h = self._k.shape[-3]
-            kb = self._k.reshape((-1,) + self._k.shape[-3:])
-            vb = self._v.reshape((-1,) + self._v.shape[-3:])
-            rows = (old.reshape(-1)[:, None] + np.arange(L))[:, None, :]      # (nb, 1, L)
-            bi = np.arange(kb.shape[0])[:, None, None]
-            hi = np.arange(h)[None, :, None]
-            kb[bi, hi, rows] = k.reshape(kb.shape[:2] + (L, k.shape[-1]))
-            vb[bi, hi, rows] = v.reshape(vb.shape[:2] + (L, v.shape[-1]))
-        self._lengths = np.asarray(old + new, dtype=np.int64)   # stays an array when batch == ()
-        return old
-
-    def _grow(self, needed):
-        cap = max(needed, math.ceil(self.capacity * self._growth))
-        used = self.max_length
-        for name in ("_k", "_v"):
-            buf = getattr(self, name)
-            grown = np.empty(buf.shape[:-2] + (cap, buf.shape[-1]), dtype=buf.dtype)
-            grown[..., :used, :] = buf[..., :used, :]
-            setattr(self, name, grown)
 
 
 # ----------------------------------------------------------------------------
@@ -427,6 +221,9 @@ class MultiHeadAttention:
     ``fan_in = d_model`` for ``w_q, w_k, w_v`` and ``n_heads * d_value`` for
     ``w_o``; biases start at zero (as in ``torch.nn.MultiheadAttention``).
 
+    A layer holds only its settings and NumPy arrays, so it pickles (to send a model to
+    other processes, e.g. dask workers) and computes the same bits after unpickling.
+
     Examples
     --------
     >>> mha = MultiHeadAttention(64, 8, n_kv_heads=2, seed=0)
@@ -441,9 +238,9 @@ class MultiHeadAttention:
     def __init__(self, d_model, n_heads, *, n_kv_heads=None, d_head=None, d_value=None,
                  bias=False, dtype=np.float32, seed=None, scale=None, rope=False,
                  rope_base=10000.0, window=None, softcap=None, sinks=False, kv_dtype=None):
-        d_model = _positive_int(d_model, "d_model")
-        n_heads = _positive_int(n_heads, "n_heads")
-        n_kv_heads = n_heads if n_kv_heads is None else _positive_int(n_kv_heads, "n_kv_heads")
+        d_model = _as_index(d_model, "d_model", 1)
+        n_heads = _as_index(n_heads, "n_heads", 1)
+        n_kv_heads = n_heads if n_kv_heads is None else _as_index(n_kv_heads, "n_kv_heads", 1)
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide n_heads ({n_heads})")
         if d_head is None:
@@ -452,8 +249,8 @@ class MultiHeadAttention:
                     f"n_heads ({n_heads}) must divide d_model ({d_model}) unless d_head is given"
                 )
             d_head = d_model // n_heads
-        d_head = _positive_int(d_head, "d_head")
-        d_value = d_head if d_value is None else _positive_int(d_value, "d_value")
+        d_head = _as_index(d_head, "d_head", 1)
+        d_value = d_head if d_value is None else _as_index(d_value, "d_value", 1)
         dtype = np.dtype(dtype)
         if dtype.kind != "f":
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
@@ -461,9 +258,10 @@ class MultiHeadAttention:
             raise ValueError(f"rope needs an even d_head, got d_head={d_head}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head, self.d_value, self.dtype = d_head, d_value, dtype
-        self.scale = None if scale is None else float(scale)
-        self.rope, self.rope_base = bool(rope), float(rope_base)
-        _args.check_window(window)   # a clear error now, not at a call
+        # The front end's and rope's checks: a clear error now, not at a call.
+        self.scale = None if scale is None else _args.check_scale(scale, d_head)
+        self.rope, self.rope_base = bool(rope), _check_base(rope_base)
+        _args.check_window(window)
         self.window = None if window is None else tuple(int(w) for w in window)
         self.softcap = _args.check_softcap(softcap)
         self.sinks = np.zeros(n_heads, dtype) if sinks else None
@@ -517,7 +315,7 @@ class MultiHeadAttention:
             if w is None and (name.startswith("b_") or name == "sinks"):
                 out[name] = None
                 continue
-            w = _real_array(w, name)
+            w = _array(w, name)
             if w.shape != shape:
                 raise ValueError(
                     f"{name} has shape {w.shape}, expected {shape} (d_model={self.d_model}, "
@@ -538,7 +336,7 @@ class MultiHeadAttention:
         return y
 
     def _qkv(self, x, W, positions=None):
-        x = _real_array(x, "x")
+        x = _array(x, "x")
         if x.ndim < 2 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"x must have shape (..., L, d_model) with d_model={self.d_model}, got shape {x.shape}"
@@ -557,7 +355,7 @@ class MultiHeadAttention:
     def _out(self, o, W):
         return self._linear(_merge_heads(o), W["w_o"], W["b_o"])
 
-    def _args(self, W):
+    def _attention_kwargs(self, W):
         # The keywords of fastattn.attention that come from the layer itself.
         return dict(scale=self.scale, window=self.window, softcap=self.softcap,
                     sinks=W["sinks"])
@@ -565,7 +363,7 @@ class MultiHeadAttention:
     @staticmethod
     def _positions(positions, batch, L):
         # Explicit rotary positions of the L rows: (*batch, L) or (L,), as (*batch, 1, L).
-        p = _real_array(positions, "positions")
+        p = _args.as_array(positions, "positions")
         if p.dtype.kind not in "iu":
             raise TypeError(f"positions must be an integer array, got dtype {p.dtype}")
         try:
@@ -611,15 +409,50 @@ class MultiHeadAttention:
         """
         W = self._weights()
         if cache is None:
-            x = _real_array(x, "x")
-            pos = None
-            if positions is not None and self.rope and x.ndim >= 2:
-                pos = self._positions(positions, x.shape[:-2], x.shape[-2])
-            q, k, v = self._qkv(x, W, pos)
-            o = _kernel().attention(q, k, v, causal=causal, mask=mask, kv_lengths=kv_lengths,
-                                    **self._args(W))
-            return self._out(o, W)
+            return self._forward(x, W, causal, mask, kv_lengths, positions)
+        return self._decode_step(x, W, cache, causal, mask, kv_lengths, positions), cache
 
+    def _forward(self, x, W, causal, mask, kv_lengths, positions):
+        # The whole sequence at once: one kernel call over its own keys.
+        x = _array(x, "x")
+        pos = None
+        if positions is not None and self.rope and x.ndim >= 2:
+            pos = self._positions(positions, x.shape[:-2], x.shape[-2])
+        q, k, v = self._qkv(x, W, pos)
+        o = _api.attention(q, k, v, causal=causal, mask=mask, kv_lengths=kv_lengths,
+                           **self._attention_kwargs(W))
+        return self._out(o, W)
+
+    def _decode_step(self, x, W, cache, causal, mask, kv_lengths, positions):
+        # New tokens: their keys and values join the cache, their queries attend to it.
+        self._check_cache(cache, causal)
+        x = _array(x, "x")
+        L = x.shape[-2] if x.ndim >= 2 else 0
+        batch = x.shape[:-2]
+        if cache.batch_shape is not None and cache.batch_shape != batch:
+            raise ValueError(
+                f"x has batch shape {batch} but the cache holds batch shape {cache.batch_shape}"
+            )
+        if self.rope:
+            positions = self._cached_positions(positions, cache.lengths, batch, L)
+        else:
+            positions = None
+        q, k, v = self._qkv(x, W, positions)
+        new = KVCache._new_counts(kv_lengths, L, batch, "kv_lengths")
+        # An empty cache without a dtype takes k's and v's, which _qkv gave kv_dtype.
+        old = cache.append(k, v, lengths=new)
+        # Causal alignment is bottom-right: the L queries must be the last L keys the
+        # kernel sees, so padded rows count as keys (the real queries cannot see them,
+        # being before them).  Without causality only the real keys may exist.
+        seen = old + L if causal or self.window is not None else old + new
+        lk = int(seen.max(initial=0))
+        keys, values = cache.keys_values(lk)
+        lengths = None if seen.size == 0 or np.all(seen == lk) else seen
+        o = _api.attention(q, keys, values, causal=bool(causal), mask=mask,
+                           kv_lengths=lengths, **self._attention_kwargs(W))
+        return self._out(o, W)
+
+    def _check_cache(self, cache, causal):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a fastattn.KVCache, got {type(cache).__name__}")
         if self.kv_dtype is not None and cache.dtype not in (None, self.kv_dtype):
@@ -630,43 +463,20 @@ class MultiHeadAttention:
                 f"causal={causal!r} cannot be used with a cache (the cached tokens precede the "
                 "new ones); use causal=True"
             )
-        x = _real_array(x, "x")
-        L = x.shape[-2] if x.ndim >= 2 else 0
-        batch = x.shape[:-2]
-        old = cache.lengths
-        if cache.batch_shape is not None and cache.batch_shape != batch:
-            raise ValueError(
-                f"x has batch shape {batch} but the cache holds batch shape {cache.batch_shape}"
-            )
-        positions = None
-        if self.rope:
-            # Absolute positions of the new rows: (*batch, 1, L), broadcast over heads.
-            if positions is None:
-                positions = np.broadcast_to(old, batch)[..., None, None] + np.arange(L)
-            else:
-                positions = self._positions(positions, batch, L)
-        q, k, v = self._qkv(x, W, positions)
-        new = KVCache._new_counts(kv_lengths, L, batch, "kv_lengths")
-        if self.kv_dtype is not None and cache.dtype is None:
-            cache._dtype = self.kv_dtype
-        old = cache.append(k, v, lengths=new)
-        # Causal alignment is bottom-right: the L queries must be the last L keys the
-        # kernel sees, so padded rows count as keys (the real queries cannot see them,
-        # being before them).  Without causality only the real keys may exist.
-        seen = old + L if causal or self.window is not None else old + new
-        lk = int(seen.max(initial=0))
-        keys, values = cache._k[..., :lk, :], cache._v[..., :lk, :]
-        lengths = None if seen.size == 0 or np.all(seen == lk) else seen
-        o = _kernel().attention(q, keys, values, causal=bool(causal), mask=mask,
-                                kv_lengths=lengths, **self._args(W))
-        return self._out(o, W), cache
+
+    def _cached_positions(self, positions, old, batch, L):
+        # Absolute rotary positions of the new rows, (*batch, 1, L) broadcast over heads:
+        # by default right after each sequence's cached tokens.
+        if positions is None:
+            return np.broadcast_to(old, batch)[..., None, None] + np.arange(L)
+        return self._positions(positions, batch, L)
 
     def attention_weights(self, x, *, causal=False, mask=None, kv_lengths=None):
         """Per-head attention probabilities ``(..., n_heads, L, L)`` for ``x`` (for inspection/plots)."""
         W = self._weights()
         q, k, _ = self._qkv(x, W)
-        return _kernel().attention_weights(q, k, causal=causal, mask=mask, kv_lengths=kv_lengths,
-                                           **self._args(W))
+        return _api.attention_weights(q, k, causal=causal, mask=mask, kv_lengths=kv_lengths,
+                                      **self._attention_kwargs(W))
 
     # -- interop --------------------------------------------------------------
     @classmethod
@@ -684,74 +494,19 @@ class MultiHeadAttention:
         to the arrays' floating dtype; extra keywords (e.g. ``rope``) go to the
         constructor.
 
-        Example (with torch installed)::
+        Examples
+        --------
+        With torch installed:
 
-            m = torch.nn.MultiheadAttention(16, 4, batch_first=True)
-            mha = MultiHeadAttention.from_torch_state_dict(m.state_dict(), n_heads=4)
-            # mha(x) == m(x, x, x, need_weights=False)[0] for x of shape (N, L, 16)
+        >>> import torch
+        >>> m = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        >>> mha = MultiHeadAttention.from_torch_state_dict(m.state_dict(), n_heads=4)
+        >>> x = torch.randn(2, 5, 16)
+        >>> want = m(x, x, x, need_weights=False)[0].detach().numpy()
+        >>> np.allclose(mha(x.numpy()), want, rtol=1e-4, atol=1e-5)
+        True
         """
-        def get(name, required=True):
-            key = prefix + name
-            if key not in state_dict:
-                if required:
-                    raise ValueError(f"state_dict has no key {key!r} (keys: {sorted(state_dict)})")
-                return None
-            t = state_dict[key]
-            if hasattr(t, "detach"):          # a torch tensor, without importing torch
-                t = t.detach().cpu().numpy()
-            return _real_array(t, f"state_dict[{key!r}]")
+        from .integrations._torch_state_dict import layer_from_state_dict
 
-        for unsupported in ("bias_k", "bias_v"):
-            if prefix + unsupported in state_dict:
-                raise ValueError(
-                    f"state_dict has {prefix + unsupported!r}: add_bias_kv=True is not supported"
-                )
-        if prefix + "in_proj_weight" in state_dict:
-            w_in = get("in_proj_weight")
-            if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
-                raise ValueError(
-                    f"state_dict['{prefix}in_proj_weight'] must have shape (3E, E), got {w_in.shape}"
-                )
-            E = w_in.shape[1]
-            w_q, w_k, w_v = w_in[:E], w_in[E:2 * E], w_in[2 * E:]
-        else:
-            w_q, w_k, w_v = get("q_proj_weight"), get("k_proj_weight"), get("v_proj_weight")
-            E = w_q.shape[0]
-            # Grouped-query projections: k and v have n_kv_heads heads of E // n_heads.
-            n_kv = kwargs.get("n_kv_heads") or n_heads
-            E_kv = E // n_heads * n_kv if E % n_heads == 0 else E
-            for name, w, rows in (("q_proj_weight", w_q, E), ("k_proj_weight", w_k, E_kv),
-                                  ("v_proj_weight", w_v, E_kv)):
-                if w.shape != (rows, E):
-                    raise ValueError(
-                        f"state_dict['{prefix}{name}'] has shape {w.shape}, expected "
-                        f"({rows}, {E}) for embed_dim {E}, n_heads {n_heads} and n_kv_heads "
-                        f"{n_kv} (self-attention: kdim == vdim == embed_dim)"
-                    )
-        w_out = get("out_proj.weight")
-        if w_out.shape != (E, E):
-            raise ValueError(f"state_dict['{prefix}out_proj.weight'] must have shape ({E}, {E}), "
-                             f"got {w_out.shape}")
-        b_in, b_out = get("in_proj_bias", False), get("out_proj.bias", False)
-        E_k = w_k.shape[0]
-        if b_in is not None and b_in.shape != (E + 2 * E_k,):
-            raise ValueError(f"state_dict['{prefix}in_proj_bias'] must have shape "
-                             f"({E + 2 * E_k},), got {b_in.shape}")
-        if b_out is not None and b_out.shape != (E,):
-            raise ValueError(f"state_dict['{prefix}out_proj.bias'] must have shape ({E},), "
-                             f"got {b_out.shape}")
-        if dtype is None:
-            dtype = np.result_type(w_q, w_out)
-            dtype = dtype if dtype.kind == "f" else np.dtype(np.float32)
-        has_bias = b_in is not None or b_out is not None
-        layer = cls(E, n_heads, bias=has_bias, dtype=dtype, **kwargs)
-        conv = lambda a: np.ascontiguousarray(a, dtype=layer.dtype)  # noqa: E731
-        layer.w_q, layer.w_k, layer.w_v = conv(w_q.T), conv(w_k.T), conv(w_v.T)
-        layer.w_o = conv(w_out.T)
-        if has_bias:
-            if b_in is not None:
-                layer.b_q, layer.b_k, layer.b_v = (conv(b_in[:E]), conv(b_in[E:E + E_k]),
-                                                   conv(b_in[E + E_k:]))
-            if b_out is not None:
-                layer.b_o = conv(b_out)
-        return layer
+        return layer_from_state_dict(cls, state_dict, n_heads, prefix=prefix, dtype=dtype,
+                                     **kwargs)

@@ -1,13 +1,30 @@
-"""Shared fixtures and helpers for the fastattn test suite.
+"""Shared fixtures and helpers for the fastattn test suite (``from conftest import ...``).
+
+- results against references: ``assert_close``, ``tolerance``, ``max_error``,
+  ``merge_partials``;
+- inputs: ``make_qkv`` (with ``qkv_shapes``), the ``rng`` fixture;
+- error messages: ``names`` / ``names_any`` (the message names the argument);
+- fresh interpreters: ``run_python``, and ``ROOT``, the repository root;
+- optional packages: ``import_optional``.
 
 Tolerances (``assert_close``) are set per dtype from the arithmetic the kernels do, not
 tuned to make tests pass; see ``TOLERANCES``.
 """
 
+import os
+import re
+import subprocess
+import sys
+import sysconfig
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+# The repository root: tests read its files and run commands there.  (tools/test_installed.py
+# runs the suite from a copy of it without fastattn/, so that the installed package is tested.)
+ROOT = Path(__file__).resolve().parent.parent
 
 try:
     from hypothesis import settings as _hypothesis_settings
@@ -122,11 +139,22 @@ def max_error(actual, expected):
     return float(np.abs(a[finite] - e[finite]).max(initial=0.0))
 
 
-def make_qkv(rng, q_shape, k_shape, v_shape, dtype=np.float32):
-    """Random q, k, v of the given shapes: standard normal for floats, small ints otherwise."""
+def qkv_shapes(batch, Hq, Hkv, Lq, Lk, D, Dv=None):
+    """The shapes of q, k and v: ``(*batch, Hq, Lq, D)``, ``(*batch, Hkv, Lk, D)`` and
+    ``(*batch, Hkv, Lk, Dv)`` (``Dv`` defaults to ``D``), for :func:`make_qkv`."""
+    batch = tuple(batch)
+    return (*batch, Hq, Lq, D), (*batch, Hkv, Lk, D), (*batch, Hkv, Lk, D if Dv is None else Dv)
+
+
+def make_qkv(rng, q_shape, k_shape, v_shape, dtype=np.float32, kv_dtype=None):
+    """Random q, k, v of the given shapes: standard normal for floats, small ints otherwise.
+
+    ``kv_dtype`` (default ``dtype``) is k's and v's dtype.  Drawn in the order q, k, v.
+    """
     out = []
-    for shape in (q_shape, k_shape, v_shape):
-        dt = np.dtype(dtype)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    for shape, dt in ((q_shape, dtype), (k_shape, kv_dtype), (v_shape, kv_dtype)):
+        dt = np.dtype(dt)
         if dt == bool:
             a = rng.random(shape) < 0.5
         elif dt.kind in "iu":
@@ -183,3 +211,45 @@ def import_optional(name):
     if os.environ.get("FASTATTN_REQUIRE_INTEGRATIONS") == "1":
         return importlib.import_module(name)
     return pytest.importorskip(name)
+
+
+def names(arg):
+    """A regex matching ``arg`` as a word (``q`` in "q.shape=(3, 4)", not in "sequence"):
+    the check that an error message names the argument concerned."""
+    return rf"(?<![A-Za-z_]){re.escape(arg)}(?![A-Za-z_])"
+
+
+def names_any(message, args):
+    """Whether ``message`` mentions one of ``args`` as a word (see :func:`names`)."""
+    return any(re.search(names(a), message) for a in args)
+
+
+def run_python(*args, env=None, cwd=None, timeout=600, check=True):
+    """Run ``python *args`` in a fresh interpreter; returns the CompletedProcess (text output).
+
+    The child imports the same fastattn as this process (an in-place build or the installed
+    package, whatever the working directory): a source tree holding it comes first on the
+    child's PYTHONPATH.  ``env`` adds variables to this process's environment (a value of
+    None removes one).  With ``check``, an exit status other than 0 fails the test and
+    shows the end of the child's stderr.
+    """
+    import fastattn
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    child_env = dict(os.environ)
+    # An installed package is found through site-packages, which must not go before the
+    # standard library; a source tree goes first.
+    if home not in {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}:
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (home, os.environ.get("PYTHONPATH")) if p)
+    for name, value in (env or {}).items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
+    proc = subprocess.run([sys.executable, *map(str, args)], env=child_env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, (
+            f"exit status {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc

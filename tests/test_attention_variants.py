@@ -9,16 +9,9 @@ import fastattn
 from fastattn import reference
 from fastattn._dispatch import _load, available_variants
 
-from conftest import assert_close
+from conftest import assert_close, make_qkv, qkv_shapes
 
 DTYPES = [np.float32, np.float64]
-
-
-def _inputs(rng, B, Hq, Hkv, Lq, Lk, D, dtype, Dv=None):
-    q = rng.standard_normal((B, Hq, Lq, D)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Lk, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Lk, Dv or D)).astype(dtype)
-    return q, k, v
 
 
 VARIANTS = {
@@ -64,7 +57,7 @@ def _resolve(rng, kw, B, Hq, Lq, Lk, dtype):
 @pytest.mark.parametrize("Hq, Hkv, Lq, Lk, D", [(4, 2, 19, 43, 16), (6, 3, 1, 70, 40),
                                                (2, 1, 130, 130, 64)])
 def test_matches_reference(rng, dtype, option, variant, Hq, Hkv, Lq, Lk, D):
-    q, k, v = _inputs(rng, 2, Hq, Hkv, Lq, Lk, D, dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), Hq, Hkv, Lq, Lk, D), dtype)
     kw = dict(OPTIONS[option])
     if "kv_lengths" in kw:
         kw["kv_lengths"] = np.minimum(kw["kv_lengths"], Lk)
@@ -89,7 +82,7 @@ def test_softcap_caps_scores(rng):
 
 
 def test_sink_row_with_no_visible_key(rng):
-    q, k, v = _inputs(rng, 1, 2, 2, 3, 5, 8, np.float32)
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), 2, 2, 3, 5, 8), np.float32)
     out, lse = fastattn.attention(q, k, v, kv_lengths=[0], sinks=[1.5, -np.inf], return_lse=True)
     assert not out.any()
     np.testing.assert_array_equal(lse[0, 0], np.float32(1.5))
@@ -97,7 +90,7 @@ def test_sink_row_with_no_visible_key(rng):
 
 
 def test_q_lengths_padding_rows(rng):
-    q, k, v = _inputs(rng, 2, 2, 2, 6, 9, 8, np.float64)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 2, 2, 6, 9, 8), np.float64)
     out, lse = fastattn.attention(q, k, v, q_lengths=[6, 2], sinks=[[0.5, 0.5]] * 2,
                                   causal=True, return_lse=True)
     assert not out[1, :, 2:].any()
@@ -112,7 +105,7 @@ def test_bits_independent_of_threads_lq_and_decode(rng, dtype):
     # Every variant at once; each row of a prefill call equals the same row computed alone
     # as a decode step, and the result does not depend on the thread count.
     Hq, Hkv, L, D = 8, 2, 150, 48
-    q, k, v = _inputs(rng, 1, Hq, Hkv, L, L, D, dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), Hq, Hkv, L, L, D), dtype)
     kw = dict(softcap=3.0, alibi_slopes=2.0 ** -np.arange(1, Hq + 1),
               sinks=rng.standard_normal(Hq), causal=True)
     with fastattn.num_threads(1):
@@ -131,7 +124,7 @@ def test_bits_independent_of_threads_lq_and_decode(rng, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_q_lengths_padding_does_not_change_bits(rng, dtype):
     # A right-padded batch gives each real row the bits of the unpadded call.
-    q, k, v = _inputs(rng, 3, 4, 4, 20, 33, 16, dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((3,), 4, 4, 20, 33, 16), dtype)
     q_len, kv_len = np.array([20, 5, 13]), np.array([33, 9, 20])
     kw = dict(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625], softcap=5.0)
     out = fastattn.attention(q, k, v, q_lengths=q_len, kv_lengths=kv_len, **kw)
@@ -153,7 +146,7 @@ def test_q_lengths_padding_does_not_change_bits(rng, dtype):
     (dict(q_lengths=[1.5]), TypeError, "q_lengths"),
 ])
 def test_bad_variant_arguments(rng, bad, exc, words):
-    q, k, v = _inputs(rng, 1, 2, 2, 4, 6, 8, np.float32)
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), 2, 2, 4, 6, 8), np.float32)
     out = np.full((1, 2, 4, 8), 7.0, np.float32)
     with pytest.raises(exc, match=words):
         fastattn.attention(q, k, v, out=out, **bad)

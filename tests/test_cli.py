@@ -23,13 +23,13 @@ from fastattn.cli import common, info
 from fastattn.cli.main import main
 from fastattn.cli.bench import harness, measure, plot, report, shapes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, run_python
+
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "fastattn", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python("-m", "fastattn", *args, cwd=ROOT, timeout=timeout, check=False)
 
 
 def positive_finite(x):

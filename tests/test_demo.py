@@ -1,7 +1,5 @@
 """Tests of ``python -m fastattn demo`` (fastattn.cli.demo) and its table formatting."""
 
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -9,6 +7,8 @@ import pytest
 
 from fastattn.cli import common, demo
 from fastattn.cli.main import main
+
+from conftest import ROOT, run_python
 
 
 def test_demo_prints_the_seed_sentences_and_weights(capsys):
@@ -80,10 +80,7 @@ def test_format_table_labels_and_hidden_cells():
 
 
 def test_python_m_fastattn_demo_runs():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "fastattn", "demo"], cwd=root,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python("-m", "fastattn", "demo", cwd=ROOT, timeout=120)   # asserts exit 0
     assert "each person has a chair" in proc.stdout
 
 

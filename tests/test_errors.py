@@ -2,19 +2,14 @@
 shape errors, showing the shapes) before any work starts; ``out`` is never half-written.
 """
 
-import re
-
 import numpy as np
 import pytest
 
 import fastattn
 
+from conftest import names
+
 ERRORS = (ValueError, TypeError)
-
-
-def names(arg):
-    """A regex matching ``arg`` as a word (``q`` in "q.shape=(3, 4)", not in "sequence")."""
-    return rf"(?<![A-Za-z_]){re.escape(arg)}(?![A-Za-z_])"
 
 
 def qkv(q_shape=(2, 5, 4), k_shape=(2, 6, 4), v_shape=(2, 6, 3), dtype=np.float32):

@@ -10,8 +10,6 @@ reference, the error that rounding K/V to 16 bits adds (a bound derived below), 
 ml_dtypes and skip without it; one test checks fastattn without ml_dtypes at all.
 """
 import math
-import subprocess
-import sys
 import tracemalloc
 
 import numpy as np
@@ -20,7 +18,7 @@ import pytest
 import fastattn
 from fastattn import reference as ref
 
-from conftest import assert_close, tolerance
+from conftest import assert_close, make_qkv, qkv_shapes, run_python, tolerance
 
 try:
     import ml_dtypes
@@ -34,13 +32,6 @@ F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 HALVES = [pytest.param(F16, id="float16"),
           pytest.param(BF16, id="bfloat16", marks=needs_bf16)]
-
-
-def _qkv(rng, batch, Hq, Hkv, Lq, Lk, D, Dv, qdt, kvdt):
-    q = rng.standard_normal((*batch, Hq, Lq, D)).astype(qdt)
-    k = rng.standard_normal((*batch, Hkv, Lk, D)).astype(kvdt)
-    v = rng.standard_normal((*batch, Hkv, Lk, Dv)).astype(kvdt)
-    return q, k, v
 
 
 def _f32(*arrays):
@@ -77,7 +68,7 @@ SHAPES = [
 def test_equals_float32_on_the_same_values(rng, kvdt, qkind, shape):
     batch, Hq, Hkv, Lq, Lk, D, Dv, causal = shape
     qdt = F32 if qkind == "float32" else kvdt
-    q, k, v = _qkv(rng, batch, Hq, Hkv, Lq, Lk, D, Dv, qdt, kvdt)
+    q, k, v = make_qkv(rng, *qkv_shapes(batch, Hq, Hkv, Lq, Lk, D, Dv), qdt, kvdt)
     out, lse = fastattn.attention(q, k, v, causal=causal, return_lse=True)
     want, want_lse = fastattn.attention(*_f32(q, k, v), causal=causal, return_lse=True)
     # float16/bfloat16 out only when all three share the dtype, rounded once
@@ -90,7 +81,7 @@ def test_equals_float32_on_the_same_values(rng, kvdt, qkind, shape):
 def test_variants_and_masks_on_16_bit_kv(rng, kvdt):
     # The same identity through the masked, windowed, ragged and variant paths, and the
     # Python front end (the lean path takes only the plain calls).
-    q, k, v = _qkv(rng, (3,), 4, 2, 40, 150, 32, 24, F32, kvdt)
+    q, k, v = make_qkv(rng, *qkv_shapes((3,), 4, 2, 40, 150, 32, 24), F32, kvdt)
     keep = rng.random((4, 40, 150)) < 0.8
     cases = [
         dict(mask=keep),
@@ -124,7 +115,7 @@ def test_strided_and_broadcast_kv_read_in_place(rng, kvdt):
 
 @pytest.mark.parametrize("kvdt", HALVES)
 def test_varlen_and_attention_weights(rng, kvdt):
-    q, k, v = _qkv(rng, (), 4, 2, 30, 30, 16, 16, kvdt, kvdt)
+    q, k, v = make_qkv(rng, *qkv_shapes((), 4, 2, 30, 30, 16, 16), kvdt, kvdt)
     cu = np.array([0, 11, 11, 30])
     got = fastattn.attention_varlen(q, k, v, cu, cu, causal=True)
     assert got.dtype == kvdt
@@ -137,7 +128,7 @@ def test_varlen_and_attention_weights(rng, kvdt):
 
 @pytest.mark.parametrize("kvdt", HALVES)
 def test_out_argument(rng, kvdt):
-    q, k, v = _qkv(rng, (1,), 2, 2, 5, 50, 16, 16, kvdt, kvdt)
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), 2, 2, 5, 50, 16, 16), kvdt, kvdt)
     out = np.full((1, 2, 5, 16), 7, dtype=kvdt)
     res = fastattn.attention(q, k, v, out=out)
     assert res is out
@@ -155,7 +146,7 @@ def test_out_argument(rng, kvdt):
 def test_matches_reference_on_rounded_inputs(rng, kvdt):
     # Against the float64 reference on the same (rounded) values: the float32 tolerance.
     for qdt in (F32, kvdt):
-        q, k, v = _qkv(rng, (2,), 8, 2, 1, 1500, 64, 64, qdt, kvdt)
+        q, k, v = make_qkv(rng, *qkv_shapes((2,), 8, 2, 1, 1500, 64, 64), qdt, kvdt)
         got = fastattn.attention(q, k, v)
         want = ref.attention(q, k, v)
         if got.dtype == F32:
@@ -212,7 +203,7 @@ def test_error_added_by_rounding_kv_is_bounded(rng, kvdt, u):
 @pytest.mark.parametrize("kvdt", HALVES)
 def test_reproducible_for_16_bit_storage(rng, kvdt):
     # Threads, batch, Lq, and decode against prefill, as for float32.
-    q, k, v = _qkv(rng, (3,), 8, 2, 150, 150, 64, 32, kvdt, kvdt)
+    q, k, v = make_qkv(rng, *qkv_shapes((3,), 8, 2, 150, 150, 64, 32), kvdt, kvdt)
     with fastattn.num_threads(1):
         one = fastattn.attention(q, k, v, causal=True)
     with fastattn.num_threads(2):
@@ -331,8 +322,8 @@ else:
     raise AssertionError("no error")
 print("ok")
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+    res = run_python("-c", code)      # fails the test on a non-zero exit status
+    assert res.stdout.strip() == "ok", res.stderr
 
 
 @pytest.mark.parametrize("kvdt", HALVES)

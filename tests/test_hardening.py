@@ -15,7 +15,6 @@
 import gc
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +28,8 @@ import pytest
 import fastattn
 from fastattn import reference as ref
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, run_python
+
 BIG = 2 ** 31 + 7          # more rows than a signed 32-bit index can count
 
 
@@ -306,10 +306,7 @@ def test_peak_memory_8k_by_8k():
     # of KiB -- never an Lq x Lk matrix (256 MiB). Both tracemalloc's peak (NumPy and
     # PyMem allocations) and the growth of the RSS high-water mark over the RSS before the
     # call (which also sees C allocations and thread stacks) must stay under 48 MiB.
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_python("-c", _PEAK_SCRIPT, timeout=600)    # asserts exit status 0
     for line, what in zip(proc.stdout.split("\n"), ["plain", "out=", "causal+lse"]):
         traced, rss = map(int, line.split())
         print(f"{what}: tracemalloc peak {traced / 2**20:.2f} MiB, "

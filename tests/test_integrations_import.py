@@ -4,12 +4,7 @@ fastattn's runtime dependency is NumPy alone: torch, transformers and tabpfn are
 only when an integration's ``register()`` runs.  Checked in a fresh interpreter, since this
 test process may have imported torch already.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, run_python
 
 
 def test_integrations_import_no_framework():
@@ -22,9 +17,5 @@ def test_integrations_import_no_framework():
         "heavy = sorted(m for m in ('torch', 'transformers', 'tabpfn') if m in sys.modules)\n"
         "print(heavy)\n"
     )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    res = run_python("-c", code, cwd=ROOT, timeout=120)  # asserts exit status 0
     assert res.stdout.strip() == "[]", res.stdout

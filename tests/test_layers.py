@@ -4,6 +4,8 @@ Oracles: the seed notebooks' printed numbers, compositions of ``fastattn.referen
 plain NumPy (heads taken apart by hand), and torch.nn.MultiheadAttention when installed.
 """
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -253,6 +255,12 @@ def test_mha_attention_weights(rng):
     (dict(d_model=8, n_heads=2, d_value=0), ValueError, "d_value"),
     (dict(d_model=8, n_heads=2, dtype=np.int32), TypeError, "dtype"),
     (dict(d_model=6, n_heads=2, rope=True), ValueError, "rope"),
+    # The rules of fastattn.attention's scale and window and of rope's base, at construction.
+    (dict(d_model=8, n_heads=2, scale="2"), TypeError, "scale"),
+    (dict(d_model=8, n_heads=2, scale=True), TypeError, "scale"),
+    (dict(d_model=8, n_heads=2, scale=np.inf), ValueError, "scale"),
+    (dict(d_model=8, n_heads=2, window=(-2, 0)), ValueError, "window"),
+    (dict(d_model=8, n_heads=2, rope=True, rope_base=0.0), ValueError, "base"),
 ])
 def test_mha_constructor_errors(kwargs, exc, word):
     with pytest.raises(exc, match=word):
@@ -595,3 +603,138 @@ def test_from_torch_state_dict_gqa():
                                rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="n_kv_heads"):
         fastattn.MultiHeadAttention.from_torch_state_dict(sd, H)
+
+
+# --------------------------------------------------------------------------- pickling
+# A model is scattered to dask workers by pickling it: layers and caches must arrive with
+# their weights, contents, dtype and positions, and compute the same bits there.
+
+def _pickled(obj, protocol):
+    if protocol == "out-of-band":        # pickle 5 with the arrays outside the stream (dask)
+        buffers = []
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        return pickle.loads(data, buffers=buffers)
+    return pickle.loads(pickle.dumps(obj, protocol=protocol))
+
+
+def _full_layer(seed=5, **kwargs):
+    m = MultiHeadAttention(24, 6, n_kv_heads=2, bias=True, rope=True, window=(5, 0),
+                           softcap=20.0, sinks=True, seed=seed, **kwargs)
+    rng = np.random.default_rng(seed)
+    for name in ("b_q", "b_k", "b_v", "b_o", "sinks"):
+        setattr(m, name, rng.standard_normal(getattr(m, name).shape).astype(m.dtype))
+    return m
+
+
+PROTOCOLS = [2, pickle.HIGHEST_PROTOCOL, "out-of-band"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_mha_pickles_with_its_weights(rng, protocol):
+    m = _full_layer(kv_dtype=np.float16)
+    back = _pickled(m, protocol)
+    assert type(back) is MultiHeadAttention and repr(back) == repr(m)
+    for name, value in vars(m).items():
+        got = getattr(back, name)
+        if isinstance(value, np.ndarray):
+            assert got.dtype == value.dtype and got.tobytes() == value.tobytes(), name
+        else:
+            assert got == value, name
+    x = rng.standard_normal((2, 9, 24)).astype(np.float32)
+    assert back(x, causal=True).tobytes() == m(x, causal=True).tobytes()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_kvcache_pickles_with_contents_and_positions(rng, protocol):
+    # Mid-decode, with sequences of different lengths: the restored cache holds the same
+    # keys, values, lengths, dtype and capacity, and decoding on from it gives the same bits.
+    m = _full_layer()
+    x = rng.standard_normal((2, 8, 24)).astype(np.float32)
+    cache = KVCache(capacity=6, growth=1.5, dtype=np.float16)
+    m(x[:, :5], cache=cache, causal=True, kv_lengths=[3, 5])
+    m(x[:, 5:6], cache=cache)
+    back = _pickled(cache, protocol)
+    assert type(back) is KVCache and repr(back) == repr(cache)
+    assert back.dtype == np.float16 and back.capacity == cache.capacity == 6
+    assert back.lengths.tolist() == [4, 6] and back.batch_shape == (2,)
+    for got, want in zip(back.keys_values(), cache.keys_values()):   # stale rows included
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    for t in range(6, 8):                           # the second step grows both caches
+        want = m(x[:, t:t + 1], cache=cache)[0]
+        got = m(x[:, t:t + 1], cache=back)[0]
+        assert got.tobytes() == want.tobytes()
+    assert back.capacity == cache.capacity == 9
+    for b, n in enumerate(cache.lengths.tolist()):  # rows beyond a sequence's length are stale
+        assert back.k[b, :, :n].tobytes() == cache.k[b, :, :n].tobytes()
+        assert back.v[b, :, :n].tobytes() == cache.v[b, :, :n].tobytes()
+
+
+def test_kvcache_pickle_holds_only_the_rows_in_use(rng):
+    cache = KVCache(capacity=4096)
+    cache.append(rng.standard_normal((2, 3, 64)), rng.standard_normal((2, 3, 64)))
+    data = pickle.dumps(cache)
+    assert len(data) < 2 * 3 * 64 * 8 * 2 + 2000      # the 3 rows, not 4096 of them
+    assert pickle.loads(data).capacity == 4096
+
+
+def test_empty_kvcache_pickles_its_settings():
+    cache = KVCache(capacity=7, growth=3.0, dtype=np.float16)
+    back = pickle.loads(pickle.dumps(cache))
+    assert repr(back) == repr(cache) == "KVCache(empty, capacity=7, dtype=float16)"
+    back.append(np.ones((1, 8, 2)), np.ones((1, 8, 2)))
+    assert back.capacity == 8 and back.dtype == np.float16
+    back.append(np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+    assert back.capacity == 24                      # growth 3.0 survived
+
+
+def test_bfloat16_layer_and_cache_pickle(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    m = _full_layer(kv_dtype="bfloat16")
+    x = rng.standard_normal((1, 4, 24)).astype(np.float32)
+    cache = KVCache()
+    m(x[:, :3], cache=cache, causal=True)
+    m2, cache2 = pickle.loads(pickle.dumps((m, cache)))
+    assert m2.kv_dtype == bf16 and cache2.dtype == bf16
+    assert cache2.k.tobytes() == cache.k.tobytes()
+    assert m2(x[:, 3:], cache=cache2)[0].tobytes() == m(x[:, 3:], cache=cache)[0].tobytes()
+
+
+def test_layer_and_cache_through_dask_serialization(rng):
+    protocol = pytest.importorskip("distributed.protocol")
+    m = _full_layer()
+    x = rng.standard_normal((1, 4, 24)).astype(np.float32)
+    cache = KVCache()
+    m(x[:, :3], cache=cache, causal=True)
+    m2 = protocol.deserialize(*protocol.serialize(m))
+    cache2 = protocol.deserialize(*protocol.serialize(cache))
+    assert m2(x[:, 3:], cache=cache2)[0].tobytes() == m(x[:, 3:], cache=cache)[0].tobytes()
+
+
+# --------------------------------------------------------------------------- KVCache accessors
+
+def test_kvcache_keys_values_views(rng):
+    cache = KVCache(capacity=8)
+    assert cache.keys_values() == (None, None)
+    k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 5))
+    cache.append(k, v)
+    keys, values = cache.keys_values()
+    np.testing.assert_array_equal(keys, k)
+    np.testing.assert_array_equal(values, v)
+    assert np.shares_memory(keys, cache.k) and np.shares_memory(values, cache.v)
+    assert cache.keys_values(8)[0].shape == (2, 8, 4)       # up to the capacity
+    assert cache.keys_values(0)[1].shape == (2, 0, 5)
+    with pytest.raises(ValueError, match="length"):
+        cache.keys_values(9)
+    with pytest.raises(TypeError, match="length"):
+        cache.keys_values(2.0)
+
+
+@pytest.mark.parametrize("lengths", [np.array([True, False]), [0.0, 1.0]])
+def test_kvcache_lengths_follow_the_kv_lengths_rule(lengths):
+    # Lengths are integers, as for fastattn.attention's kv_lengths (bool is refused there).
+    with pytest.raises(TypeError, match="lengths"):
+        KVCache().append(np.ones((2, 1, 3, 4)), np.ones((2, 1, 3, 4)), lengths=lengths)
+    with pytest.raises(TypeError, match="kv_lengths"):
+        fastattn.attention(np.ones((2, 1, 3, 4)), np.ones((2, 1, 3, 4)), np.ones((2, 1, 3, 4)),
+                           kv_lengths=lengths)

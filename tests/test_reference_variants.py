@@ -16,9 +16,6 @@ If the oracle is wrong, every kernel comparison built on it is meaningless; so e
 is checked against at least two of these.
 """
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,9 +23,7 @@ import pytest
 from fastattn import _args
 from fastattn import reference as ref
 
-from conftest import assert_close
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import assert_close, run_python
 
 
 # --------------------------------------------------------------------------- oracles
@@ -691,10 +686,8 @@ print("ok")
 
 @pytest.mark.parametrize("script", [_NO_ML_DTYPES, _NOT_IMPORTED], ids=["blocked", "unused"])
 def test_works_without_ml_dtypes(script):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    proc = run_python("-c", script, timeout=120)          # asserts exit status 0
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- bad input

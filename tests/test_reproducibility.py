@@ -14,7 +14,7 @@ import pytest
 
 import fastattn
 
-from conftest import make_qkv
+from conftest import make_qkv, qkv_shapes, run_python
 
 
 def assert_bitwise(a, b, what=""):
@@ -39,8 +39,7 @@ DTYPES = [np.float32, np.float64]
 
 
 def _inputs(rng, shape, dtype):
-    batch, Hq, Hkv, Lq, Lk, D, Dv = shape
-    return make_qkv(rng, (*batch, Hq, Lq, D), (*batch, Hkv, Lk, D), (*batch, Hkv, Lk, Dv), dtype)
+    return make_qkv(rng, *qkv_shapes(*shape), dtype)
 
 
 # --------------------------------------------------------------------------- threads
@@ -261,10 +260,6 @@ def test_concurrent_threads_with_own_thread_counts(rng):
 def test_omp_num_threads_environment(tmp_path):
     # The default thread count honours OMP_NUM_THREADS, and a process running on one
     # thread reproduces this process's result byte for byte.
-    import os
-    import subprocess
-    import sys
-
     rng = np.random.default_rng(11)
     q, k, v = _inputs(rng, SHAPES[3], np.float32)
     np.save(tmp_path / "q.npy", q), np.save(tmp_path / "k.npy", k), np.save(tmp_path / "v.npy", v)
@@ -275,11 +270,7 @@ def test_omp_num_threads_environment(tmp_path):
         "print(fastattn.get_num_threads())\n"
         "np.save('out.npy', fastattn.attention(q, k, v, causal=True))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_python("-c", script, env={"OMP_NUM_THREADS": "1"}, cwd=tmp_path)  # exit 0
     assert proc.stdout.split() == ["1"]
     assert_bitwise(np.load(tmp_path / "out.npy"), expected, "OMP_NUM_THREADS=1 process")
 

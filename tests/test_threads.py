@@ -5,8 +5,6 @@ result, only who computes it.  Checks that need a fresh interpreter (which pool 
 exist, what is imported) run in a subprocess.
 """
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -15,26 +13,19 @@ import pytest
 import fastattn
 from fastattn._dispatch import kernel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import make_qkv, qkv_shapes, run_python
+
 POOL = kernel.pool_info()["backend"]
 
 
-def run_python(code):
-    """Run ``code`` in a fresh interpreter importing this checkout's fastattn; its stdout."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+def fresh_python(code):
+    """Run ``code`` in a fresh interpreter at its default thread count; its stdout."""
+    return run_python("-c", textwrap.dedent(code), env={"OMP_NUM_THREADS": None},
+                      timeout=300).stdout
 
 
 def _inputs(seed=0, L=300, Lk=700):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((2, 4, L, 64)).astype(np.float32)
-    k = rng.standard_normal((2, 2, Lk, 64)).astype(np.float32)
-    v = rng.standard_normal((2, 2, Lk, 64)).astype(np.float32)
-    return q, k, v
+    return make_qkv(np.random.default_rng(seed), *qkv_shapes((2,), 4, 2, L, Lk, 64))
 
 
 def test_many_calls_of_every_size_match_one_thread():
@@ -60,7 +51,7 @@ def test_many_calls_of_every_size_match_one_thread():
 def test_fork_child_gets_its_own_workers():
     # After fork() only the forking thread exists: the child must not wait for the
     # parent's workers, and it computes the same bytes.
-    out = run_python("""
+    out = fresh_python("""
         import os, numpy as np, fastattn
         from fastattn._dispatch import kernel
         rng = np.random.default_rng(0)
@@ -83,7 +74,7 @@ def test_fork_child_gets_its_own_workers():
 
 
 def test_import_does_not_import_threadpoolctl():
-    out = run_python("import sys, fastattn; print('threadpoolctl' in sys.modules)")
+    out = fresh_python("import sys, fastattn; print('threadpoolctl' in sys.modules)")
     assert out.split() == ["False"]
 
 
@@ -135,7 +126,7 @@ def test_threadpool_limits_one_starts_no_worker(order):
     pytest.importorskip("threadpoolctl")
     imports = ("import fastattn, threadpoolctl" if order == "fastattn first"
                else "import threadpoolctl, fastattn")
-    out = run_python(imports + textwrap.dedent("""
+    out = fresh_python(imports + textwrap.dedent("""
         import numpy as np
         from fastattn._dispatch import kernel
         if not hasattr(threadpoolctl, "register"):

@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import traceback
 
@@ -29,7 +28,7 @@ import fastattn
 from fastattn import _dispatch, _kernel_base
 from fastattn import reference as ref
 
-from conftest import assert_close
+from conftest import assert_close, make_qkv, qkv_shapes, run_python
 
 ISAS = ("base", "avx2", "avx512")
 X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
@@ -46,13 +45,6 @@ def _meant_to_build():
 # --------------------------------------------------------------------------- the checks
 # Run in the child interpreter.  Shapes cross the kernel's block edges (96 query rows,
 # 64 keys, 1024-key decode chunks) and use odd head dims, so every tile path runs.
-
-def _qkv(rng, batch, Hq, Hkv, Lq, Lk, D, Dv, dtype=np.float32):
-    q = rng.standard_normal((*batch, Hq, Lq, D)).astype(dtype)
-    k = rng.standard_normal((*batch, Hkv, Lk, D)).astype(dtype)
-    v = rng.standard_normal((*batch, Hkv, Lk, Dv)).astype(dtype)
-    return q, k, v
-
 
 def _same(q, k, v, dtype=None, **kw):
     """fastattn and the reference agree on the output and the lse."""
@@ -71,26 +63,26 @@ def check_selected(rng, isa):
 
 
 def check_prefill(rng, isa):
-    _same(*_qkv(rng, (2,), 4, 4, 130, 200, 64, 48))
-    _same(*_qkv(rng, (), 3, 3, 97, 65, 5, 7))
+    _same(*make_qkv(rng, *qkv_shapes((2,), 4, 4, 130, 200, 64, 48)))
+    _same(*make_qkv(rng, *qkv_shapes((), 3, 3, 97, 65, 5, 7)))
 
 
 def check_causal(rng, isa):
-    q, k, v = _qkv(rng, (2,), 2, 2, 200, 200, 32, 32)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 2, 2, 200, 200, 32, 32))
     _same(q, k, v, causal=True)
-    q, k, v = _qkv(rng, (1,), 2, 2, 70, 300, 32, 16)
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), 2, 2, 70, 300, 32, 16))
     _same(q, k, v, causal=True)
     _same(q, k, v, causal="top-left")
 
 
 def check_window(rng, isa):
-    q, k, v = _qkv(rng, (1,), 2, 2, 257, 257, 24, 24)
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), 2, 2, 257, 257, 24, 24))
     _same(q, k, v, window=(40, 5))
     _same(q, k, v, causal=True, window=(100, -1))
 
 
 def check_mask(rng, isa):
-    q, k, v = _qkv(rng, (2,), 4, 2, 100, 150, 16, 16)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 4, 2, 100, 150, 16, 16))
     keep = rng.random((4, 1, 150)) < 0.7
     keep[1] = False                                     # a head that sees no key at all
     _same(q, k, v, mask=keep)
@@ -99,28 +91,28 @@ def check_mask(rng, isa):
 
 
 def check_gqa(rng, isa):
-    _same(*_qkv(rng, (2,), 8, 2, 99, 140, 64, 64), causal=True)
-    _same(*_qkv(rng, (1,), 6, 1, 33, 80, 16, 8))
+    _same(*make_qkv(rng, *qkv_shapes((2,), 8, 2, 99, 140, 64, 64)), causal=True)
+    _same(*make_qkv(rng, *qkv_shapes((1,), 6, 1, 33, 80, 16, 8)))
 
 
 def check_decode(rng, isa):
     # One query row, and GQA groups of 4 and 8 rows: the decode tiles.  Past 1024 keys the
     # keys are reduced in chunks and merged.
     for Hq, Lq in ((4, 1), (4, 4), (8, 1)):
-        q, k, v = _qkv(rng, (2,), Hq, 1, Lq, 2100, 64, 64)
+        q, k, v = make_qkv(rng, *qkv_shapes((2,), Hq, 1, Lq, 2100, 64, 64))
         _same(q, k, v, causal=True, kv_lengths=np.array([2100, 1500]))
     with fastattn.num_threads(2):
-        _same(*_qkv(rng, (1,), 8, 1, 1, 3000, 128, 128))
+        _same(*make_qkv(rng, *qkv_shapes((1,), 8, 1, 1, 3000, 128, 128)))
 
 
 def check_float64(rng, isa):
-    q, k, v = _qkv(rng, (2,), 4, 2, 130, 300, 40, 24, np.float64)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 4, 2, 130, 300, 40, 24), np.float64)
     _same(q, k, v, causal=True)
     _same(q[..., -1:, :], k, v, window=(200, 0))
 
 
 def check_float16(rng, isa):
-    _same(*_qkv(rng, (1,), 4, 2, 100, 130, 64, 64, np.float16), causal=True)
+    _same(*make_qkv(rng, *qkv_shapes((1,), 4, 2, 100, 130, 64, 64), np.float16), causal=True)
 
 
 def _halves():
@@ -163,7 +155,7 @@ def check_half_storage(rng, isa):
         for Hq, Hkv, Lq, Lk, D, Dv in ((4, 4, 1, 300, 64, 64), (8, 2, 1, 2100, 128, 128),
                                        (16, 2, 1, 200, 33, 20), (8, 1, 1, 100, 72, 40),
                                        (4, 2, 3, 90, 16, 16), (4, 2, 130, 200, 40, 24)):
-            q, k, v = _qkv(rng, (2,), Hq, Hkv, Lq, Lk, D, Dv)
+            q, k, v = make_qkv(rng, *qkv_shapes((2,), Hq, Hkv, Lq, Lk, D, Dv))
             k16, v16, q16 = k.astype(dt), v.astype(dt), q.astype(dt)
             want = fastattn.attention(q, k16.astype(np.float32), v16.astype(np.float32),
                                       causal=True)
@@ -178,14 +170,14 @@ def check_half_storage(rng, isa):
 def check_lse_and_empty_rows(rng, isa):
     # kv_lengths 0, and 7 keys under a causal mask for 50 rows, leave rows empty: their
     # output is zeros and their lse -inf.
-    q, k, v = _qkv(rng, (3,), 2, 2, 50, 120, 16, 16)
+    q, k, v = make_qkv(rng, *qkv_shapes((3,), 2, 2, 50, 120, 16, 16))
     _same(q, k, v, kv_lengths=np.array([120, 7, 0]), causal=True)
     out, lse = fastattn.attention(q, k, v, kv_lengths=np.array([120, 7, 0]), return_lse=True)
     assert (out[2] == 0).all() and np.isneginf(lse[2]).all()
 
 
 def check_attention_weights(rng, isa):
-    q, k, _ = _qkv(rng, (1,), 2, 2, 70, 130, 16, 16)
+    q, k, _ = make_qkv(rng, *qkv_shapes((1,), 2, 2, 70, 130, 16, 16))
     got = fastattn.attention_weights(q, k, causal=True, window=(50, -1))
     assert_close(got, ref.attention_weights(q, k, causal=True, window=(50, -1)))
 
@@ -195,7 +187,7 @@ def check_reproducible(rng, isa):
     # the call, or prefill against decode (the same rule tests/test_reproducibility.py
     # checks for the variant in use).
     for dtype in (np.float32, np.float64):
-        q, k, v = _qkv(rng, (3,), 4, 2, 150, 150, 64, 32, dtype)
+        q, k, v = make_qkv(rng, *qkv_shapes((3,), 4, 2, 150, 150, 64, 32), dtype)
         with fastattn.num_threads(1):
             full, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
         with fastattn.num_threads(2):
@@ -254,14 +246,10 @@ _results = {}
 
 def _child_results(isa, tmp_path_factory):
     if isa not in _results:
-        # The child imports the same fastattn as this process (an in-place build or an
-        # installed wheel), from a neutral working directory.
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
-        path = os.pathsep.join(p for p in (pkg_parent, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, FASTATTN_ISA=isa, PYTHONPATH=path)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), isa], env=env,
-                              capture_output=True, text=True,
-                              cwd=tmp_path_factory.mktemp(f"variant-{isa}"))
+        # The child imports the same fastattn as this process, from a neutral directory.
+        proc = run_python(os.path.abspath(__file__), isa, env={"FASTATTN_ISA": isa},
+                          cwd=tmp_path_factory.mktemp(f"variant-{isa}"), timeout=None,
+                          check=False)
         lines = proc.stdout.strip().splitlines()
         if proc.returncode == 0 and lines:
             _results[isa] = json.loads(lines[-1])

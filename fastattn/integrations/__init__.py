@@ -11,7 +11,10 @@ dependency stays NumPy alone.
 - ``fastattn.integrations.tabpfn``: ``register()`` adds an attention backend that TabPFN
   prefers for its CPU inference calls.
 
-Both hand torch's CPU tensors to :func:`fastattn.attention` as NumPy views of the same
+``_torch_state_dict`` reads a ``torch.nn.MultiheadAttention`` state dict into a
+``fastattn.MultiHeadAttention`` (its ``from_torch_state_dict``), without importing torch.
+
+Both integrations hand torch's CPU tensors to :func:`fastattn.attention` as NumPy views of the same
 memory (``torch.Tensor.numpy()``), so float32 inputs and the result are not copied.
 """
 

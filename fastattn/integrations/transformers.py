@@ -79,14 +79,29 @@ def register(name="fastattn", *, fallback="sdpa"):
 
     Examples
     --------
-    >>> import fastattn.integrations.transformers as fa_tf     # doctest: +SKIP
-    >>> from transformers import AutoModelForCausalLM           # doctest: +SKIP
-    >>> fa_tf.register()                                        # doctest: +SKIP
+    A small model with random weights generates the same tokens as with ``sdpa``:
+
+    >>> import torch
+    >>> from transformers import AutoModelForCausalLM, LlamaConfig
+    >>> import fastattn.integrations.transformers as fa_tf
+    >>> fa_tf.register()
     'fastattn'
+    >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> _ = torch.manual_seed(0)
+    >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="fastattn")
+    >>> prompt = torch.tensor([[1, 2, 3, 4]])
+    >>> with torch.no_grad():
+    ...     out = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    >>> model.set_attn_implementation("sdpa")
+    >>> with torch.no_grad():
+    ...     torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
+    True
+
+    A trained model is loaded the same way (it needs the download):
+
     >>> model = AutoModelForCausalLM.from_pretrained(
     ...     "some/model", attn_implementation="fastattn")       # doctest: +SKIP
-    >>> with torch.no_grad():                                   # doctest: +SKIP
-    ...     out = model.generate(**inputs, max_new_tokens=20)
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")

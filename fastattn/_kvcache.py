@@ -1,0 +1,243 @@
+"""``KVCache``: the keys and values of the tokens seen so far, for incremental decoding.
+
+The storage is preallocated and grown geometrically, so that a decode step costs one
+projection of the new token and one kernel call over the cache, never a re-encoding of
+the prefix.  ``MultiHeadAttention`` reads the cache only through its public accessors
+(``lengths``, ``batch_shape``, ``dtype``, ``append`` and ``keys_values``).
+"""
+
+import math
+
+import numpy as np
+
+from . import _args
+from .positions import _as_index
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for incremental decoding.
+
+    Storage is ``(*batch, n_kv_heads, capacity, d)`` for keys and
+    ``(*batch, n_kv_heads, capacity, d_value)`` for values.  The shapes are
+    taken from the first ``append``; ``capacity`` rows are reserved then, and
+    when an append does not fit the storage grows to
+    ``max(needed, growth * capacity)`` (one copy, amortised O(1) per token).
+
+    ``dtype`` (float16, bfloat16 -- ``ml_dtypes.bfloat16`` or the string
+    ``"bfloat16"`` --, float32 or float64) is the storage dtype; by default it
+    is the dtype of the first keys and values appended.  Keys and values of
+    another dtype are rounded to it (to nearest, once) as they are appended; a
+    finite value beyond its range (float16 stops at 65504) raises
+    ``ValueError`` instead of being stored as inf.  A float16 or bfloat16
+    cache holds half the bytes of a float32 one, and attention reads it in
+    place, so a decode step streams half the memory.
+
+    Each batch element has its own length (``lengths``, shape ``batch``), so
+    sequences of different lengths share one cache: rows at or beyond a
+    sequence's length are unused and may hold stale data.
+
+    A cache pickles with its contents, dtype, lengths and capacity (the rows
+    beyond the longest sequence are not written), so it can be sent to another
+    process and decoding continues there with the same bits.
+
+    Normally you do not call ``append`` yourself: create an empty cache and
+    pass it to ``MultiHeadAttention``:
+
+    >>> mha = fastattn.MultiHeadAttention(16, 4, seed=0)
+    >>> prompt = np.random.default_rng(0).standard_normal((1, 5, 16), dtype=np.float32)
+    >>> cache = KVCache(capacity=256)
+    >>> out, cache = mha(prompt, cache=cache, causal=True)    # prefill
+    >>> out, cache = mha(prompt[:, -1:], cache=cache)         # one decode step
+    >>> cache
+    KVCache(batch=(1,), n_kv_heads=4, d=4, d_value=4, lengths=[6], capacity=256, dtype=float32)
+    """
+
+    def __init__(self, capacity=64, *, growth=2.0, dtype=None):
+        self._initial_capacity = _as_index(capacity, "capacity", 1)
+        growth = float(growth)
+        if not growth > 1.0:
+            raise ValueError(f"growth must be > 1, got {growth}")
+        self._growth = growth
+        self._dtype = None if dtype is None else _args.storage_dtype(dtype, "dtype")
+        self.reset()
+
+    @property
+    def dtype(self):
+        """The storage dtype (None until the first append when none was given)."""
+        return self._dtype if self._k is None else self._k.dtype
+
+    def reset(self):
+        """Forget all tokens and release the storage."""
+        self._k = None
+        self._v = None
+        self._lengths = None
+
+    # -- read-only views ------------------------------------------------------
+    @property
+    def capacity(self):
+        """Rows currently allocated per sequence (0 before the first append)."""
+        return 0 if self._k is None else self._k.shape[-2]
+
+    @property
+    def lengths(self):
+        """Number of tokens stored per batch element, int64 array of shape ``batch``."""
+        if self._lengths is None:
+            return np.zeros((), dtype=np.int64)
+        view = self._lengths.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def max_length(self):
+        return 0 if self._lengths is None else int(self._lengths.max(initial=0))
+
+    def __len__(self):
+        return self.max_length
+
+    def keys_values(self, length=None):
+        """Views of the first ``length`` rows of every sequence's keys and values.
+
+        ``length`` defaults to ``max_length`` and may be up to ``capacity``: rows at or
+        beyond a sequence's own length are padding written by the last append, or stale.
+        Returns ``(k, v)``, shaped ``(*batch, n_kv_heads, length, d)`` and
+        ``(*batch, n_kv_heads, length, d_value)``, or ``(None, None)`` when empty.
+        """
+        if self._k is None:
+            return None, None
+        length = self.max_length if length is None else _as_index(length, "length", 0)
+        if length > self.capacity:
+            raise ValueError(f"length must be <= capacity = {self.capacity}, got {length}")
+        return self._k[..., :length, :], self._v[..., :length, :]
+
+    @property
+    def k(self):
+        """Stored keys, a view ``(*batch, n_kv_heads, max_length, d)`` (None when empty)."""
+        return self.keys_values()[0]
+
+    @property
+    def v(self):
+        """Stored values, a view ``(*batch, n_kv_heads, max_length, d_value)``."""
+        return self.keys_values()[1]
+
+    @property
+    def batch_shape(self):
+        return None if self._k is None else self._k.shape[:-3]
+
+    def __repr__(self):
+        if self._k is None:
+            dt = "" if self._dtype is None else f", dtype={self._dtype}"
+            return f"KVCache(empty, capacity={self._initial_capacity}{dt})"
+        *batch, h, cap, d = self._k.shape
+        lengths = self._lengths
+        ln = int(lengths) if lengths.ndim == 0 else lengths.tolist()
+        return (f"KVCache(batch={tuple(batch)}, n_kv_heads={h}, d={d}, "
+                f"d_value={self._v.shape[-1]}, lengths={ln}, capacity={cap}, dtype={self._k.dtype})")
+
+    # -- pickling -------------------------------------------------------------
+    def __getstate__(self):
+        # Only the rows in use: the rest of the storage is uninitialised memory, which
+        # would make the pickle larger and its bytes differ from one run to the next.
+        state = dict(self.__dict__)
+        if self._k is not None:
+            state["_k"], state["_v"] = (np.ascontiguousarray(a) for a in self.keys_values())
+            state["capacity"] = self.capacity
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        capacity = state.pop("capacity", None)
+        self.__dict__.update(state)
+        if capacity is not None:
+            used = self._k.shape[-2]
+            self._k, self._v = (self._allocate(a, capacity, used) for a in (self._k, self._v))
+
+    @staticmethod
+    def _allocate(rows, capacity, used):
+        # Storage of ``capacity`` rows per sequence holding ``rows``' first ``used`` rows.
+        buf = np.empty(rows.shape[:-2] + (capacity, rows.shape[-1]), dtype=rows.dtype)
+        buf[..., :used, :] = rows[..., :used, :]
+        return buf
+
+    # -- writing --------------------------------------------------------------
+    @staticmethod
+    def _new_counts(lengths, L, batch, name="lengths"):
+        """How many of the ``L`` new rows are real tokens, int64 of shape ``batch``."""
+        if lengths is None:
+            return np.full(batch, L, dtype=np.int64)
+        n = _args.check_lengths(lengths, name, batch, L, "the number of new rows L")
+        return n.reshape(batch).astype(np.int64)
+
+    def _check_shapes(self, k, v):
+        if k.ndim < 3:
+            raise ValueError(f"k must have shape (..., n_kv_heads, L, d), got shape {k.shape}")
+        if v.ndim != k.ndim or v.shape[:-1] != k.shape[:-1]:
+            raise ValueError(
+                f"v must have shape {k.shape[:-1] + ('d_value',)} to match k {k.shape}, "
+                f"got v with shape {v.shape}"
+            )
+        if self._k is not None and (k.shape[:-2] != self._k.shape[:-2]
+                                    or k.shape[-1] != self._k.shape[-1]
+                                    or v.shape[-1] != self._v.shape[-1]):
+            raise ValueError(
+                f"k {k.shape} / v {v.shape} do not match the cache's keys "
+                f"{self._k.shape[:-2] + ('L', self._k.shape[-1])} / values "
+                f"{self._v.shape[:-2] + ('L', self._v.shape[-1])}"
+            )
+
+    def append(self, k, v, lengths=None):
+        """Append new keys ``(*batch, n_kv_heads, L, d)`` and values ``(..., L, d_value)``.
+
+        Sequence ``b`` receives the rows at its current end; ``lengths[b]``
+        (default ``L``) says how many of the ``L`` new rows are real tokens
+        (right padding), and the sequence's length grows by that much.
+        Returns the lengths before the append (the positions of the new rows).
+        """
+        k, v = _args.as_array(k, "k"), _args.as_array(v, "v")
+        _args.check_dtype(k, "k")
+        _args.check_dtype(v, "v")
+        self._check_shapes(k, v)
+        dtype = self.dtype if self.dtype is not None else _args.dtypes(k=k, v=v)[1]
+        batch, L = k.shape[:-3], k.shape[-2]
+        new = self._new_counts(lengths, L, batch)
+        # Rounded (and checked for overflow) before anything is allocated or written.
+        k = _args.store_as(k, dtype, "k")
+        v = _args.store_as(v, dtype, "v")
+        if self._k is None:
+            cap = max(self._initial_capacity, L)
+            self._k = np.empty(k.shape[:-2] + (cap, k.shape[-1]), dtype=dtype)
+            self._v = np.empty(v.shape[:-2] + (cap, v.shape[-1]), dtype=dtype)
+            self._lengths = np.zeros(batch, dtype=np.int64)
+        old = self._lengths.copy()
+        needed = int(old.max(initial=0)) + L   # every row is written, padding included
+        if needed > self.capacity:
+            self._grow(needed)
+        self._write(old, k, v)
+        self._lengths = np.asarray(old + new, dtype=np.int64)   # stays an array when batch == ()
+        return old
+
+    def _write(self, old, k, v):
+        # The L new rows of sequence b go to rows old[b] .. old[b] + L - 1.
+        L = k.shape[-2]
+        if old.size == 0 or L == 0:
+            return
+        if np.all(old == old.flat[0]):
+            start = int(old.flat[0])
+            self._k[..., start:start + L, :] = k
+            self._v[..., start:start + L, :] = v
+            return
+        # Different lengths per sequence: scatter each sequence's rows at its own end.
+        h = self._k.shape[-3]
+        kb = self._k.reshape((-1,) + self._k.shape[-3:])
+        vb = self._v.reshape((-1,) + self._v.shape[-3:])
+        rows = (old.reshape(-1)[:, None] + np.arange(L))[:, None, :]      # (nb, 1, L)
+        bi = np.arange(kb.shape[0])[:, None, None]
+        hi = np.arange(h)[None, :, None]
+        kb[bi, hi, rows] = k.reshape(kb.shape[:2] + (L, k.shape[-1]))
+        vb[bi, hi, rows] = v.reshape(vb.shape[:2] + (L, v.shape[-1]))
+
+    def _grow(self, needed):
+        cap = max(needed, math.ceil(self.capacity * self._growth))
+        used = self.max_length
+        self._k, self._v = (self._allocate(a, cap, used) for a in (self._k, self._v))
