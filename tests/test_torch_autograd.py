@@ -137,3 +137,21 @@ def test_what_it_refuses():
     (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):  # no double backward through fastattn's backward
         torch.autograd.grad(g.sum(), q)
+
+
+def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
+    # benchmarks/train_tiny_gpt.py, a few steps of a small model: the two runs' losses
+    # agree step for step (float32 rounding only) and fall.
+    import argparse
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "train_tiny_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_tiny_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    a = argparse.Namespace(steps=12, batch=4, block=32, d_model=32, heads=2, layers=2)
+    losses, _ = example.train(a)
+    ref, got = np.array(losses["torch SDPA"]), np.array(losses["fastattn"])
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+    assert got[-1] < got[0]
