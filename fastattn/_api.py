@@ -243,6 +243,20 @@ class _Call:
         shape = self.batch + (self.Hq, self.Lq, last)
         return shape[1:] if self.squeeze_heads else shape
 
+    def kernel_mask(self):
+        """The mask as the kernel reads it: a bool mask's bytes, a float mask in the compute
+        dtype, broadcast to (..., Hq, Lq, Lk); or None."""
+        mask = self.mask
+        if mask is None:
+            return None
+        if self.mask_kind == _kernel.MASK_BOOL:
+            mask = mask.view(np.uint8)
+        else:
+            mask = mask.astype(self.compute_dtype, copy=False)
+            if any(st % mask.itemsize for st in mask.strides):
+                mask = np.ascontiguousarray(mask)
+        return np.broadcast_to(mask, self.batch + (self.Hq, self.Lq, self.Lk))
+
     def kv_len_flat(self):
         if self.kv_len is None:
             return np.full(self.nbatch, self.Lk, dtype=np.intp)
@@ -353,18 +367,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     res = target if direct else np.empty(full_shape, dtype=rdt)
     lse = np.empty(batch + (call.Hq, call.Lq), dtype=cdt) if call.return_lse else None
 
-    mask = call.mask
-    if mask is not None:
-        if call.mask_kind == _kernel.MASK_BOOL:
-            mask = mask.view(np.uint8)
-        else:
-            mask = mask.astype(cdt, copy=False)
-            if any(st % mask.itemsize for st in mask.strides):
-                mask = np.ascontiguousarray(mask)
-        mask = np.broadcast_to(mask, batch + (call.Hq, call.Lq, call.Lk))
-
     _kernel.forward(
-        q, k, v, res, lse, mask, call.mask_kind, batch, call.kv_len_flat(),
+        q, k, v, res, lse, call.kernel_mask(), call.mask_kind, batch, call.kv_len_flat(),
         call.causal, call.wl, call.wr, call.scale, _threads.get_num_threads(),
         call.softcap or 0.0, call.alibi, call.sinks, call.q_len,
     )

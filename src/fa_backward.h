@@ -1,0 +1,84 @@
+/*
+ * fa_backward.h -- the elementwise micro-kernels of the backward pass (src/_backward.pxi).
+ * Its products (S, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K) run on the
+ * forward's score and output micro-tiles; what is new is here:
+ *
+ *   fa_bwd_ds        P = 2^(S - lse), dS = P (dP - Delta) [times the softcap's slope]
+ *   fa_softcap_slope 1 - (s / c)^2 of capped scores s: d(capped) / d(raw)
+ *   fa_bwd_transpose a block of S^T (query rows as lanes) to rows of keys, for the
+ *                    products that reduce over query rows (dV, dK)
+ *
+ * Layout as in fa_tile_impl.h: s[j * lds + r], key j, query row r (the lanes).
+ */
+#ifndef FA_BACKWARD_H
+#define FA_BACKWARD_H
+
+#include "fa_kernels.h"
+
+/* Keys of one dK/dV work item at most (a multiple of FA_BK): the rows of Q and dO it
+ * packs serve that many keys. */
+#define FA_BKV_MAX 256
+
+#define FA_BWD_KERNELS(SUF, T, V, VL, LOAD, STORE, BCAST, EXP2)                              \
+/* Keys [ja, jz) of nvec vectors of rows: s <- P = 2^(s - lse2), dp <- dS =                   \
+ * P (dp - delta) (times slope[j] when slope is not NULL); both 0 for the other keys of      \
+ * [0, nj), which no row of the vectors sees (their dp was never computed). */                \
+static void fa_bwd_ds_##SUF(T* s, T* dp, const T* slope, ptrdiff_t lds, ptrdiff_t nj,        \
+                            ptrdiff_t ja, ptrdiff_t jz, int nvec, const T* lse2,              \
+                            const T* delta)                                                   \
+{                                                                                             \
+    const V zero = BCAST(0);                                                                  \
+    for (int t = 0; t < nvec; t++) {                                                          \
+        const V l2 = LOAD(lse2 + t * VL), dl = LOAD(delta + t * VL);                          \
+        for (ptrdiff_t j = 0; j < nj; j++) {                                                  \
+            T* ps = s + j * lds + t * VL;                                                     \
+            T* pd = dp + j * lds + t * VL;                                                    \
+            if (j < ja || j >= jz) {                                                          \
+                STORE(ps, zero);                                                              \
+                STORE(pd, zero);                                                              \
+                continue;                                                                     \
+            }                                                                                 \
+            const V p = EXP2(LOAD(ps) - l2);                                                  \
+            V ds = p * (LOAD(pd) - dl);                                                       \
+            if (slope) ds = ds * LOAD(slope + j * lds + t * VL);                              \
+            STORE(ps, p);                                                                     \
+            STORE(pd, ds);                                                                    \
+        }                                                                                     \
+    }                                                                                         \
+}                                                                                             \
+                                                                                              \
+/* g <- 1 - (s / c)^2 for nk keys of nvec vectors of capped scores s = c tanh(x / c). */     \
+static void fa_softcap_slope_##SUF(const T* s, T* g, ptrdiff_t lds, ptrdiff_t nk, int nvec,  \
+                                   T c)                                                       \
+{                                                                                             \
+    const V inv = BCAST((T)1 / c), one = BCAST(1);                                            \
+    for (ptrdiff_t j = 0; j < nk; j++)                                                        \
+        for (int t = 0; t < nvec; t++) {                                                      \
+            const V u = LOAD(s + j * lds + t * VL) * inv;                                     \
+            STORE(g + j * lds + t * VL, one - u * u);                                         \
+        }                                                                                     \
+}                                                                                             \
+                                                                                              \
+/* dst[r * ldd + j] = src[j * lds + r] for rows r < nrows, keys j < nj, and 0 for keys       \
+ * [nj, nj_pad): whole micro-tiles of keys read the padding. */                              \
+static void fa_bwd_transpose_##SUF(const T* src, ptrdiff_t lds, ptrdiff_t nj,                \
+                                   ptrdiff_t nj_pad, ptrdiff_t nrows, T* dst, ptrdiff_t ldd) \
+{                                                                                             \
+    ptrdiff_t r0 = 0;                                                                         \
+    for (; r0 + 8 <= nrows; r0 += 8) {                                                        \
+        for (ptrdiff_t j = 0; j < nj; j++) {                                                  \
+            const T* p = src + j * lds + r0;                                                  \
+            for (int u = 0; u < 8; u++) dst[(r0 + u) * ldd + j] = p[u];                       \
+        }                                                                                     \
+    }                                                                                         \
+    for (; r0 < nrows; r0++)                                                                  \
+        for (ptrdiff_t j = 0; j < nj; j++) dst[r0 * ldd + j] = src[j * lds + r0];             \
+    for (ptrdiff_t r = 0; r < nrows; r++)                                                     \
+        for (ptrdiff_t j = nj; j < nj_pad; j++) dst[r * ldd + j] = 0;                         \
+}
+
+FA_BWD_KERNELS(f, float, fa_vf, FA_VL_F, fa_load_f, fa_store_f, fa_bcast_f, fa_exp2_f)
+FA_BWD_KERNELS(d, double, fa_vd, FA_VL_D, fa_load_d, fa_store_d, fa_bcast_d, fa_exp2_d)
+#undef FA_BWD_KERNELS
+
+#endif /* FA_BACKWARD_H */
