@@ -181,12 +181,22 @@ cdef void _reduce_rows(const Tile* t, floating* ws, const floating* pt, const fl
                        Py_ssize_t x_pad, floating* acc, const floating* ones) noexcept nogil:
     # acc[jj] += sum_r pt[r, jj] x[r] for the block's keys jj (6 at a time, pt padded with
     # zero keys), over the rows in order: dV (pt = P, x = dO) and dK (pt = dS, x = Q).
-    cdef Py_ssize_t jj = 0, c, ldp = FA_BK + FA_MR_PV
+    # Only over the rows [ra, rz) that see some of the 6 keys: the others have pt = 0, and
+    # adding 0 leaves a sum's bits as they are.
+    cdef Py_ssize_t jj = 0, c, ldp = FA_BK + FA_MR_PV, ra, rz, ka, kz
     while jj < t.nj:
+        ka = t.j0 + jj
+        kz = min(ka + FA_MR_PV, t.j1)
+        ra = 0
+        while ra < t.nrows and (t.hi[ra] <= ka or t.lo[ra] >= kz):
+            ra += 1
+        rz = t.nrows
+        while rz > ra and (t.hi[rz - 1] <= ka or t.lo[rz - 1] >= kz):
+            rz -= 1
         c = 0
-        while c < x_pad:
-            pv_tile_ld(pt + jj, ldp, t.nrows, x + c, x_pad, acc + jj * x_pad + c, x_pad,
-                       ones, FA_MR_PV)
+        while c < x_pad and ra < rz:
+            pv_tile_ld(pt + ra * ldp + jj, ldp, rz - ra, x + ra * x_pad + c, x_pad,
+                       acc + jj * x_pad + c, x_pad, ones, FA_MR_PV)
             c += t.NL
         jj += FA_MR_PV
 
@@ -320,6 +330,78 @@ cdef void _write_q(const Problem* P, const Grads* G, const Tile* t, const Worksp
             dq[c] = ws[w.dqacc + r * d_pad + c] * sc if live else 0
 
 
+cdef void _kv_rows(const Problem* P, const Grads* G, const Tile* t, const Workspace* w,
+                   floating* ws, bint store) noexcept nogil:
+    # The dK, dV rows of the block's keys between the output and the accumulators (zero
+    # padded to whole 6-key tiles): loaded (store False) or stored back.
+    cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), dv_pad = _round_up(P.Dv, t.NL), jj
+    cdef floating* dk
+    cdef floating* dv
+    for jj in range(_round_up(t.nj, FA_MR_PV)):
+        dk = <floating*> G.dk + G.dk_boff[t.b] + t.g * G.dk_sh + (t.j0 + jj) * G.dk_sj
+        dv = <floating*> G.dv + G.dv_boff[t.b] + t.g * G.dv_sh + (t.j0 + jj) * G.dv_sj
+        if store and jj < t.nj:
+            memcpy(dk, ws + w.dkacc + jj * d_pad, P.D * sizeof(floating))
+            memcpy(dv, ws + w.dvacc + jj * dv_pad, P.Dv * sizeof(floating))
+        elif not store and jj < t.nj:
+            _load_row(<const char*> dk, FA_STORE_NATIVE, P.D, ws + w.dkacc + jj * d_pad, d_pad)
+            _load_row(<const char*> dv, FA_STORE_NATIVE, P.Dv, ws + w.dvacc + jj * dv_pad, dv_pad)
+        elif not store:
+            memset(ws + w.dkacc + jj * d_pad, 0, d_pad * sizeof(floating))
+            memset(ws + w.dvacc + jj * dv_pad, 0, dv_pad * sizeof(floating))
+
+
+cdef void _kv_head_scale(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
+                         floating* like, double scale) noexcept nogil:
+    # dK *= scale (0: clear dK and dV) for the keys of kv head g of batch element b (keys
+    # past kv_len of a packed sequence are the next one's).
+    cdef floating scale_dk = <floating> scale
+    cdef Py_ssize_t j, c, nk = P.kv_len[b] if P.packed else P.Lk
+    cdef floating* dk
+    cdef floating* dv
+    for j in range(nk):
+        dk = <floating*> G.dk + G.dk_boff[b] + g * G.dk_sh + j * G.dk_sj
+        if scale_dk == 0:
+            memset(dk, 0, P.D * sizeof(floating))
+            dv = <floating*> G.dv + G.dv_boff[b] + g * G.dv_sh + j * G.dv_sj
+            memset(dv, 0, P.Dv * sizeof(floating))
+        else:
+            for c in range(P.D):
+                dk[c] = dk[c] * scale_dk
+
+
+cdef void _head_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
+                     floating* ws, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
+    # Passes 1 and 2 at once for kv head g of batch element b, when there are enough such
+    # items for the threads: its row blocks in order, each over its key blocks in order,
+    # dQ accumulated per row block and dK, dV in the output itself.  Every sum runs in the
+    # order of the separate passes, through the same micro-kernels: the same bits.
+    cdef Workspace w
+    cdef Tile t
+    cdef Py_ssize_t r0 = 0, ib, a
+    _carve(&w, P, vec_lanes(ws))
+    for a in range(FA_MR_PV):
+        ws[w.ones + a] = 1
+    _kv_head_scale(P, G, b, g, ws, 0)
+    while r0 < P.group * P.Lq:
+        _bwd_setup(P, &t, &w, b, g, r0, lo, hi, ws)
+        memset(ws + w.dqacc, 0, t.nlanes * _round_up(P.D, t.NL) * sizeof(floating))
+        if t.tile_lo < t.tile_hi:
+            _bwd_rows(P, G, &t, &w, ws, True)
+            for ib in range(t.tile_lo // FA_BK, (t.tile_hi + FA_BK - 1) // FA_BK):
+                t.j0 = max(ib * FA_BK, t.tile_lo)
+                t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
+                t.nj = t.j1 - t.j0
+                _bwd_block(P, &t, &w, ws)
+                _accumulate_q(P, &t, &w, ws)
+                _kv_rows(P, G, &t, &w, ws, False)
+                _accumulate_kv(P, &t, &w, ws, 0)
+                _kv_rows(P, G, &t, &w, ws, True)
+        _write_q(P, G, &t, &w, ws)
+        r0 += FA_BQ
+    _kv_head_scale(P, G, b, g, ws, P.scale)
+
+
 cdef inline void _bjob_item(const BJob* J, floating* workspace, Py_ssize_t w,
                             int tid) noexcept nogil:
     cdef const Problem* P = J.P
@@ -329,6 +411,8 @@ cdef inline void _bjob_item(const BJob* J, floating* workspace, Py_ssize_t w,
     cdef Py_ssize_t bg, rb
     if J.stage == 0:
         _delta_rows(P, G, w // P.Hq, w % P.Hq, ws)
+    elif J.stage == 3:
+        _head_item(P, G, w // P.Hkv, w % P.Hkv, ws, idx, idx + FA_BQ)
     elif J.stage == 1:
         bg = w // G.n_kitems
         _kv_item(P, G, bg // P.Hkv, bg % P.Hkv, (w % G.n_kitems) * G.nkb * FA_BK, ws, idx,
@@ -348,14 +432,22 @@ cdef void _bjob_item_d(void* ctx, Py_ssize_t w, int tid) noexcept nogil:
     _bjob_item(<const BJob*> ctx, <double*> (<const BJob*> ctx).workspace, w, tid)
 
 
+cdef void _run_stage(BJob* J, int stage, Py_ssize_t n_items, int n_threads,
+                     bint is_float) noexcept nogil:
+    # One pass's work items on the pool, no more threads than items.
+    J.stage = stage
+    if n_items > 0:
+        fa_pool_run(<int> min(<Py_ssize_t> n_threads, n_items), n_items,
+                    _bjob_item_f if is_float else _bjob_item_d, J)
+
+
 cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) except -1:
     """Allocate per-thread workspaces, release the GIL and run the three passes."""
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
     cdef Py_ssize_t nkblk = (P.Lk + FA_BK - 1) // FA_BK
-    cdef Py_ssize_t n_items[3]
+    cdef Py_ssize_t n_items[4]
     cdef Py_ssize_t vl = FA_VL_F if is_float else FA_VL_D
     cdef Py_ssize_t itemsize = sizeof(float) if is_float else sizeof(double)
-    cdef int stage, nt
     # Key spans as long as FA_BKV_MAX while there are several work items per thread (Q
     # and dO rows are packed once per span and row block).
     G.nkb = FA_BKV_MAX // FA_BK
@@ -365,6 +457,10 @@ cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) excep
     n_items[0] = P.nbatch * P.Hq
     n_items[1] = P.nbatch * P.Hkv * G.n_kitems
     n_items[2] = P.nbatch * P.Hkv * n_rblk
+    # One item per (batch element, kv head) does the work of passes 1 and 2 with 5
+    # products instead of 7 (S and dP once): taken unless it leaves threads idle for longer.
+    n_items[3] = P.nbatch * P.Hkv
+    cdef bint per_head = 5 * ((n_items[3] + n_threads - 1) // n_threads) * n_threads <= 7 * n_items[3]
     n_threads = <int> max(1, min(<Py_ssize_t> n_threads, max(n_items[1], n_items[2])))
     cdef Workspace w
     _carve(&w, P, vl)
@@ -382,12 +478,12 @@ cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) excep
     J.n_rblk = n_rblk
     try:
         with nogil:
-            for stage in range(3):
-                J.stage = stage
-                nt = <int> max(1, min(<Py_ssize_t> n_threads, n_items[stage]))
-                if n_items[stage] > 0:
-                    fa_pool_run(nt, n_items[stage], _bjob_item_f if is_float else _bjob_item_d,
-                                &J)
+            _run_stage(&J, 0, n_items[0], n_threads, is_float)
+            if per_head:
+                _run_stage(&J, 3, n_items[3], n_threads, is_float)
+            else:
+                _run_stage(&J, 1, n_items[1], n_threads, is_float)
+                _run_stage(&J, 2, n_items[2], n_threads, is_float)
     finally:
         _return_block(mem, nbytes)
     return 0

@@ -19,7 +19,7 @@
  * packs serve that many keys. */
 #define FA_BKV_MAX 256
 
-#define FA_BWD_KERNELS(SUF, T, V, VL, LOAD, STORE, BCAST, EXP2)                              \
+#define FA_BWD_KERNELS(SUF, T, V, VL, LOAD, STORE, BCAST, EXP2, LOAD_TRANSPOSE)                              \
 /* Keys [ja, jz) of nvec vectors of rows: s <- P = 2^(s - lse2), dp <- dS =                   \
  * P (dp - delta) (times slope[j] when slope is not NULL); both 0 for the other keys of      \
  * [0, nj), which no row of the vectors sees (their dp was never computed). */                \
@@ -60,25 +60,33 @@ static void fa_softcap_slope_##SUF(const T* s, T* g, ptrdiff_t lds, ptrdiff_t nk
 }                                                                                             \
                                                                                               \
 /* dst[r * ldd + j] = src[j * lds + r] for rows r < nrows, keys j < nj, and 0 for keys       \
- * [nj, nj_pad): whole micro-tiles of keys read the padding. */                              \
+ * [nj, nj_pad): whole micro-tiles of keys read the padding.  VL x VL blocks are          \
+ * transposed in registers. */                                                                \
 static void fa_bwd_transpose_##SUF(const T* src, ptrdiff_t lds, ptrdiff_t nj,                \
                                    ptrdiff_t nj_pad, ptrdiff_t nrows, T* dst, ptrdiff_t ldd) \
 {                                                                                             \
-    ptrdiff_t r0 = 0;                                                                         \
-    for (; r0 + 8 <= nrows; r0 += 8) {                                                        \
-        for (ptrdiff_t j = 0; j < nj; j++) {                                                  \
-            const T* p = src + j * lds + r0;                                                  \
-            for (int u = 0; u < 8; u++) dst[(r0 + u) * ldd + j] = p[u];                       \
+    const T* rows[VL];                                                                        \
+    V x[VL];                                                                                  \
+    ptrdiff_t j0 = 0, r0;                                                                     \
+    for (; j0 + VL <= nj; j0 += VL) {                                                         \
+        for (int u = 0; u < VL; u++) rows[u] = src + (j0 + u) * lds;                          \
+        for (r0 = 0; r0 + VL <= nrows; r0 += VL) {                                            \
+            LOAD_TRANSPOSE(rows, r0, x);                                                      \
+            for (int i = 0; i < VL; i++) STORE(dst + (r0 + i) * ldd + j0, x[i]);              \
         }                                                                                     \
+        for (; r0 < nrows; r0++)                                                              \
+            for (int u = 0; u < VL; u++) dst[r0 * ldd + j0 + u] = rows[u][r0];                \
     }                                                                                         \
-    for (; r0 < nrows; r0++)                                                                  \
-        for (ptrdiff_t j = 0; j < nj; j++) dst[r0 * ldd + j] = src[j * lds + r0];             \
-    for (ptrdiff_t r = 0; r < nrows; r++)                                                     \
+    for (ptrdiff_t r = 0; r < nrows; r++) {                                                   \
+        for (ptrdiff_t j = j0; j < nj; j++) dst[r * ldd + j] = src[j * lds + r];              \
         for (ptrdiff_t j = nj; j < nj_pad; j++) dst[r * ldd + j] = 0;                         \
+    }                                                                                         \
 }
 
-FA_BWD_KERNELS(f, float, fa_vf, FA_VL_F, fa_load_f, fa_store_f, fa_bcast_f, fa_exp2_f)
-FA_BWD_KERNELS(d, double, fa_vd, FA_VL_D, fa_load_d, fa_store_d, fa_bcast_d, fa_exp2_d)
+FA_BWD_KERNELS(f, float, fa_vf, FA_VL_F, fa_load_f, fa_store_f, fa_bcast_f, fa_exp2_f,
+               fa_load_transpose_vf)
+FA_BWD_KERNELS(d, double, fa_vd, FA_VL_D, fa_load_d, fa_store_d, fa_bcast_d, fa_exp2_d,
+               fa_load_transpose_vd)
 #undef FA_BWD_KERNELS
 
 #endif /* FA_BACKWARD_H */

@@ -42,6 +42,18 @@ def test_bitwise_across_threads_and_repeats(dtype, kw):
 
 
 @pytest.mark.parametrize("kw", KEYWORDS[:2], ids=["causal", "window+modifiers"])
+def test_bitwise_with_few_kv_heads(kw):
+    # One kv head shared by 4 query heads: one thread takes the whole head in one work
+    # item, more threads split its keys and rows into separate passes; the same bits.
+    args, kw = _problem(np.random.default_rng(5), B=1, Hkv=1, Lq=300, Lk=333, **kw)
+    with fastattn.num_threads(1):
+        one = fastattn.attention_backward(*args, **kw)
+    for n in (2, 3):
+        with fastattn.num_threads(n):
+            assert _same(fastattn.attention_backward(*args, **kw), one)
+
+
+@pytest.mark.parametrize("kw", KEYWORDS[:2], ids=["causal", "window+modifiers"])
 def test_bitwise_across_batch_sizes(kw):
     # each batch element alone gets the bits it gets in the batch
     args, kw = _problem(np.random.default_rng(1), **kw)
