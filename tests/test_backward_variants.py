@@ -145,3 +145,19 @@ def test_varlen_bad_input_raises():
     with pytest.raises(TypeError, match="dout must have the dtype"):
         fastattn.attention_varlen_backward(out.astype(np.float32), q, k, v, out, lse,
                                            [0, 4, 9], [0, 5, 12])
+
+
+def test_memory_is_not_quadratic():
+    # A 4096 x 4096 backward: its probabilities alone would take 64 MiB in float32; the
+    # backward allocates its gradients, Delta and per-thread workspaces only.
+    tracemalloc = pytest.importorskip("tracemalloc")
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 1, 4096, 16)).astype(np.float32) for _ in range(3))
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    tracemalloc.start()
+    try:
+        fastattn.attention_backward(out, q, k, v, out, lse, causal=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak
