@@ -74,19 +74,22 @@ def test_bitwise_across_query_rows_and_gqa_layout():
     assert np.array_equal(dq1, dq[..., -1:, :])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_varlen_rows_equal_separate_calls(dtype):
+def test_varlen_rows_equal_separate_calls(dtype, threads):
+    # (one thread: a work item per sequence and kv head; three: separate passes)
     rng = np.random.default_rng(3)
     cu_q, cu_k = np.array([0, 100, 101, 101, 300]), np.array([0, 130, 200, 260, 600])
     q = rng.standard_normal((4, 300, 32)).astype(dtype)
-    k = rng.standard_normal((2, 600, 32)).astype(dtype)
-    v = rng.standard_normal((2, 600, 16)).astype(dtype)
+    k = rng.standard_normal((1, 600, 32)).astype(dtype)
+    v = rng.standard_normal((1, 600, 16)).astype(dtype)
     kw = dict(causal=True, window=(70, -1), softcap=4.0, sinks=[0.1, 0.2, -np.inf, 1.0])
     out, lse = fastattn.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
     dout = rng.standard_normal(out.shape).astype(dtype)
     dlse = rng.standard_normal(lse.shape).astype(dtype)
-    dq, dk, dv, _ = fastattn.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
-                                                       dlse=dlse, **kw)
+    with fastattn.num_threads(threads):
+        dq, dk, dv, _ = fastattn.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                                           dlse=dlse, **kw)
     for s in range(4):
         r, c = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         o, l = fastattn.attention(q[:, r], k[:, c], v[:, c], return_lse=True, **kw)
