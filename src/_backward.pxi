@@ -7,16 +7,19 @@
 #   dV_j += sum_i P_ij dout_i          dP_ij = dout_i . v_j
 #   dS_ij = P_ij (dP_ij - Delta_i) * (1 - tanh^2 of the capped score, with a softcap)
 #   dQ_i = scale sum_j dS_ij k_j       dK_j = scale sum_i dS_ij q_i
-# Three passes over fastattn's thread pool, each work item owning what it writes, so that
-# no sum depends on the schedule (no atomics, no reduction across threads):
+# Passes over fastattn's thread pool, each work item owning what it writes, so that no
+# sum depends on the schedule (no atomics, no reduction across threads):
 #   0. Delta of the rows of one (batch element, query head);
 #   1. dK, dV of a span of keys of one kv head (up to FA_BKV_MAX keys), looping over all
 #      the query rows of its GQA group -- the forward's row blocks, in order;
 #   2. dQ of one forward row block, looping over its key blocks in order.
-# Every sum has one order whatever the thread count, the batch, or how rows and keys are
-# split into work items: dK_j and dV_j over the rows R = (head, position) of the group in
-# order, dQ_i over the keys in order (each a sequential FMA chain in the output
-# micro-tile).  A key block's S^T comes from the forward's own stages (_load_block,
+# With enough (batch element, kv head) pairs to keep the threads busy, one work item per
+# pair does passes 1 and 2 together instead (_head_item): S and dP once per tile, 5
+# products instead of 7.  Every sum has one order whatever the thread count, the batch,
+# the schedule or how rows and keys are split into work items: dK_j and dV_j over the rows
+# R = (head, position) of the group in order, dQ_i over the keys in order, each a
+# sequential FMA chain in the output micro-tile (a chain may stop and resume through
+# memory, and rows or keys whose terms are exactly 0 may be skipped: the same bits).  A key block's S^T comes from the forward's own stages (_load_block,
 # _score_lanes, _finish_scores: the one home of the visibility rule and the modifiers),
 # always on the prefill tiles; dP^T from the same score micro-tiles with dO in place of Q.
 # Rows that see nothing, padding rows (past q_len) and keys past kv_len get exactly zero
@@ -177,8 +180,8 @@ cdef void _bwd_block(const Problem* P, Tile* t, const Workspace* w,
                ws + w.lse2 + c, ws + w.delta + c)
 
 
-cdef void _reduce_rows(const Tile* t, floating* ws, const floating* pt, const floating* x,
-                       Py_ssize_t x_pad, floating* acc, const floating* ones) noexcept nogil:
+cdef void _reduce_rows(const Tile* t, const floating* pt, const floating* x, Py_ssize_t x_pad,
+                       floating* acc, const floating* ones) noexcept nogil:
     # acc[jj] += sum_r pt[r, jj] x[r] for the block's keys jj (6 at a time, pt padded with
     # zero keys), over the rows in order: dV (pt = P, x = dO) and dK (pt = dS, x = Q).
     # Only over the rows [ra, rz) that see some of the 6 keys: the others have pt = 0, and
@@ -208,9 +211,9 @@ cdef void _accumulate_kv(const Problem* P, const Tile* t, const Workspace* w, fl
     cdef Py_ssize_t nj6 = _round_up(t.nj, FA_MR_PV), ldp = FA_BK + FA_MR_PV
     cdef floating* pt = ws + w.pt
     bwd_transpose(ws + w.s, t.nj, nj6, t.nrows, pt, ldp)
-    _reduce_rows(t, ws, pt, ws + w.dorows, dv_pad, ws + w.dvacc + off * dv_pad, ws + w.ones)
+    _reduce_rows(t, pt, ws + w.dorows, dv_pad, ws + w.dvacc + off * dv_pad, ws + w.ones)
     bwd_transpose(ws + w.dp, t.nj, nj6, t.nrows, pt, ldp)
-    _reduce_rows(t, ws, pt, ws + w.qrows, d_pad, ws + w.dkacc + off * d_pad, ws + w.ones)
+    _reduce_rows(t, pt, ws + w.qrows, d_pad, ws + w.dkacc + off * d_pad, ws + w.ones)
 
 
 cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
@@ -442,7 +445,7 @@ cdef void _run_stage(BJob* J, int stage, Py_ssize_t n_items, int n_threads,
 
 
 cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) except -1:
-    """Allocate per-thread workspaces, release the GIL and run the three passes."""
+    """Allocate per-thread workspaces, release the GIL and run the passes."""
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
     cdef Py_ssize_t nkblk = (P.Lk + FA_BK - 1) // FA_BK
     cdef Py_ssize_t n_items[4]
@@ -461,7 +464,8 @@ cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) excep
     # products instead of 7 (S and dP once): taken unless it leaves threads idle for longer.
     n_items[3] = P.nbatch * P.Hkv
     cdef bint per_head = 5 * ((n_items[3] + n_threads - 1) // n_threads) * n_threads <= 7 * n_items[3]
-    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, max(n_items[1], n_items[2])))
+    n_threads = <int> max(1, min(<Py_ssize_t> n_threads,
+                                 max(max(n_items[0], n_items[1]), n_items[2])))
     cdef Workspace w
     _carve(&w, P, vl)
     cdef size_t ws_bytes = n_threads * w.elems * itemsize
