@@ -7,6 +7,11 @@ side's GFLOP/s counted as a backward's 2.5x the forward's 4 Lq Lk D flops (halve
 causal masking).
 
     python benchmarks/backward.py [--threads 2] [--repeats 15] [--dtype float32]
+    python benchmarks/backward.py --accuracy
+
+--accuracy prints instead, per gradient, the largest error against the float64 oracle
+(fastattn.reference.attention_backward) of fastattn's float32 backward and of torch's
+(SDPA's flash backward in float32), relative to the largest gradient.
 """
 import argparse
 import statistics
@@ -69,6 +74,24 @@ def bench(torch, name, B, Hq, Hkv, Lq, Lk, D, causal, dtype, repeats):
     return mt / mf
 
 
+def accuracy(torch):
+    rng = np.random.default_rng(1)
+    print("max |g - g64| / max |g64|, float32 (12 heads, 1024 x 1024, D 64)")
+    for causal in (False, True):
+        q, k, v, dout = (rng.standard_normal((1, 12, 1024, 64)).astype(np.float32)
+                         for _ in range(4))
+        exact = fastattn.reference.attention_backward(dout, q, k, v, causal=causal)
+        out, lse = fastattn.attention(q, k, v, causal=causal, return_lse=True)
+        ours = fastattn.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+        tout = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        theirs = [g.numpy() for g in torch.autograd.grad(tout, (tq, tk, tv), torch.tensor(dout))]
+        for name, e, a, b in zip(("dq", "dk", "dv"), exact, ours, theirs):
+            top = np.abs(e).max()
+            print(f"  causal={causal!s:5s} {name}: fastattn {np.abs(a - e).max() / top:.2e}   "
+                  f"torch {np.abs(b - e).max() / top:.2e}")
+
+
 def main():
     import torch
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -76,9 +99,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--only", default=None, help="run the shapes whose name contains this")
+    ap.add_argument("--accuracy", action="store_true", help="print the accuracy table instead")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     fastattn.set_num_threads(a.threads)
+    if a.accuracy:
+        return accuracy(torch)
     print(f"backward, {a.dtype}, {a.threads} threads, median of {a.repeats} alternating runs "
           f"(torch {torch.__version__}, fastattn {fastattn.__version__})")
     for row in SHAPES:

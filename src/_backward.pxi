@@ -204,26 +204,41 @@ cdef void _reduce_rows(const Tile* t, const floating* pt, const floating* x, Py_
         jj += FA_MR_PV
 
 
-cdef void _accumulate_kv(const Problem* P, const Tile* t, const Workspace* w, floating* ws,
-                         Py_ssize_t off) noexcept nogil:
-    # The block's dV and dK into the work item's accumulators, keys from row `off`.
+cdef inline void _add_rows(const floating* src, Py_ssize_t lds, floating* dst, Py_ssize_t ldd,
+                           Py_ssize_t nrows, Py_ssize_t ncols) noexcept nogil:
+    # dst rows += src rows: a tile's sums into the running ones.
+    cdef Py_ssize_t r, c
+    for r in range(nrows):
+        for c in range(ncols):
+            dst[r * ldd + c] += src[r * lds + c]
+
+
+cdef void _kv_block(const Problem* P, const Tile* t, const Workspace* w,
+                    floating* ws) noexcept nogil:
+    # The tile's sums for dV and dK of the block's keys, from zero (dvblk, dkblk): a key's
+    # gradient sums one tile of rows at a time, then the tiles' sums in order, whose
+    # rounding error grows with the number of tiles instead of the number of rows.
     cdef Py_ssize_t dv_pad = _round_up(P.Dv, t.NL), d_pad = _round_up(P.D, t.NL)
     cdef Py_ssize_t nj6 = _round_up(t.nj, FA_MR_PV), ldp = FA_BK + FA_MR_PV
     cdef floating* pt = ws + w.pt
+    memset(ws + w.dvblk, 0, nj6 * dv_pad * sizeof(floating))
+    memset(ws + w.dkblk, 0, nj6 * d_pad * sizeof(floating))
     bwd_transpose(ws + w.s, t.nj, nj6, t.nrows, pt, ldp)
-    _reduce_rows(t, pt, ws + w.dorows, dv_pad, ws + w.dvacc + off * dv_pad, ws + w.ones)
+    _reduce_rows(t, pt, ws + w.dorows, dv_pad, ws + w.dvblk, ws + w.ones)
     bwd_transpose(ws + w.dp, t.nj, nj6, t.nrows, pt, ldp)
-    _reduce_rows(t, pt, ws + w.qrows, d_pad, ws + w.dkacc + off * d_pad, ws + w.ones)
+    _reduce_rows(t, pt, ws + w.qrows, d_pad, ws + w.dkblk, ws + w.ones)
 
 
 cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
                         floating* ws) noexcept nogil:
-    # dQ += dS K for the rows of the tile, 6-row tiles then single rows, each over the
-    # keys of the block its rows see (dS is 0 for the others).
+    # dQ += dS K for the rows of the tile: the block's sums from zero (6-row tiles then
+    # single rows, each over the keys of the block its rows see; dS is 0 for the others),
+    # then added to the running sums.
     cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), j, rg = 0, nr, ja, z, na, c
     cdef floating* kpad = ws + w.kpad
     for j in range(t.nj):
         _load_row(t.kblk + j * t.kblk_row, FA_STORE_NATIVE, P.D, kpad + j * d_pad, d_pad)
+    memset(ws + w.dqblk, 0, t.nrows * d_pad * sizeof(floating))
     while rg < t.nrows:
         nr = FA_MR_PV if rg < t.n6 else 1
         if nr == FA_MR_PV:
@@ -233,12 +248,13 @@ cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
         ja = min(max(t.j0, ja), t.j1)
         na = max(0, min(t.j1, z) - ja)
         c = 0
-        while c < d_pad:
+        while c < d_pad and na > 0:
             pv_tile_widened(ws + w.dp + (ja - t.j0) * FA_BQ + rg, na,
-                            kpad + (ja - t.j0) * d_pad + c, d_pad, ws + w.dqacc + rg * d_pad + c,
+                            kpad + (ja - t.j0) * d_pad + c, d_pad, ws + w.dqblk + rg * d_pad + c,
                             d_pad, ws + w.ones, nr)
             c += t.NL
         rg += nr
+    _add_rows(ws + w.dqblk, d_pad, ws + w.dqacc, d_pad, t.nrows, d_pad)
 
 
 # ---------------------------------------------------------------------------- work items
@@ -250,10 +266,11 @@ cdef void _kv_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
     cdef Workspace w
     cdef Tile t
     cdef Py_ssize_t k1 = min(k0 + G.nkb * FA_BK, P.Lk), r0, a, z, ib, VL = vec_lanes(ws)
-    cdef Py_ssize_t nk_pad = FA_BKV_MAX + FA_MR_PV, n_rows = P.group * P.Lq
+    cdef Py_ssize_t nk_pad = FA_BKV_MAX + FA_MR_PV, n_rows = P.group * _row_len(P, b)
+    cdef Py_ssize_t d_pad = _round_up(P.D, 2 * VL), dv_pad = _round_up(P.Dv, 2 * VL)
     _carve(&w, P, VL)
-    memset(ws + w.dkacc, 0, nk_pad * _round_up(P.D, 2 * VL) * sizeof(floating))
-    memset(ws + w.dvacc, 0, nk_pad * _round_up(P.Dv, 2 * VL) * sizeof(floating))
+    memset(ws + w.dkacc, 0, nk_pad * d_pad * sizeof(floating))
+    memset(ws + w.dvacc, 0, nk_pad * dv_pad * sizeof(floating))
     for a in range(FA_MR_PV):
         ws[w.ones + a] = 1
     r0 = 0
@@ -268,7 +285,11 @@ cdef void _kv_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
                 t.j1 = min(ib * FA_BK + FA_BK, z)
                 t.nj = t.j1 - t.j0
                 _bwd_block(P, &t, &w, ws)
-                _accumulate_kv(P, &t, &w, ws, t.j0 - k0)
+                _kv_block(P, &t, &w, ws)
+                _add_rows(ws + w.dkblk, d_pad, ws + w.dkacc + (t.j0 - k0) * d_pad, d_pad, t.nj,
+                          d_pad)
+                _add_rows(ws + w.dvblk, dv_pad, ws + w.dvacc + (t.j0 - k0) * dv_pad, dv_pad,
+                          t.nj, dv_pad)
         r0 += FA_BQ
     _write_kv(P, G, &w, ws, b, g, k0, k1)
 
@@ -333,25 +354,14 @@ cdef void _write_q(const Problem* P, const Grads* G, const Tile* t, const Worksp
             dq[c] = ws[w.dqacc + r * d_pad + c] * sc if live else 0
 
 
-cdef void _kv_rows(const Problem* P, const Grads* G, const Tile* t, const Workspace* w,
-                   floating* ws, bint store) noexcept nogil:
-    # The dK, dV rows of the block's keys between the output and the accumulators (zero
-    # padded to whole 6-key tiles): loaded (store False) or stored back.
-    cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), dv_pad = _round_up(P.Dv, t.NL), jj
-    cdef floating* dk
-    cdef floating* dv
-    for jj in range(_round_up(t.nj, FA_MR_PV)):
-        dk = <floating*> G.dk + G.dk_boff[t.b] + t.g * G.dk_sh + (t.j0 + jj) * G.dk_sj
-        dv = <floating*> G.dv + G.dv_boff[t.b] + t.g * G.dv_sh + (t.j0 + jj) * G.dv_sj
-        if store and jj < t.nj:
-            memcpy(dk, ws + w.dkacc + jj * d_pad, P.D * sizeof(floating))
-            memcpy(dv, ws + w.dvacc + jj * dv_pad, P.Dv * sizeof(floating))
-        elif not store and jj < t.nj:
-            _load_row(<const char*> dk, FA_STORE_NATIVE, P.D, ws + w.dkacc + jj * d_pad, d_pad)
-            _load_row(<const char*> dv, FA_STORE_NATIVE, P.Dv, ws + w.dvacc + jj * dv_pad, dv_pad)
-        elif not store:
-            memset(ws + w.dkacc + jj * d_pad, 0, d_pad * sizeof(floating))
-            memset(ws + w.dvacc + jj * dv_pad, 0, dv_pad * sizeof(floating))
+cdef void _kv_add_out(const Problem* P, const Grads* G, const Tile* t, const Workspace* w,
+                     floating* ws) noexcept nogil:
+    # The tile's sums for dK, dV (_kv_block) added to the running sums in the output.
+    cdef Py_ssize_t off = t.j0 * G.dk_sj, offv = t.j0 * G.dv_sj
+    _add_rows(ws + w.dkblk, _round_up(P.D, t.NL),
+              <floating*> G.dk + G.dk_boff[t.b] + t.g * G.dk_sh + off, G.dk_sj, t.nj, P.D)
+    _add_rows(ws + w.dvblk, _round_up(P.Dv, t.NL),
+              <floating*> G.dv + G.dv_boff[t.b] + t.g * G.dv_sh + offv, G.dv_sj, t.nj, P.Dv)
 
 
 cdef void _kv_head_scale(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
@@ -386,7 +396,7 @@ cdef void _head_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t 
     for a in range(FA_MR_PV):
         ws[w.ones + a] = 1
     _kv_head_scale(P, G, b, g, ws, 0)
-    while r0 < P.group * P.Lq:
+    while r0 < P.group * _row_len(P, b):
         _bwd_setup(P, &t, &w, b, g, r0, lo, hi, ws)
         memset(ws + w.dqacc, 0, t.nlanes * _round_up(P.D, t.NL) * sizeof(floating))
         if t.tile_lo < t.tile_hi:
@@ -397,9 +407,8 @@ cdef void _head_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t 
                 t.nj = t.j1 - t.j0
                 _bwd_block(P, &t, &w, ws)
                 _accumulate_q(P, &t, &w, ws)
-                _kv_rows(P, G, &t, &w, ws, False)
-                _accumulate_kv(P, &t, &w, ws, 0)
-                _kv_rows(P, G, &t, &w, ws, True)
+                _kv_block(P, &t, &w, ws)
+                _kv_add_out(P, G, &t, &w, ws)
         _write_q(P, G, &t, &w, ws)
         r0 += FA_BQ
     _kv_head_scale(P, G, b, g, ws, P.scale)

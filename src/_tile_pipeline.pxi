@@ -70,6 +70,7 @@ cdef struct Workspace:
     Py_ssize_t kblk, vblk, orow, elems
     # The backward pass's (see _carve_backward); slope is -1 without a softcap.
     Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, ones
+    Py_ssize_t dkblk, dvblk, dqblk
 
 
 cdef struct Tile:
@@ -84,6 +85,7 @@ cdef struct Tile:
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
+    Py_ssize_t row_len                    # positions per query head in the rows R (_row_len)
     Py_ssize_t tile_lo, tile_hi           # keys [tile_lo, tile_hi) are seen by some row
     bint same_keys                # every row sees exactly [tile_lo, tile_hi), not empty
     bint gqa4                     # 4-row score passes over 16-bit K: fa_score_gqa4
@@ -174,6 +176,9 @@ cdef Py_ssize_t _carve_backward(Workspace* w, const Problem* P, Py_ssize_t VL,
     w.dkacc = o; o += nk_pad * d_pad            # dK and dV of a work item's keys
     w.dvacc = o; o += nk_pad * dv_pad
     w.dqacc = o; o += FA_BQ * d_pad             # dQ of a work item's rows
+    w.dkblk = o; o += (FA_BK + FA_MR_PV) * d_pad    # one tile's sums, added to those
+    w.dvblk = o; o += (FA_BK + FA_MR_PV) * dv_pad
+    w.dqblk = o; o += FA_BQ * d_pad
     w.kpad = o; o += FA_BK * d_pad              # a block of K, zero-padded
     w.lse2 = o; o += FA_BQ                      # per row: lse log2 e, Delta
     w.delta = o; o += FA_BQ
@@ -197,8 +202,15 @@ cdef inline void _row_position(const Problem* P, const Tile* t, Py_ssize_t r, Py
                                Py_ssize_t* i) noexcept nogil:
     # Query head and position of row r of the tile.
     cdef Py_ssize_t R = t.r0 + r
-    h[0] = t.g * P.group + R // P.Lq
-    i[0] = R % P.Lq
+    h[0] = t.g * P.group + R // t.row_len
+    i[0] = R % t.row_len
+
+
+cdef inline Py_ssize_t _row_len(const Problem* P, Py_ssize_t b) noexcept nogil:
+    # Positions per query head in the rows R of batch element b: Lq, or a packed
+    # sequence's own length, so that its rows fall into the same blocks as in a call on
+    # that sequence alone (the backward's per-block sums depend on the blocks).
+    return P.q_len[b] if P.packed else P.Lq
 
 
 cdef inline void _keys_seen(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
@@ -232,6 +244,8 @@ cdef inline void _keys_all_see(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_e
 cdef void _group_intervals(Tile* t) noexcept nogil:
     # The per-group intervals of the Tile (see there), from the rows' intervals.
     cdef Py_ssize_t width = t.nlanes if t.decode else t.NL, ig, c, rend
+    if t.nlanes == 0:
+        return   # a block past a packed sequence's rows
     for ig in range((t.nlanes + width - 1) // width):
         c = ig * width
         rend = min(c + width, t.nrows)
@@ -247,7 +261,8 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.VL = vec_lanes(ws)
     t.NL = 2 * t.VL
     t.b, t.g, t.r0 = b, g, r0
-    t.nrows = min(FA_BQ, P.group * P.Lq - r0)
+    t.row_len = _row_len(P, b)
+    t.nrows = max(0, min(FA_BQ, P.group * t.row_len - r0))
     t.nlanes = _round_up(t.nrows, t.VL)
     t.n6 = (t.nrows // FA_MR_PV) * FA_MR_PV
     t.dv_pad = _round_up(P.Dv, t.NL)
