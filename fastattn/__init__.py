@@ -9,6 +9,8 @@ length / mask visibility, never materialising the Lq x Lk score matrix.
 - ``fastattn/_api.py``      validates every argument (clear ValueError/TypeError before any
                             work), picks the compute dtype, maps broadcasting to offsets.
 - ``src/_kernel_impl.pxi``  the Cython kernel: work items, the online-softmax loop.
+- ``fastattn/_backward.py``, ``src/_backward.pxi``: the gradients (``attention_backward``),
+                            recomputing the probabilities tile by tile, deterministically.
 - ``src/fa_pool.h``         the thread pool that runs the work items (shares cores politely).
 - ``src/fa_kernels.h``      the visibility rule (one definition) and the SIMD micro-kernels
   ``src/fa_tile_impl.h``    (score tile, softmax step, output tile), compiled once per ISA.
