@@ -9,6 +9,8 @@ import pytest
 import fastattn
 from fastattn import reference
 
+from conftest import import_optional
+
 
 def _inputs(rng, B, Hq, Hkv, Lq, Lk, D, Dv, dtype=np.float64):
     q = rng.standard_normal((B, Hq, Lq, D)).astype(dtype)
@@ -190,7 +192,7 @@ def _torch_grads(torch, q, k, v, kw, dout, dlse, dtype):
 
 @torch_cases
 def test_oracle_and_kernel_against_torch_autograd(combo):
-    torch = pytest.importorskip("torch")
+    torch = import_optional("torch")
     rng = np.random.default_rng(4)
     B, Hq, Hkv, Lq, Lk, D, Dv = 2, 4, 2, 40, 75, 16, 12
     q, k, v = _inputs(rng, B, Hq, Hkv, Lq, Lk, D, Dv)
@@ -209,7 +211,7 @@ def test_oracle_and_kernel_against_torch_autograd(combo):
 def test_float32_within_flash_attention_rule(combo):
     # max |fastattn float32 - float64| <= 3 x max |the materialised formula in float32 -
     # float64|, per gradient.
-    torch = pytest.importorskip("torch")
+    torch = import_optional("torch")
     rng = np.random.default_rng(5)
     B, Hq, Hkv, Lq, Lk, D, Dv = 2, 4, 2, 96, 160, 64, 64
     q, k, v = _inputs(rng, B, Hq, Hkv, Lq, Lk, D, Dv, np.float32)
@@ -236,7 +238,7 @@ def test_float32_within_flash_attention_rule(combo):
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
 def test_16bit_inputs(kind):
     if kind == "bfloat16":
-        dtype = pytest.importorskip("ml_dtypes").bfloat16
+        dtype = import_optional("ml_dtypes").bfloat16
         tol = 2.0 ** -7
     else:
         dtype, tol = np.float16, 2.0 ** -10

@@ -1,5 +1,7 @@
 """The backward pass's reproducibility (bitwise equal gradients whatever the thread count, the
 batch, repeated calls; varlen rows as separate calls) and its checks of bad input."""
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -153,7 +155,6 @@ def test_varlen_bad_input_raises():
 def test_memory_is_not_quadratic():
     # A 4096 x 4096 backward: its probabilities alone would take 64 MiB in float32; the
     # backward allocates its gradients, Delta and per-thread workspaces only.
-    tracemalloc = pytest.importorskip("tracemalloc")
     rng = np.random.default_rng(6)
     q, k, v = (rng.standard_normal((1, 1, 4096, 16)).astype(np.float32) for _ in range(3))
     out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
