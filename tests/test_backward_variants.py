@@ -165,3 +165,18 @@ def test_memory_is_not_quadratic():
     finally:
         tracemalloc.stop()
     assert peak < 8 * 2**20, peak
+
+
+def test_strided_inputs_give_the_bits_of_contiguous_ones():
+    # (B, L, H, D) transposed, reversed keys, every other value column: read in place or
+    # copied, the same gradients
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 50, 4, 16)).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((2, 55, 4, 16))[:, ::-1].transpose(0, 2, 1, 3)
+    v = rng.standard_normal((2, 4, 55, 32))[..., ::2]
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    dout = rng.standard_normal((2, 50, 4, 16)).transpose(0, 2, 1, 3)
+    got = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    want = fastattn.attention_backward(*(np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)),
+                                       causal=True)
+    assert _same(got, want)
