@@ -84,28 +84,39 @@ cdef inline bint _row_lse(const Problem* P, Py_ssize_t b, Py_ssize_t h, Py_ssize
 
 
 cdef void _delta_rows(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t h,
-                      floating* like) noexcept nogil:
+                      floating* ws) noexcept nogil:
     # Pass 0: Delta = rowsum(dout * out) - dlse for the rows of query head h of batch
     # element b; 0 for rows without a gradient (rows of the next sequence, past q_len of
-    # a packed one, are not ours).
-    cdef Py_ssize_t q_len = P.q_len[b] if P.q_len != NULL else P.Lq, i, c, li = 0
-    cdef const char* orow
-    cdef const char* drow
+    # a packed one, are not ours).  16-bit rows are widened into the workspace first.
+    cdef Workspace w
+    cdef Py_ssize_t q_len = P.q_len[b] if P.q_len != NULL else P.Lq, i, li = 0
+    cdef const floating* orow
+    cdef const floating* drow
     cdef floating d, lse
-    for i in range(P.Lq):
-        if P.packed and i >= q_len:
-            break
+    _carve(&w, P, vec_lanes(ws))
+    for i in range(_row_len(P, b)):
         d = 0
         if _row_lse(P, b, h, i, q_len, &li, &lse):
-            orow = P.out + (P.o_boff[b] + h * P.o_sh + i * P.o_si) * P.o_isz
-            drow = G.dout + (G.do_boff[b] + h * G.do_sh + i * G.do_si) * G.do_isz
-            for c in range(P.Dv):
-                d += load_elem(drow, c, G.do_kind, like) * load_elem(orow, c, P.o_kind, like)
+            orow = _row_as_compute(P.out + (P.o_boff[b] + h * P.o_sh + i * P.o_si) * P.o_isz,
+                                   P.o_kind, P.Dv, ws + w.dorows)
+            drow = _row_as_compute(
+                G.dout + (G.do_boff[b] + h * G.do_sh + i * G.do_si) * G.do_isz, G.do_kind,
+                P.Dv, ws + w.dorows + P.Dv)
+            d = bwd_dot(drow, orow, P.Dv)
             if G.dlse != NULL:
                 d -= (<const floating*> G.dlse)[li]
         else:
             li = P.lse_boff[b] + h * P.lse_sh + i * P.lse_si
         (<floating*> G.delta)[li] = d
+
+
+cdef inline const floating* _row_as_compute(const char* row, int kind, Py_ssize_t n,
+                                            floating* buf) noexcept nogil:
+    # A row in the compute type: in place, or widened into buf.
+    if kind == FA_STORE_NATIVE:
+        return <const floating*> row
+    _load_row(row, kind, n, buf, n)
+    return buf
 
 
 cdef void _bwd_setup(const Problem* P, Tile* t, const Workspace* w, Py_ssize_t b,

@@ -503,6 +503,8 @@ cdef extern from "fa_backward.h" nogil:
                             float c)
     void fa_softcap_slope_d(const double* s, double* g, Py_ssize_t lds, Py_ssize_t nk,
                             int nvec, double c)
+    float fa_bwd_dot_f(const float* a, const float* b, Py_ssize_t n)
+    double fa_bwd_dot_d(const double* a, const double* b, Py_ssize_t n)
     void fa_bwd_transpose_f(const float* src, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t nj_pad,
                             Py_ssize_t nrows, float* dst, Py_ssize_t ldd)
     void fa_bwd_transpose_d(const double* src, Py_ssize_t lds, Py_ssize_t nj,
@@ -517,6 +519,14 @@ cdef inline void bwd_ds(floating* s, floating* dp, const floating* slope, Py_ssi
         fa_bwd_ds_f(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta)
     else:
         fa_bwd_ds_d(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta)
+
+
+cdef inline floating bwd_dot(const floating* a, const floating* b, Py_ssize_t n) noexcept nogil:
+    # a . b in one fixed order (fa_bwd_dot).
+    if floating is float:
+        return fa_bwd_dot_f(a, b, n)
+    else:
+        return fa_bwd_dot_d(a, b, n)
 
 
 cdef inline void softcap_slope(const floating* s, floating* g, Py_ssize_t nk, int nvec,

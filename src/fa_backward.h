@@ -5,6 +5,7 @@
  *
  *   fa_bwd_ds        P = 2^(S - lse), dS = P (dP - Delta) [times the softcap's slope]
  *   fa_softcap_slope 1 - (s / c)^2 of capped scores s: d(capped) / d(raw)
+ *   fa_bwd_dot       a row's Delta: dout . out in a fixed order
  *   fa_bwd_transpose a block of S^T (query rows as lanes) to rows of keys, for the
  *                    products that reduce over query rows (dV, dK)
  *
@@ -45,6 +46,20 @@ static void fa_bwd_ds_##SUF(T* s, T* dp, const T* slope, ptrdiff_t lds, ptrdiff_
             STORE(pd, ds);                                                                    \
         }                                                                                     \
     }                                                                                         \
+}                                                                                             \
+                                                                                              \
+/* sum_c a[c] b[c], c < n, in one fixed order: VL partial sums (c mod VL), added in lane  \
+ * order, then the last n mod VL products. */                                               \
+static T fa_bwd_dot_##SUF(const T* a, const T* b, ptrdiff_t n)                              \
+{                                                                                             \
+    V acc = BCAST(0);                                                                         \
+    T lanes[VL], sum = 0;                                                                     \
+    ptrdiff_t c = 0;                                                                          \
+    for (; c + VL <= n; c += VL) acc += LOAD(a + c) * LOAD(b + c);                            \
+    STORE(lanes, acc);                                                                        \
+    for (int u = 0; u < VL; u++) sum += lanes[u];                                             \
+    for (; c < n; c++) sum += a[c] * b[c];                                                    \
+    return sum;                                                                               \
 }                                                                                             \
                                                                                               \
 /* g <- 1 - (s / c)^2 for nk keys of nvec vectors of capped scores s = c tanh(x / c). */     \
