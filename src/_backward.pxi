@@ -246,9 +246,14 @@ cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
     # single rows, each over the keys of the block its rows see; dS is 0 for the others),
     # then added to the running sums.
     cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), j, rg = 0, nr, ja, z, na, c
-    cdef floating* kpad = ws + w.kpad
-    for j in range(t.nj):
-        _load_row(t.kblk + j * t.kblk_row, FA_STORE_NATIVE, P.D, kpad + j * d_pad, d_pad)
+    cdef const floating* kb = <const floating*> t.kblk
+    cdef Py_ssize_t ldk = t.kblk_sj
+    if d_pad != P.D:
+        # K's rows zero-padded to whole strips of columns (else read in place)
+        for j in range(t.nj):
+            _load_row(t.kblk + j * t.kblk_row, FA_STORE_NATIVE, P.D, ws + w.kpad + j * d_pad,
+                      d_pad)
+        kb, ldk = ws + w.kpad, d_pad
     memset(ws + w.dqblk, 0, t.nrows * d_pad * sizeof(floating))
     while rg < t.nrows:
         nr = FA_MR_PV if rg < t.n6 else 1
@@ -261,7 +266,7 @@ cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
         c = 0
         while c < d_pad and na > 0:
             pv_tile_widened(ws + w.dp + (ja - t.j0) * FA_BQ + rg, na,
-                            kpad + (ja - t.j0) * d_pad + c, d_pad, ws + w.dqblk + rg * d_pad + c,
+                            kb + (ja - t.j0) * ldk + c, ldk, ws + w.dqblk + rg * d_pad + c,
                             d_pad, ws + w.ones, nr)
             c += t.NL
         rg += nr
