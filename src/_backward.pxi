@@ -354,20 +354,20 @@ cdef void _q_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
 
 cdef void _write_q(const Problem* P, const Grads* G, const Tile* t, const Workspace* w,
                    floating* ws) noexcept nogil:
-    # dQ = scale * the accumulated sums; zeros for rows without a gradient; rows of the
-    # next sequence (past q_len of a packed one) are not ours.
+    # dQ = scale * the accumulated sums; zeros for rows without a gradient.
     cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), r, h, i, c, li
     cdef floating sc = <floating> P.scale, lse
     cdef floating* dq
-    cdef bint live
+    cdef const floating* acc
     for r in range(t.nrows):
         _row_position(P, t, r, &h, &i)
-        if P.packed and i >= t.q_len:
-            continue
-        live = t.lo[r] < t.hi[r] and _row_lse(P, t.b, h, i, t.q_len, &li, &lse)
         dq = <floating*> G.dq + G.dq_boff[t.b] + h * G.dq_sh + i * G.dq_si
-        for c in range(P.D):
-            dq[c] = ws[w.dqacc + r * d_pad + c] * sc if live else 0
+        if t.lo[r] < t.hi[r] and _row_lse(P, t.b, h, i, t.q_len, &li, &lse):
+            acc = ws + w.dqacc + r * d_pad
+            for c in range(P.D):
+                dq[c] = acc[c] * sc
+        else:
+            memset(dq, 0, P.D * sizeof(floating))
 
 
 cdef void _kv_add_out(const Problem* P, const Grads* G, const Tile* t, const Workspace* w,
