@@ -57,7 +57,8 @@ cdef struct Problem:
     const double* alibi
     const double* sinks
     const Py_ssize_t* q_len
-    # Packed sequences: rows past q_len belong to the next sequence and are not written.
+    # Packed sequences: batch element b is a sequence of q_len[b] rows and kv_len[b] keys
+    # (past them, the next sequence's); its work items' rows R are head * q_len[b] + position.
     bint packed
     # A backward pass (_backward.pxi): its workspace regions are carved too, and the
     # finish-scores stage also leaves the softcap's slope.
@@ -792,8 +793,6 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
     cdef floating* dst = ws + w.orow
     for r in range(t.nrows):
         _row_position(P, t, r, &h, &i)
-        if P.packed and i >= t.q_len:
-            continue
         orow = P.out + (P.o_boff[t.b] + h * P.o_sh + i * P.o_si) * P.o_isz
         if not narrow:
             dst = <floating*> orow
