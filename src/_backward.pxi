@@ -14,8 +14,8 @@
 #      the query rows of its GQA group -- the forward's row blocks, in order;
 #   2. dQ of one forward row block, looping over its key blocks in order.
 # With enough (batch element, kv head) pairs to keep the threads busy, one work item per
-# pair does passes 1 and 2 together instead (_head_item): S and dP once per tile, 5
-# products instead of 7.  Every sum has one order whatever the thread count, the batch,
+# pair does the three passes instead (_head_item): S and dP once per tile, 5 products
+# instead of 7, and one run of the pool.  Every sum has one order whatever the thread count, the batch,
 # the schedule or how rows and keys are split into work items: dK_j and dV_j over the rows
 # R = (head, position) of the group in order, dQ_i over the keys in order, each a
 # sequential FMA chain in the output micro-tile (a chain may stop and resume through
@@ -401,8 +401,8 @@ cdef void _kv_head_scale(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssiz
 
 cdef void _head_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
                      floating* ws, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
-    # Passes 1 and 2 at once for kv head g of batch element b, when there are enough such
-    # items for the threads: its row blocks in order, each over its key blocks in order,
+    # Passes 0, 1 and 2 at once for kv head g of batch element b, when there are enough
+    # such items for the threads: Delta of its rows, then its row blocks in order, each over its key blocks in order,
     # dQ accumulated per row block and dK, dV in the output itself.  Every sum runs in the
     # order of the separate passes, through the same micro-kernels: the same bits.
     cdef Workspace w
@@ -412,6 +412,8 @@ cdef void _head_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t 
     for a in range(FA_MR_PV):
         ws[w.ones + a] = 1
     _kv_head_scale(P, G, b, g, ws, 0)
+    for a in range(P.group):     # pass 0 for the item's own rows (one pool run less)
+        _delta_rows(P, G, b, g * P.group + a, ws)
     while r0 < P.group * _row_len(P, b):
         _bwd_setup(P, &t, &w, b, g, r0, lo, hi, ws)
         memset(ws + w.dqacc, 0, t.nlanes * _round_up(P.D, t.NL) * sizeof(floating))
@@ -507,10 +509,10 @@ cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) excep
     J.n_rblk = n_rblk
     try:
         with nogil:
-            _run_stage(&J, 0, n_items[0], n_threads, is_float)
             if per_head:
                 _run_stage(&J, 3, n_items[3], n_threads, is_float)
             else:
+                _run_stage(&J, 0, n_items[0], n_threads, is_float)
                 _run_stage(&J, 1, n_items[1], n_threads, is_float)
                 _run_stage(&J, 2, n_items[2], n_threads, is_float)
     finally:
