@@ -61,6 +61,9 @@ ALiBi uses the same ``offset`` whatever ``causal`` says.
 :func:`attention_varlen` runs packed sequences (FlashAttention's ``cu_seqlens``) by calling
 :func:`attention` on each sequence alone, which is the definition of its result.
 
+:func:`attention_backward` gives the gradients of :func:`attention` with respect to q, k, v
+and sinks, from the same materialised scores and the textbook formulas.
+
 Unlike the kernels, everything here materialises the full ``(..., Hq, Lq, Lk)`` score matrix
 and computes in float64 whatever the input dtype (from the values as given: float16 and
 bfloat16 inputs are already rounded), so that it is a better oracle than the code it checks.
