@@ -13,6 +13,7 @@ from . import reference as reference
 __version__: str
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax",
+    "attention_backward", "attention_varlen_backward",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
@@ -84,6 +85,26 @@ def attention_weights(
     sinks: npt.ArrayLike | None = None, q_lengths: npt.ArrayLike | None = None,
 ) -> _Array: ...
 def softmax(x: npt.ArrayLike, axis: int = -1) -> _Array: ...
+
+# -- gradients ----------------------------------------------------------------------------
+# (dq, dk, dv), and dsinks last when sinks are given
+def attention_backward(
+    dout: npt.ArrayLike, q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
+    out: npt.ArrayLike, lse: npt.ArrayLike, *,
+    scale: float | None = None, causal: _Causal = False, window: _Window = None,
+    mask: npt.ArrayLike | None = None, kv_lengths: npt.ArrayLike | None = None,
+    q_lengths: npt.ArrayLike | None = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    dlse: npt.ArrayLike | None = None,
+) -> tuple[_Array, ...]: ...
+def attention_varlen_backward(
+    dout: npt.ArrayLike, q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
+    out: npt.ArrayLike, lse: npt.ArrayLike, cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike, *, scale: float | None = None, causal: _Causal = False,
+    window: _Window = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    dlse: npt.ArrayLike | None = None,
+) -> tuple[_Array, ...]: ...
 
 # -- threads ------------------------------------------------------------------------------
 def set_num_threads(n: int) -> None: ...

@@ -33,6 +33,7 @@ cu_seqlens_q / cu_seqlens_k    ``check_cu_seqlens`` (intp ``(n_seq + 1,)`` each)
 packed q, k, v shapes          ``check_varlen_shapes``
 a KV cache's storage dtype     ``storage_dtype``; ``round_to`` and ``store_as`` round to it
 one whole call                 :class:`Problem` / :func:`varlen_problem`, built from the above
+a backward's dout, out, lse    ``check_forward_result`` (the forward result's shapes, dtypes)
 =============================  =========================================================
 
 ``nbatch`` is ``prod(batch_shape)``: batch element ``b`` of the flattened, broadcast batch
@@ -76,6 +77,7 @@ __all__ = [
     "check_softcap", "check_alibi_slopes", "check_sinks", "check_q_lengths",
     "check_kv_lengths", "check_out", "check_varlen_shapes", "check_cu_seqlens",
     "storage_dtype", "round_to", "store_as", "Problem", "varlen_problem",
+    "check_forward_result",
 ]
 
 _NATIVE_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -580,3 +582,27 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=Fa
     p.return_lse = check_flag(return_lse, "return_lse")
     p.out = check_out(out, (p.Hq, p.total_q, p.Dv), p.result_dtype)
     return p
+
+
+def check_forward_result(out_shape, out_dtype, lse_dtype, dout, out, lse, dlse):
+    """``dout, out, lse, dlse`` of a backward call as arrays, each with the shape and dtype
+    the forward call gives ``out`` (dout, out) or ``lse`` (lse, dlse; dlse may be None):
+    an ``lse`` that could not have come from this forward (another ``Lq``) is refused."""
+    lse_shape = out_shape[:-1]
+    checked = []
+    for name, a, shape, dtype, of in (("dout", dout, out_shape, out_dtype, "out"),
+                                      ("out", out, out_shape, out_dtype, "out"),
+                                      ("lse", lse, lse_shape, lse_dtype, "lse"),
+                                      ("dlse", dlse, lse_shape, lse_dtype, "lse")):
+        if a is None and name == "dlse":
+            checked.append(None)
+            continue
+        a = as_array(a, name)
+        if a.shape != shape:
+            raise ValueError(f"{name} must have the shape of the forward's {of}, {shape} for "
+                             f"these q, k, v; got {a.shape}")
+        if a.dtype != dtype:
+            raise TypeError(f"{name} must have the dtype of the forward's {of}, {dtype}; "
+                            f"got {a.dtype}")
+        checked.append(a)
+    return checked

@@ -61,6 +61,9 @@ ALiBi uses the same ``offset`` whatever ``causal`` says.
 :func:`attention_varlen` runs packed sequences (FlashAttention's ``cu_seqlens``) by calling
 :func:`attention` on each sequence alone, which is the definition of its result.
 
+:func:`attention_backward` gives the gradients of :func:`attention` with respect to q, k, v
+and sinks, from the same materialised scores and the textbook formulas.
+
 Unlike the kernels, everything here materialises the full ``(..., Hq, Lq, Lk)`` score matrix
 and computes in float64 whatever the input dtype (from the values as given: float16 and
 bfloat16 inputs are already rounded), so that it is a better oracle than the code it checks.
@@ -78,7 +81,8 @@ import numpy as np
 
 from . import _args
 
-__all__ = ["attention", "attention_varlen", "attention_weights", "softmax", "visible_keys"]
+__all__ = ["attention", "attention_varlen", "attention_weights", "softmax", "visible_keys",
+           "attention_backward"]
 
 
 # --------------------------------------------------------------------------- shapes
@@ -315,6 +319,77 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
         result[:, rows], lse[:, rows] = attention(p.q[:, rows], p.k[:, keys], p.v[:, keys],
                                                   return_lse=True, **keywords, **per_head)
     return (result, lse) if p.return_lse else result
+
+
+def _sum_to(g, shape):
+    """The gradient g of an input of ``shape`` that broadcast to g's shape: summed over
+    the broadcast axes."""
+    lead = g.ndim - len(shape)
+    g = g.sum(axis=tuple(range(lead))) if lead else g
+    axes = tuple(d for d, n in enumerate(shape) if n == 1 and g.shape[d] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+def attention_backward(dout, q, k, v, *, scale=None, causal=False, window=None, mask=None,
+                       kv_lengths=None, softcap=None, alibi_slopes=None, sinks=None,
+                       q_lengths=None, dlse=None):
+    """Gradients of :func:`attention` with respect to q, k, v (and sinks), by the book.
+
+    ``dout`` and ``dlse`` (optional) are the gradients of a loss with respect to ``out``
+    and ``lse``; the forward is recomputed here, in float64, materialising the scores::
+
+        dV = P^T dO                  dP = dO V^T
+        Delta_i = rowsum(dO_i * out_i) - dlse_i
+        dS = P * (dP - Delta)        (times 1 - tanh^2 through a softcap)
+        dQ = scale dS K              dK = scale dS^T Q
+        dsink_h = -sum_i exp(sink_h - lse_i) Delta_i
+
+    Padding query rows' ``dout``/``dlse`` have no effect.  Returns ``(dq, dk, dv)`` (and
+    ``dsinks`` with sinks) in the shapes and dtypes of the inputs (float64 for integers),
+    summed over batch dimensions and heads that an input shares.
+    """
+    a = _problem(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                 kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
+                 alibi_slopes=alibi_slopes, sinks=sinks)
+    P, lse = probabilities(a, np.dtype(np.float64), _visible(a))
+    exists = (np.arange(a.Lq) < a.q_len[..., None])[..., None, :]    # (..., 1, Lq)
+    dO = np.asarray(dout, dtype=np.float64).reshape(P.shape[:-1] + (a.Dv,))
+    dO = np.where(exists[..., None], dO, 0.0)
+    kv_exists = np.arange(a.Lk)[:, None] < a.kv_len[..., None, None, None]
+    q64 = a.q.astype(np.float64)
+    k64 = np.where(kv_exists, _expand_kv_heads(a.k.astype(np.float64), a.Hq), 0.0)
+    v64 = np.where(kv_exists, _expand_kv_heads(a.v.astype(np.float64), a.Hq), 0.0)
+
+    out = P @ v64
+    delta = np.sum(dO * out, axis=-1)
+    if dlse is not None:
+        delta = delta - np.where(exists, np.asarray(dlse, np.float64).reshape(lse.shape), 0.0)
+    dV = np.swapaxes(P, -1, -2) @ dO
+    dP = dO @ np.swapaxes(v64, -1, -2)
+    dS = P * (dP - delta[..., None])
+    if a.softcap is not None:
+        raw = a.scale * (q64 @ np.swapaxes(k64, -1, -2))
+        dS = dS * (1 - np.tanh(raw / a.softcap) ** 2)
+    dQ = a.scale * dS @ k64
+    dK = a.scale * np.swapaxes(dS, -1, -2) @ q64
+
+    def grad(g, x, per_kv_head):
+        if per_kv_head:  # the query heads of a group read the same kv head
+            Hkv = x.shape[-3]
+            g = g.reshape(g.shape[:-3] + (Hkv, a.Hq // Hkv) + g.shape[-2:]).sum(axis=-3)
+        g = _sum_to(g, x.shape)
+        g = g[0] if a.squeeze_heads else g
+        dtype = x.dtype if x.dtype.kind == "f" or _args.is_16bit(x.dtype) else np.float64
+        return _args.round_to(g, dtype)
+
+    grads = (grad(dQ, a.q, False), grad(dK, a.k, True), grad(dV, a.v, True))
+    if a.sinks is None:
+        return grads
+    with np.errstate(invalid="ignore", over="ignore"):
+        p_sink = np.where(np.isneginf(lse), 0.0, np.exp(a.sinks[..., None] - lse))
+    dsinks = _sum_to(-np.sum(p_sink * delta, axis=-1), np.shape(sinks))
+    sinks_dtype = np.asarray(sinks).dtype
+    return grads + (dsinks.astype(sinks_dtype if sinks_dtype.kind == "f" else np.float64),)
 
 
 def softmax(x, axis=-1):

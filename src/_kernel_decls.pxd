@@ -486,3 +486,79 @@ cdef inline void narrow_row(int kind, const floating* src, Py_ssize_t n,
     # float32 only).
     if floating is float:
         fa_narrow_f(kind, src, n, <uint16_t*> dst)
+
+
+# ---- the backward pass's own micro-kernels (fa_backward.h) ----
+
+cdef extern from "fa_backward.h" nogil:
+    enum:
+        FA_BKV_MAX
+    void fa_bwd_ds_f(float* s, float* dp, const float* slope, Py_ssize_t lds, Py_ssize_t nj,
+                     Py_ssize_t ja, Py_ssize_t jz, int nvec, const float* lse2,
+                     const float* delta)
+    void fa_bwd_ds_d(double* s, double* dp, const double* slope, Py_ssize_t lds,
+                     Py_ssize_t nj, Py_ssize_t ja, Py_ssize_t jz, int nvec,
+                     const double* lse2, const double* delta)
+    void fa_softcap_slope_f(const float* s, float* g, Py_ssize_t lds, Py_ssize_t nk, int nvec,
+                            float c)
+    void fa_softcap_slope_d(const double* s, double* g, Py_ssize_t lds, Py_ssize_t nk,
+                            int nvec, double c)
+    float fa_bwd_dot_f(const float* a, const float* b, Py_ssize_t n)
+    double fa_bwd_dot_d(const double* a, const double* b, Py_ssize_t n)
+    void fa_bwd_transpose_f(const float* src, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t nj_pad,
+                            Py_ssize_t nrows, float* dst, Py_ssize_t ldd)
+    void fa_bwd_transpose_d(const double* src, Py_ssize_t lds, Py_ssize_t nj,
+                            Py_ssize_t nj_pad, Py_ssize_t nrows, double* dst, Py_ssize_t ldd)
+
+
+cdef inline void bwd_ds(floating* s, floating* dp, const floating* slope, Py_ssize_t nj,
+                        Py_ssize_t ja, Py_ssize_t jz, int nvec, const floating* lse2,
+                        const floating* delta) noexcept nogil:
+    # P and dS of 1 or 2 vectors of rows over a block's nj keys, [ja, jz) seen (fa_bwd_ds).
+    if floating is float:
+        fa_bwd_ds_f(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta)
+    else:
+        fa_bwd_ds_d(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta)
+
+
+cdef inline floating bwd_dot(const floating* a, const floating* b, Py_ssize_t n) noexcept nogil:
+    # a . b in one fixed order (fa_bwd_dot).
+    if floating is float:
+        return fa_bwd_dot_f(a, b, n)
+    else:
+        return fa_bwd_dot_d(a, b, n)
+
+
+cdef inline void softcap_slope(const floating* s, floating* g, Py_ssize_t nk, int nvec,
+                               double c) noexcept nogil:
+    # g <- 1 - (s / c)^2 on nk keys of 1 or 2 whole vectors of capped scores.
+    if floating is float:
+        fa_softcap_slope_f(s, g, FA_BQ, nk, nvec, <float> c)
+    else:
+        fa_softcap_slope_d(s, g, FA_BQ, nk, nvec, c)
+
+
+cdef inline void bwd_transpose(const floating* src, Py_ssize_t nj, Py_ssize_t nj_pad,
+                               Py_ssize_t nrows, floating* dst, Py_ssize_t ldd) noexcept nogil:
+    # A block of S^T (rows as lanes) as rows of keys, zero-padded to nj_pad keys.
+    if floating is float:
+        fa_bwd_transpose_f(src, FA_BQ, nj, nj_pad, nrows, dst, ldd)
+    else:
+        fa_bwd_transpose_d(src, FA_BQ, nj, nj_pad, nrows, dst, ldd)
+
+
+cdef inline void pv_tile_ld(const floating* p, Py_ssize_t ldp, Py_ssize_t nj,
+                            const floating* v, Py_ssize_t ldv, floating* acc,
+                            Py_ssize_t ldacc, const floating* alpha,
+                            Py_ssize_t nrows) noexcept nogil:
+    # pv_tile_widened with p's stride ldp: acc rows r += sum_j p[j * ldp + r] v[j * ldv].
+    if floating is float:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+    else:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)

@@ -368,6 +368,7 @@ cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.nda
     P.alibi = P.sinks = NULL
     P.q_len = NULL
     P.packed = False
+    P.backward = False
     return offs
 
 
@@ -438,10 +439,27 @@ def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     cu_q[s] and cu_k[s]; its q_len and kv_len are its lengths.  alibi, sinks: None or
     float64 (n_seq, Hq).  No validation happens here.
     """
+    cdef Problem P
+    cdef Py_ssize_t small[SMALL_OFFSETS]
+    cdef cnp.ndarray lens = np.empty(2 * max(cu_q.shape[0] - 1, 1), dtype=np.intp)
+    cdef Py_ssize_t* offs = _fill_packed(&P, q, k, v, out, lse, cu_q, cu_k, causal, wl, wr,
+                                         scale, softcap, alibi, sinks, lens, small)
+    try:
+        _run(&P, _computes_float(q, k, v), n_threads)
+    finally:
+        _free_offsets(offs, small)
+
+
+cdef Py_ssize_t* _fill_packed(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
+                              cnp.ndarray out, object lse, cnp.ndarray cu_q, cnp.ndarray cu_k,
+                              int causal, Py_ssize_t wl, Py_ssize_t wr, double scale,
+                              double softcap, object alibi, object sinks, cnp.ndarray lens,
+                              Py_ssize_t* small) except NULL:
+    # The Problem of a call on packed sequences (see forward_packed); lens: intp, 2 per
+    # sequence (at least 2), kept alive by the caller, gets their kv and q lengths.
     cdef Py_ssize_t n = cu_q.shape[0] - 1, s, Lq = 0, Lk = 0
     cdef const Py_ssize_t* cq = <const Py_ssize_t*> cnp.PyArray_DATA(cu_q)
     cdef const Py_ssize_t* ck = <const Py_ssize_t*> cnp.PyArray_DATA(cu_k)
-    cdef cnp.ndarray lens = np.empty(2 * max(n, 1), dtype=np.intp)
     cdef Py_ssize_t* kv_len = <Py_ssize_t*> cnp.PyArray_DATA(lens)
     cdef Py_ssize_t* q_len = kv_len + max(n, 1)
     for s in range(n):
@@ -451,9 +469,7 @@ def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
         Lk = max(Lk, kv_len[s])
     cdef Py_ssize_t bshape[1]
     bshape[0] = n
-    cdef Problem P
-    cdef Py_ssize_t small[SMALL_OFFSETS]
-    cdef Py_ssize_t* offs = _fill_problem(&P, q, k, v, out, lse, None, 0, 1, bshape, kv_len,
+    cdef Py_ssize_t* offs = _fill_problem(P, q, k, v, out, lse, None, 0, 1, bshape, kv_len,
                                           causal, wl, wr, scale, small)
     cdef Py_ssize_t m = max(n, 1)
     for s in range(n):
@@ -468,10 +484,10 @@ def forward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     P.softcap = softcap
     P.alibi = <const double*> _data_or_null(alibi)
     P.sinks = <const double*> _data_or_null(sinks)
-    try:
-        _run(&P, _computes_float(q, k, v), n_threads)
-    finally:
-        _free_offsets(offs, small)
+    return offs
+
+
+include "_backward.pxi"
 
 
 def key_intervals(Py_ssize_t Lq, cnp.ndarray kv_len, int causal, Py_ssize_t wl, Py_ssize_t wr,

@@ -57,14 +57,21 @@ cdef struct Problem:
     const double* alibi
     const double* sinks
     const Py_ssize_t* q_len
-    # Packed sequences: rows past q_len belong to the next sequence and are not written.
+    # Packed sequences: batch element b is a sequence of q_len[b] rows and kv_len[b] keys
+    # (past them, the next sequence's); its work items' rows R are head * q_len[b] + position.
     bint packed
+    # A backward pass (_backward.pxi): its workspace regions are carved too, and the
+    # finish-scores stage also leaves the softcap's slope.
+    bint backward
 
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
     Py_ssize_t qt, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
     Py_ssize_t kblk, vblk, orow, elems
+    # The backward pass's (see _carve_backward); slope is -1 without a softcap.
+    Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, ones
+    Py_ssize_t dkblk, dvblk, dqblk
 
 
 cdef struct Tile:
@@ -79,6 +86,7 @@ cdef struct Tile:
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
+    Py_ssize_t row_len                    # positions per query head in the rows R (_row_len)
     Py_ssize_t tile_lo, tile_hi           # keys [tile_lo, tile_hi) are seen by some row
     bint same_keys                # every row sees exactly [tile_lo, tile_hi), not empty
     bint gqa4                     # 4-row score passes over 16-bit K: fa_score_gqa4
@@ -142,11 +150,41 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     w.vtail = o; o += FA_BK * 2 * VL            # V's last columns, zero-padded
     w.nslope = o; o += FA_BQ                    # ALiBi per row: -slope log2 e
     w.diag = o; o += FA_BQ                      # and the row's diagonal
-    w.zrow = o; o += D + 1                      # a zero key row for padding keys
+    w.zrow = o; o += max(D, Dv) + 1             # a zero key (or value) row for padding keys
     w.kblk = o; o += FA_BK * D if P.k_kind != FA_STORE_NATIVE else 0   # a block of K, widened
     w.vblk = o; o += FA_BK * Dv if P.v_kind != FA_STORE_NATIVE else 0  # and of V
     w.orow = o; o += dv_pad if P.o_kind != FA_STORE_NATIVE else 0      # a row before rounding
+    if P.backward:
+        o = _carve_backward(w, P, VL, o)
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
+
+
+cdef Py_ssize_t _carve_backward(Workspace* w, const Problem* P, Py_ssize_t VL,
+                                Py_ssize_t o) noexcept nogil:
+    # The backward pass's workspace arrays from element o on; returns the end.  Rows of
+    # keys are padded to whole 6-key micro-tiles past a span of FA_BKV_MAX keys (a dK/dV
+    # work item), rows of columns to whole 2-vector strips.
+    cdef Py_ssize_t nk_pad = FA_BKV_MAX + FA_MR_PV, sblk = (FA_BK + FA_MR_K) * FA_BQ
+    cdef Py_ssize_t d_pad = _round_up(P.D, 2 * VL), dv_pad = _round_up(P.Dv, 2 * VL)
+    w.slope = -1
+    if P.softcap > 0:
+        w.slope = o; o += sblk                  # the softcap's slope, laid out like S^T
+    w.dp = o; o += sblk                         # dP^T, then dS^T
+    w.dot = o; o += P.Dv * FA_BQ                # dO^T, packed like Q^T
+    w.dorows = o; o += FA_BQ * dv_pad           # dO rows, zero-padded
+    w.qrows = o; o += FA_BQ * d_pad             # Q rows, zero-padded
+    w.pt = o; o += FA_BQ * (FA_BK + FA_MR_PV)   # P or dS with rows of keys
+    w.dkacc = o; o += nk_pad * d_pad            # dK and dV of a work item's keys
+    w.dvacc = o; o += nk_pad * dv_pad
+    w.dqacc = o; o += FA_BQ * d_pad             # dQ of a work item's rows
+    w.dkblk = o; o += (FA_BK + FA_MR_PV) * d_pad    # one tile's sums, added to those
+    w.dvblk = o; o += (FA_BK + FA_MR_PV) * dv_pad
+    w.dqblk = o; o += FA_BQ * d_pad
+    w.kpad = o; o += FA_BK * d_pad              # a block of K, zero-padded
+    w.lse2 = o; o += FA_BQ                      # per row: lse log2 e, Delta
+    w.delta = o; o += FA_BQ
+    w.ones = o; o += FA_MR_PV
+    return o
 
 
 cdef inline Py_ssize_t _partial_rows(const Problem* P, Py_ssize_t VL) noexcept nogil:
@@ -165,8 +203,15 @@ cdef inline void _row_position(const Problem* P, const Tile* t, Py_ssize_t r, Py
                                Py_ssize_t* i) noexcept nogil:
     # Query head and position of row r of the tile.
     cdef Py_ssize_t R = t.r0 + r
-    h[0] = t.g * P.group + R // P.Lq
-    i[0] = R % P.Lq
+    h[0] = t.g * P.group + R // t.row_len
+    i[0] = R % t.row_len
+
+
+cdef inline Py_ssize_t _row_len(const Problem* P, Py_ssize_t b) noexcept nogil:
+    # Positions per query head in the rows R of batch element b: Lq, or a packed
+    # sequence's own length, so that its rows fall into the same blocks as in a call on
+    # that sequence alone (the backward's per-block sums depend on the blocks).
+    return P.q_len[b] if P.packed else P.Lq
 
 
 cdef inline void _keys_seen(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_end,
@@ -200,6 +245,8 @@ cdef inline void _keys_all_see(const Tile* t, Py_ssize_t r_begin, Py_ssize_t r_e
 cdef void _group_intervals(Tile* t) noexcept nogil:
     # The per-group intervals of the Tile (see there), from the rows' intervals.
     cdef Py_ssize_t width = t.nlanes if t.decode else t.NL, ig, c, rend
+    if t.nlanes == 0:
+        return   # a block past a packed sequence's rows
     for ig in range((t.nlanes + width - 1) // width):
         c = ig * width
         rend = min(c + width, t.nrows)
@@ -215,7 +262,8 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.VL = vec_lanes(ws)
     t.NL = 2 * t.VL
     t.b, t.g, t.r0 = b, g, r0
-    t.nrows = min(FA_BQ, P.group * P.Lq - r0)
+    t.row_len = _row_len(P, b)
+    t.nrows = max(0, min(FA_BQ, P.group * t.row_len - r0))
     t.nlanes = _round_up(t.nrows, t.VL)
     t.n6 = (t.nrows // FA_MR_PV) * FA_MR_PV
     t.dv_pad = _round_up(P.Dv, t.NL)
@@ -262,7 +310,7 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     cdef const char* zrow = <const char*> (ws + w.zrow)
     cdef const char** qrows = t.krows       # one vector's query rows, then packed
     cdef Py_ssize_t r, h, i, ic, j, nj, u, c, ldqt = t.ldqt, D = P.D
-    memset(ws + w.zrow, 0, D * sizeof(floating))
+    memset(ws + w.zrow, 0, max(D, P.Dv) * sizeof(floating))
     t.tile_lo = t.kv_len
     t.tile_hi = 0
     for r in range(t.nlanes):
@@ -352,17 +400,23 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
 
 cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
                           floating* ws) noexcept nogil:
-    # S^T of the block, one lane group (2 vectors of rows, or 1 for the last) at a time,
-    # in micro-tiles of FA_MR_K (6) keys; the last 4 or fewer keys of a block in a 4-key
-    # tile (64 = 10 x 6 + 4: no scores computed for padding keys).  Micro-tiles no row of
-    # the group can see are not computed (_finish_scores hides them).
-    cdef floating* s = ws + w.s
-    cdef const floating* qt = ws + w.qt
+    # S^T of the block (see _score_lanes).
+    _score_lanes(t, w, ws, t.kblk, t.kblk_row, ws + w.qt, P.D, <floating> t.scale_log2,
+                 ws + w.s)
+
+
+cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb,
+                       Py_ssize_t k_row, const floating* qt, Py_ssize_t D, floating scale,
+                       floating* s) noexcept nogil:
+    # s = scale kb qt for the block's keys (rows of kb, k_row bytes apart, in the compute
+    # type) against the tile's rows packed in qt (D x FA_BQ), one lane group (2 vectors of
+    # rows, or 1 for the last) at a time, in micro-tiles of FA_MR_K (6) keys; the last 4 or
+    # fewer keys of a block in a 4-key tile (64 = 10 x 6 + 4: no scores computed for
+    # padding keys).  Micro-tiles no row of the group can see are not computed
+    # (_finish_scores hides them).
     cdef const char* zrow = <const char*> (ws + w.zrow)
-    cdef floating scale = <floating> t.scale_log2
     cdef Py_ssize_t VL = t.VL, NL = t.NL, nlanes = t.nlanes, j0 = t.j0, j1 = t.j1
-    cdef Py_ssize_t nj = t.nj, k_row = t.kblk_row, c, ic, jj, ja, mk, g_lo, g_hi, u
-    cdef const char* kb = t.kblk
+    cdef Py_ssize_t nj = t.nj, c, ic, jj, ja, mk, g_lo, g_hi, u
     cdef int nvec
     for ic in range((nlanes + NL - 1) // NL):
         c = ic * NL
@@ -375,7 +429,7 @@ cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
             if ja + mk > g_lo and ja < g_hi:
                 for u in range(mk):
                     t.krows[u] = kb + (jj + u) * k_row if ja + u < j1 else zrow
-                score_tile(t.krows, qt + c, P.D, scale, s + jj * FA_BQ + c, nvec, mk)
+                score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
             jj += mk
 
 
@@ -493,6 +547,10 @@ cdef inline void _modify_scores(const Problem* P, const Tile* t, const Workspace
     cdef floating* s = ws + w.s + (g_lo - t.j0) * FA_BQ + c
     if P.softcap > 0:
         softcap(s, g_hi - g_lo, nvec, P.softcap * LOG2E)
+        if P.backward:
+            # the chain rule through the cap, before the bias is added
+            softcap_slope(s, ws + w.slope + (g_lo - t.j0) * FA_BQ + c, g_hi - g_lo, nvec,
+                          P.softcap * LOG2E)
     if P.alibi != NULL:
         alibi(s, g_lo, g_hi - g_lo, ws + w.nslope + c, ws + w.diag + c, nvec)
 
@@ -735,8 +793,6 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
     cdef floating* dst = ws + w.orow
     for r in range(t.nrows):
         _row_position(P, t, r, &h, &i)
-        if P.packed and i >= t.q_len:
-            continue
         orow = P.out + (P.o_boff[t.b] + h * P.o_sh + i * P.o_si) * P.o_isz
         if not narrow:
             dst = <floating*> orow

@@ -23,7 +23,8 @@ def _leaves(*shapes, dtype=torch.float64, seed=0):
 def _grads(fn, tensors, seed=1):
     """(output, gradients of <output, dout> with respect to ``tensors``)."""
     out = fn(*tensors)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
     return out, torch.autograd.grad(out, tensors, dout)
 
 

@@ -203,6 +203,24 @@ def check_reproducible(rng, isa):
             assert step.tobytes() == full[..., i:i + 1, :].tobytes(), (dtype, i)
 
 
+def check_backward(rng, isa):
+    # The gradients against the reference; bitwise equal whatever the thread count.
+    q, k, v = _qkv(rng, (2,), 4, 2, 100, 130, 32, 24, np.float64)
+    kw = dict(causal=True, softcap=4.0, sinks=[0.5, -1.0, 0.0, 1.0])
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape)
+    got = fastattn.attention_backward(dout, q, k, v, out, lse, **kw)
+    for g, w in zip(got, ref.attention_backward(dout, q, k, v, **kw)):
+        assert np.abs(g - w).max() <= 1e-12 * np.abs(w).max()
+    q, k, v, out, dout = (a.astype(np.float32) for a in (q, k, v, out, dout))
+    lse = lse.astype(np.float32)
+    with fastattn.num_threads(1):
+        one = fastattn.attention_backward(dout, q, k, v, out, lse, **kw)
+    with fastattn.num_threads(3):
+        three = fastattn.attention_backward(dout, q, k, v, out, lse, **kw)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(one, three))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 
