@@ -205,7 +205,7 @@ def check_reproducible(rng, isa):
 
 def check_backward(rng, isa):
     # The gradients against the reference; bitwise equal whatever the thread count.
-    q, k, v = _qkv(rng, (2,), 4, 2, 100, 130, 32, 24, np.float64)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 4, 2, 100, 130, 32, 24), np.float64)
     kw = dict(causal=True, softcap=4.0, sinks=[0.5, -1.0, 0.0, 1.0])
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     dout = rng.standard_normal(out.shape)

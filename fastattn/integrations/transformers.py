@@ -174,7 +174,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     B, Hq, Lq, _ = query.shape
     Dv = value.shape[-1]
     out_dtype = query.dtype
-    q, k, v = _torch.arrays(torch, query, key, value)
 
     causal, window, mask = False, None, None
     if attention_mask is None:
@@ -202,6 +201,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return out.transpose(1, 2), None
     if sinks is not None:
         extra["sinks"] = sinks.detach().float().numpy()
+    q, k, v = _torch.arrays(torch, query, key, value)
 
     # The model reads (batch, Lq, Hq, Dv); fastattn writes (batch, Hq, Lq, Dv): a transposed
     # view of the same tensor, so the kernel writes the returned tensor in place.
