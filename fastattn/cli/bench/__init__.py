@@ -3,14 +3,18 @@
 The modules, each a step of a run:
 
 - ``shapes``     the shapes (batch 1; float32, one float64 shape and four with float16 or
-                 bfloat16 q, k and v), their FLOPs and bytes, inputs and tolerances;
+                 bfloat16 q, k and v) and the backward table's, their FLOPs and bytes,
+                 inputs and tolerances;
 - ``harness``    the one way anything is timed (warm-up, alternating batches, each after
                  a pause and a wake-up call, medians), the thread hold, the load probe;
 - ``machine``    the yardsticks measured at start-up (sgemm, dgemm, sgemv read bandwidth)
                  and the machine's description;
 - ``measure``    one shape: fastattn, the float64 NumPy reference and torch, timed and
                  checked against each other;
-- ``session``    a run of the shapes table, from the thread hold to the exit status;
+- ``backward``   one shape's backward pass: fastattn and torch timed, both checked
+                 against the float64 oracle (``--backward``);
+- ``session``    a run of the shapes (or backward) table, from the thread hold to the
+                 exit status;
 - ``report``     the tables and notes; ``plot`` the figure;
 - ``variants``   softcap, ALiBi, sinks and packed sequences against the same calls without
                  them (after a full run, or alone with ``--variants``);
@@ -22,7 +26,9 @@ from __future__ import annotations
 import sys
 
 from ..common import ENVIRONMENT, USAGE, pyplot
-from .shapes import QUICK_SKIP_REFERENCE, SHAPES_BY_NAME, parse_shapes
+from .backward import ORACLE_MAX_SCORES, QUICK_ORACLE_MAX_SCORES
+from .shapes import BACKWARD_SHAPES, BACKWARD_SHAPES_BY_NAME, QUICK_SKIP_REFERENCE, SHAPES, \
+    SHAPES_BY_NAME, parse_shapes
 
 HELP = "time fastattn against the NumPy reference (float64) and PyTorch"
 
@@ -35,16 +41,26 @@ def add_arguments(parser):
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar chart (needs matplotlib: checked before the run)")
     parser.add_argument("--shapes", metavar="NAME,...",
-                        help="comma-separated subset of: " + ", ".join(SHAPES_BY_NAME))
+                        help="comma-separated subset of: " + ", ".join(SHAPES_BY_NAME)
+                        + "; with --backward, of: " + ", ".join(BACKWARD_SHAPES_BY_NAME))
     parser.add_argument("--repeat", type=int, metavar="N",
                         help="timed batches per library (default 7, 3 with --quick)")
-    parser.add_argument("--variants", action="store_true",
-                        help="only the variants table: softcap, ALiBi, sinks and packed "
-                             "sequences against the same calls without them and against "
-                             "torch (a full run prints it after the shapes)")
-    parser.add_argument("--contention", action="store_true",
-                        help="instead of the shapes: time fastattn with the cores shared "
-                             "(next to NumPy's BLAS, a second process, a busy neighbour)")
+    table = parser.add_mutually_exclusive_group()
+    table.add_argument("--backward", action="store_true",
+                       help="instead of the shapes: the backward table, "
+                            "fastattn.attention_backward against torch.autograd.grad through "
+                            "torch's scaled_dot_product_attention (same dtype), each side's "
+                            "gradients against the float64 oracle on shapes up to "
+                            f"{ORACLE_MAX_SCORES:,} scores (Hq Lq Lk; "
+                            f"{QUICK_ORACLE_MAX_SCORES:,} with --quick); --json writes its "
+                            "rows, --plot is not drawn")
+    table.add_argument("--variants", action="store_true",
+                       help="only the variants table: softcap, ALiBi, sinks and packed "
+                            "sequences against the same calls without them and against "
+                            "torch (a full run prints it after the shapes)")
+    table.add_argument("--contention", action="store_true",
+                       help="instead of the shapes: time fastattn with the cores shared "
+                            "(next to NumPy's BLAS, a second process, a busy neighbour)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads for fastattn, torch and BLAS (default: fastattn's "
                              "default, which honours OMP_NUM_THREADS)")
@@ -54,7 +70,8 @@ def add_arguments(parser):
 def _runnable_shapes(args, stderr):
     """The shapes to run, or None after a usage error."""
     try:
-        shapes = parse_shapes(args.shapes)
+        shapes = parse_shapes(args.shapes,
+                              BACKWARD_SHAPES if args.backward else SHAPES)
     except ValueError as exc:
         print(f"fastattn bench: error: {exc}", file=stderr)
         return None
@@ -80,7 +97,7 @@ def run(args, stdout=None, stderr=None):
     if shapes is None:
         return USAGE
     plt = None
-    if args.plot and not (args.variants or args.contention):
+    if args.plot and not (args.variants or args.contention or args.backward):
         plt = pyplot("bench", stderr)
         if plt is None:
             return ENVIRONMENT

@@ -45,11 +45,17 @@ def _fastattn_entries(shape, fa, q, k, v, repeat):
     return entries
 
 
-def _torch_entries(shape, torch, q, k, v, repeat):
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+def torch_keywords(shape):
+    """The keywords that make torch's scaled_dot_product_attention compute ``shape``."""
     kwargs = {"is_causal": shape.causal}
     if shape.hq != shape.hkv:
         kwargs["enable_gqa"] = True
+    return kwargs
+
+
+def _torch_entries(shape, torch, q, k, v, repeat):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs = torch_keywords(shape)
     arrays = {"torch": (q, k, v)}
     if shape.half:
         arrays["torch-f32"] = tuple(a.astype(np.float32) for a in (q, k, v))
@@ -77,7 +83,7 @@ def _entries(shape, libs, q, k, v, repeat, quick):
     return entries, skipped
 
 
-def _as_numpy(torch, res):
+def as_numpy(torch, res):
     if torch is not None and isinstance(res, torch.Tensor):
         # NumPy has no bfloat16: that one result is compared in float32
         return (res.float() if res.dtype == torch.bfloat16 else res).numpy()
@@ -142,6 +148,29 @@ def _library_results(entries, samples, work):
     return out
 
 
+def batch_seconds(quick):
+    """How long a timed batch lasts (the harness sizes batches from warm calls)."""
+    return 0.01 if quick else 0.04
+
+
+def record_libraries(result, entries, samples, skipped, errors):
+    """``result["libraries"]``: each timed entry's figures, then the skipped and failed
+    libraries (each with why); and fastattn's speed-ups over the others."""
+    libraries = _library_results(entries, samples, (result["flops"], result["bytes"]))
+    libraries.update(skipped)
+    libraries.update({name: {"error": f"{type(exc).__name__}: {exc}"}
+                      for name, exc in errors.items()})
+    result["libraries"] = libraries
+    result.update(_speedups(libraries))
+
+
+def record_load(result, load):
+    """The other processes' CPU share (and the stolen share) since ``load`` began."""
+    busy = load.fraction()
+    if busy is not None:
+        result["other_cpu_load"], result["cpu_steal"] = busy
+
+
 def _speedups(libraries):
     """The other library's time over fastattn's, for each that ran."""
     fa = libraries.get("fastattn", {})
@@ -161,20 +190,13 @@ def measure_shape(shape, *, fa, ref_mod, torch, repeat, quick):
         "flops": flops(shape), "bytes": bytes_moved(shape),
     }
     entries, skipped = _entries(shape, (fa, ref_mod, torch), q, k, v, repeat, quick)
-    outputs, first_s, errors = harness.first_calls(entries, 0.01 if quick else 0.04)
+    outputs, first_s, errors = harness.first_calls(entries, batch_seconds(quick))
     if "reference" in entries:
         entries["reference"].samples = (1 if first_s["reference"] > REFERENCE_ONE_SAMPLE_S
                                         else min(repeat, REFERENCE_MAX_SAMPLES))
     samples = harness.alternate(entries)
-    libraries = _library_results(entries, samples, (result["flops"], result["bytes"]))
-    libraries.update(skipped)
-    libraries.update({name: {"error": f"{type(exc).__name__}: {exc}"}
-                      for name, exc in errors.items()})
-    result["libraries"] = libraries
-    outputs = {name: _as_numpy(torch, res) for name, res in outputs.items()}
+    record_libraries(result, entries, samples, skipped, errors)
+    outputs = {name: as_numpy(torch, res) for name, res in outputs.items()}
     result["check"] = check_outputs(shape, ref_mod, outputs, q, k, v)
-    busy = load.fraction()
-    if busy is not None:
-        result["other_cpu_load"], result["cpu_steal"] = busy
-    result.update(_speedups(libraries))
+    record_load(result, load)
     return result

@@ -1,4 +1,5 @@
-"""The bench's text: the header, the shapes table, the 16-bit table, notes and JSON.
+"""The bench's text: the header, the shapes table, the 16-bit table, the backward and
+accuracy tables (``--backward``), notes and JSON.
 
 Columns: ``fastattn`` is its time per call; ``throughput`` is GFLOP/s for prefill shapes
 and GB/s for decode shapes; ``% of measured`` is that throughput as a share of the
@@ -19,7 +20,7 @@ import numpy as np
 
 from ..common import format_table, format_time, symbols
 from .harness import PAUSE_S
-from .shapes import SHAPES_BY_NAME
+from .shapes import GRADIENTS, SHAPES_BY_NAME
 
 # Above this share of the CPUs used by others, timings say more about the neighbours.
 BUSY_WARNING = 0.10
@@ -28,6 +29,12 @@ REFERENCE_NOTE = ("ref f64 = fastattn.reference.attention: NumPy in float64, bui
                   "whole Lq x Lk score matrix, while fastattn computes in the shape's dtype "
                   "without it; {x} = the other library's time / fastattn's (over 1: fastattn "
                   "is faster)")
+
+BACKWARD_NOTE = ("fastattn = fastattn.attention_backward from the forward's out and lse; "
+                 "torch = torch.autograd.grad through scaled_dot_product_attention (its "
+                 "forward untimed); a backward counts as 2.5 forwards' FLOPs; {x} torch = torch's "
+                 "time / fastattn's (over 1: fastattn is faster); max|g| = the largest "
+                 "gradient")
 
 
 def peak_basis(result):
@@ -136,18 +143,24 @@ def _other_cells(r, other, sym):
     return ["n/a", sym["dash"]]
 
 
-def _shape_row(r, peaks, sym):
-    shape = SHAPES_BY_NAME.get(r["name"])
-    row = [r["name"], shape.describe() if shape else "?"] + _fastattn_cells(r, peaks, sym)
-    row += _other_cells(r, "reference", sym) + _other_cells(r, "torch", sym)
+def _check_cells(r, diff_keys, sym):
+    """The largest difference found, the check's verdict and the background load."""
     c = r.get("check", {})
-    diffs = [c[key] for key in ("vs_torch_max_abs", "vs_reference_max_abs") if key in c]
-    row.append(f"{max(diffs):.1e}" if diffs else sym["dash"])
-    row.append("ok" if c.get("ok") else "FAIL")
+    diffs = [c[key] for key in diff_keys if key in c]
     # CPU share taken by other processes (or the hypervisor) while this row ran.
     bg = _background(r)
-    row.append(_percent(bg) if bg is not None else "?")
-    return row
+    return [f"{max(diffs):.1e}" if diffs else sym["dash"], "ok" if c.get("ok") else "FAIL",
+            _percent(bg) if bg is not None else "?"]
+
+
+def _shape_row(r, peaks, sym, others=("reference", "torch"),
+               diff_keys=("vs_torch_max_abs", "vs_reference_max_abs")):
+    shape = SHAPES_BY_NAME.get(r["name"])
+    described = r.get("shape") or (shape.describe() if shape else "?")
+    row = [r["name"], described] + _fastattn_cells(r, peaks, sym)
+    for other in others:
+        row += _other_cells(r, other, sym)
+    return row + _check_cells(r, diff_keys, sym)
 
 
 def format_shapes_table(report):
@@ -160,6 +173,45 @@ def format_shapes_table(report):
     rows = [_shape_row(r, report["machine"]["peaks"], sym) for r in report["results"]]
     return (format_table(header, rows, align="ll") + "\n"
             + textwrap.fill(REFERENCE_NOTE.format(x=x), 100))
+
+
+def format_backward_table(report):
+    """The backward table, one row per shape, with its note underneath."""
+    sym = symbols()
+    x = sym["x"]
+    header = ["shape", "(Hq,Hkv,Lq,Lk,D)", "fastattn", "throughput", "% of measured",
+              "torch", f"{x} torch", f"max|{sym['delta']}|/max|g|", "check", "bg load"]
+    rows = [_shape_row(r, report["machine"]["peaks"], sym, ("torch",),
+                       ("vs_torch_max_rel", "vs_reference_max_rel"))
+            for r in report["results"]]
+    return (format_table(header, rows, align="ll") + "\n"
+            + textwrap.fill(BACKWARD_NOTE.format(x=x), 100))
+
+
+def _accuracy_cells(check, library, sym):
+    errors = check.get("accuracy", {}).get(library)
+    if errors is None:
+        return [sym["dash"]] * len(GRADIENTS)
+    return [f"{errors[g]:.1e}" for g in GRADIENTS]
+
+
+def format_accuracy_table(report):
+    """Each side's gradients against the float64 oracle, and the shapes it skipped."""
+    sym = symbols()
+    rows, notes = [], []
+    for r in report["results"]:
+        c = r.get("check", {})
+        if "accuracy" in c:
+            rows.append([r["name"], r["dtype"]] + _accuracy_cells(c, "fastattn", sym)
+                        + _accuracy_cells(c, "torch", sym))
+        elif "oracle" in c:
+            notes.append(f"{r['name']}: {c['oracle']}")
+    header = ["shape", "dtype"] + [f"fastattn {g}" for g in GRADIENTS] + [
+        f"torch {g}" for g in GRADIENTS]
+    text = ("accuracy against the float64 oracle (fastattn.reference.attention_backward), "
+            "max|g - g64| / max|g64| per gradient:\n")
+    text += format_table(header, rows, align="ll") if rows else "(no shape checked)"
+    return "\n".join([text] + notes)
 
 
 def _half_row(r, peaks, sym):
@@ -206,6 +258,16 @@ def _peaks_line(m):
             + (f" (bg load {100 * bg:.0f}%)" if bg is not None else ""))
 
 
+def _method_line(s):
+    reference = (f" (reference: at most {s['reference_repeat_max']}, 1 if a call takes > 2 s)"
+                 if "reference_repeat_max" in s else "")
+    return (f"method: median of {s['repeat']} batches per library{reference};\n        libraries"
+            f" alternate with a {int(PAUSE_S * 1000)} ms pause before each batch (longer until"
+            " spinning BLAS/OpenMP workers sleep),\n        then one untimed call"
+            + ("; fastattn writes into out=" if s.get("fastattn_out_preallocated") else "")
+            + ("; --quick" if s["quick"] else ""))
+
+
 def format_header(report):
     m = report["machine"]
     sym = symbols()
@@ -221,13 +283,7 @@ def format_header(report):
     ]
     if m["env"]:
         lines.append("environment: " + " ".join(f"{k}={v}" for k, v in m["env"].items()))
-    s = report["settings"]
-    lines.append(
-        f"method: median of {s['repeat']} batches per library (reference: at most"
-        f" {s['reference_repeat_max']}, 1 if a call takes > 2 s);\n        libraries alternate"
-        f" with a {int(PAUSE_S * 1000)} ms pause before each batch (longer until spinning"
-        f" BLAS/OpenMP workers sleep),\n        then one untimed call; fastattn writes into out="
-        + ("; --quick" if s["quick"] else ""))
+    lines.append(_method_line(report["settings"]))
     lines.append("columns: % of measured = throughput over the yardstick named beside it"
                  " (sgemm, dgemm, read bw);\n         bg load = CPU share used by other"
                  " processes meanwhile")

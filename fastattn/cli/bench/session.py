@@ -1,55 +1,62 @@
-"""A run of the shapes table: threads held, yardsticks measured, each shape measured, the
-tables printed, the JSON and the figure written, and the exit status."""
+"""A run of the shapes table (or of the backward table, ``--backward``): threads held,
+yardsticks measured, each shape measured, the tables printed, the JSON and the figure
+written, and the exit status."""
 
 from __future__ import annotations
 
 from ..common import ENVIRONMENT, FAILED, OK
 from . import harness, report as rep
 from .machine import machine_info, measure_peaks
+from .backward import measure_backward_shape
 from .measure import REFERENCE_MAX_SAMPLES, measure_shape
 from .shapes import SEED
 
 
-def _new_report(fa, torch, held, shapes, quick, repeat):
+def _settings(repeat, quick, backward):
+    if backward:
+        return {"table": "backward", "repeat": repeat, "quick": bool(quick),
+                "pause_s": harness.PAUSE_S, "seed": SEED}
+    return {"table": "shapes", "repeat": repeat,
+            "reference_repeat_max": min(repeat, REFERENCE_MAX_SAMPLES),
+            "quick": bool(quick), "pause_s": harness.PAUSE_S, "seed": SEED,
+            "fastattn_out_preallocated": True}
+
+
+def _new_report(fa, torch, held, shapes, settings):
     machine = machine_info(fa, torch)
     machine["threads"] = held
-    machine["peaks"], peaks_load = measure_peaks(shapes, quick)
+    machine["peaks"], peaks_load = measure_peaks(shapes, settings["quick"])
     if peaks_load is not None:
         machine["other_cpu_load_during_peaks"] = peaks_load
-    return {
-        "machine": machine,
-        "settings": {"repeat": repeat,
-                     "reference_repeat_max": min(repeat, REFERENCE_MAX_SAMPLES),
-                     "quick": bool(quick), "pause_s": harness.PAUSE_S,
-                     "seed": SEED,
-                     "fastattn_out_preallocated": True},
-        "results": [],
-    }
+    return {"machine": machine, "settings": settings, "results": []}
 
 
 def _measure_all(fa, shapes, args, threads, repeat, streams):
     stdout, stderr = streams
     from fastattn import reference
     torch = harness.import_torch()
+    measure_one = measure_backward_shape if args.backward else measure_shape
     with harness.hold_threads(threads, fa, torch) as held:
-        report = _new_report(fa, torch, held, shapes, args.quick, repeat)
+        report = _new_report(fa, torch, held, shapes,
+                             _settings(repeat, args.quick, args.backward))
         print(rep.format_header(report), file=stdout, flush=True)
         for shape in shapes:
             print(f"  ... {shape.name}", file=stderr, flush=True)
-            report["results"].append(measure_shape(
+            report["results"].append(measure_one(
                 shape, fa=fa, ref_mod=reference, torch=torch, repeat=repeat,
                 quick=args.quick))
     return report
 
 
 def _print_tables(report, fa, args, threads, repeat, stdout):
-    print(file=stdout)
-    print(rep.format_shapes_table(report), file=stdout, flush=True)
-    half = rep.format_half_table(report)
-    if half:
+    if args.backward:
+        tables = [rep.format_backward_table(report), rep.format_accuracy_table(report)]
+    else:
+        tables = [rep.format_shapes_table(report), rep.format_half_table(report)]
+    for table in filter(None, tables):
         print(file=stdout)
-        print(half, file=stdout, flush=True)
-    if not args.shapes:
+        print(table, file=stdout, flush=True)
+    if not (args.shapes or args.backward):
         from . import variants
         print(file=stdout)
         variants.run(fa, threads, repeat, stdout)

@@ -67,21 +67,31 @@ SHAPES = (
 )
 SHAPES_BY_NAME = {s.name: s for s in SHAPES}
 
+# The backward table's shapes (``bench --backward``); tiny checks the tool itself.
+BACKWARD_SHAPES = tuple(SHAPES_BY_NAME[n] for n in (
+    "tiny", "small", "prefill-1k", "prefill-1k-causal", "prefill-4k-causal")) + (
+    Shape("prefill-gqa-1k-causal", 16, 4, 1024, 1024, 128, causal=True),
+    Shape("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, causal=True, dtype="bfloat16"),
+)
+BACKWARD_SHAPES_BY_NAME = {s.name: s for s in BACKWARD_SHAPES}
+GRADIENTS = ("dq", "dk", "dv")      # what a backward call returns, in this order
+
 # The reference materialises (Hq, Lq, Lk) float64 scores: seconds per call on these.
 QUICK_SKIP_REFERENCE = frozenset({"long-8k", "prefill-4k-causal"})
 
 
-def parse_shapes(text):
-    """The shapes named in ``"a,b,..."`` (all of them for an empty text); ValueError
-    naming the unknown ones."""
+def parse_shapes(text, catalogue=SHAPES):
+    """The shapes of ``catalogue`` named in ``"a,b,..."`` (all of them for an empty text);
+    ValueError naming the unknown ones."""
     if not text:
-        return list(SHAPES)
+        return list(catalogue)
+    by_name = {s.name: s for s in catalogue}
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SHAPES_BY_NAME]
+    unknown = [n for n in names if n not in by_name]
     if unknown or not names:
         raise ValueError(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; "
-                         f"choose from {', '.join(SHAPES_BY_NAME)}")
-    return [SHAPES_BY_NAME[n] for n in names]
+                         f"choose from {', '.join(by_name)}")
+    return [by_name[n] for n in names]
 
 
 def visible_pairs(shape):
@@ -106,6 +116,18 @@ def bytes_moved(shape, batch=1):
     return (kv + qo) * itemsize
 
 
+def backward_flops(shape):
+    """Floating-point operations of one backward call, counted as 2.5 forwards: its five
+    products (S, dP, dV, dQ, dK) against the forward's two."""
+    return 5 * flops(shape) // 2
+
+
+def backward_bytes(shape):
+    """Bytes one backward call must read or write at least once: q, k, v, out and dout
+    read, dq, dk and dv written (the per-row lse aside), twice a forward's."""
+    return 2 * bytes_moved(shape)
+
+
 def make_inputs(shape, seed=SEED):
     """q, k, v of ``shape`` (batch 1), standard normal, C-contiguous, fixed seed."""
     rng = np.random.default_rng(seed)
@@ -114,6 +136,14 @@ def make_inputs(shape, seed=SEED):
     k = rng.standard_normal((1, shape.hkv, shape.lk, shape.d)).astype(dt)
     v = rng.standard_normal((1, shape.hkv, shape.lk, shape.dv)).astype(dt)
     return q, k, v
+
+
+def make_backward_inputs(shape, seed=SEED):
+    """q, k, v as :func:`make_inputs` gives them, and a standard normal ``dout`` of the
+    output's shape (its own seed)."""
+    rng = np.random.default_rng(seed + 1)
+    dout = rng.standard_normal((1, shape.hq, shape.lq, shape.dv)).astype(shape.np_dtype())
+    return make_inputs(shape, seed) + (dout,)
 
 
 def tolerance(dtype):
