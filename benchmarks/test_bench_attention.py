@@ -1,6 +1,7 @@
 """fastattn, the NumPy reference and PyTorch side by side, one benchmark group per bench
 shape (see fastattn/cli/bench/shapes.py for the shapes and `python -m fastattn bench` for
-the table with GFLOP/s and speed-ups).
+the table with GFLOP/s and speed-ups); and the backward pass of fastattn and torch, one
+group per shape of `python -m fastattn bench --backward` (named "<shape> backward").
 
 Inputs are made once per shape (cached), outside the timed region; every library runs on
 the same thread count. pytest-benchmark runs its rounds back to back after a warm-up
@@ -13,8 +14,12 @@ import pytest
 
 import fastattn
 from fastattn import reference
+from fastattn.cli.bench.backward import fastattn_backward_call, oracle_gradients, \
+    relative_errors, torch_backward_call
 from fastattn.cli.bench.harness import to_torch
-from fastattn.cli.bench.shapes import SHAPES, make_inputs, reference_slice, tolerance
+from fastattn.cli.bench.measure import torch_keywords
+from fastattn.cli.bench.shapes import BACKWARD_SHAPES, SHAPES, make_backward_inputs, \
+    make_inputs, reference_slice, tolerance
 
 # Shapes that finish in well under a second for every library, the reference included;
 # the others are marked "big" and skipped by --bench-quick.
@@ -29,12 +34,14 @@ def _runnable(shape):
     return []
 
 
-def shape_params():
-    """One pytest.param per shape (the float16/bfloat16 ones too), each its own group."""
+def shape_params(shapes=SHAPES, group=""):
+    """One pytest.param per shape (the float16/bfloat16 ones too), each its own group: the
+    shape's name followed by ``group``."""
     return [pytest.param(s, id=s.name,
-                         marks=[pytest.mark.benchmark(group=s.name, warmup=True, warmup_iterations=1)] + _runnable(s)
-                         + ([] if s.name in QUICK_SHAPES else [pytest.mark.big]))
-            for s in SHAPES]
+                         marks=[pytest.mark.benchmark(group=s.name + group, warmup=True,
+                                                      warmup_iterations=1)]
+                         + _runnable(s) + ([] if s.name in QUICK_SHAPES else [pytest.mark.big]))
+            for s in shapes]
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,11 +87,37 @@ def test_reference(benchmark, shape, threads):
 def test_torch(benchmark, shape, threads):
     torch = pytest.importorskip("torch")
     q, k, v = (to_torch(torch, a) for a in _inputs(shape))
-    kwargs = {"is_causal": shape.causal}
-    if shape.hq != shape.hkv:
-        kwargs["enable_gqa"] = True
     sdpa = torch.nn.functional.scaled_dot_product_attention
     benchmark.extra_info.update(threads=torch.get_num_threads(), shape=shape.describe(),
                                 torch=torch.__version__)
     with torch.inference_mode():
-        benchmark(sdpa, q, k, v, **kwargs)
+        benchmark(sdpa, q, k, v, **torch_keywords(shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_inputs(shape):
+    return make_backward_inputs(shape)
+
+
+@pytest.mark.parametrize("shape", shape_params(BACKWARD_SHAPES, " backward"))
+def test_fastattn_backward(benchmark, shape, threads):
+    inputs = _backward_inputs(shape)
+    benchmark.extra_info.update(threads=threads, shape=shape.describe())
+    with fastattn.num_threads(threads):
+        grads = benchmark(fastattn_backward_call(shape, fastattn, inputs))
+    # A fast but wrong kernel must not pass: the gradients against the float64 oracle,
+    # where building its score matrices is affordable.
+    exact, why_not = oracle_gradients(shape, reference, inputs, quick=False)
+    if exact is None:
+        assert why_not.startswith("skipped"), why_not
+        return
+    errors = relative_errors([g.astype(np.float64) for g in grads], exact)
+    assert max(errors.values()) <= tolerance(shape.dtype), errors
+
+
+@pytest.mark.parametrize("shape", shape_params(BACKWARD_SHAPES, " backward"))
+def test_torch_backward(benchmark, shape, threads):
+    torch = pytest.importorskip("torch")
+    benchmark.extra_info.update(threads=torch.get_num_threads(), shape=shape.describe(),
+                                torch=torch.__version__)
+    benchmark(torch_backward_call(shape, torch, _backward_inputs(shape)))

@@ -684,3 +684,176 @@ def test_variants_table_times_as_the_shapes_table_does(monkeypatch):
     assert len(batches) == 4
     for i in batches:
         assert events[i - 2:i] == ["pause", "call"], events[i - 3:i + 1]
+
+
+# --------------------------------------------------------------------------- bench --backward
+
+@pytest.fixture(scope="module")
+def backward_run(tmp_path_factory):
+    json_path = tmp_path_factory.mktemp("backward") / "backward.json"
+    proc = run_cli("bench", "--backward", "--quick", "--repeat", "2", "--shapes", "tiny,small",
+                   "--json", str(json_path))
+    return proc, json_path
+
+
+def _rows(text, names):
+    """{name: the cells of the first line that starts with each name}."""
+    rows = {}
+    for line in text.splitlines():
+        cells = line.split()
+        if cells[:1] and cells[0] in names and cells[0] not in rows:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_bench_backward_prints_its_rows(backward_run):
+    proc, _ = backward_run
+    assert proc.returncode == 0, proc.stderr
+    timing, accuracy = proc.stdout.split("accuracy against the float64 oracle")
+    rows = _rows(timing, {"tiny", "small"})
+    assert set(rows) == {"tiny", "small"}
+    for cells in rows.values():
+        assert cells[-2] == "ok"
+        assert "sgemm" in cells
+    assert "GFLOP/s" in timing and "attention_backward" in timing
+    # The accuracy table: six errors per shape (dq, dk, dv of each side), or dashes for
+    # torch when it is absent.
+    for cells in _rows(accuracy, {"tiny", "small"}).values():
+        assert cells[1] == "float32" and len(cells) == 8
+        assert all(0 <= float(c) <= 1e-4 for c in cells[2:5])
+
+
+def test_bench_backward_json(backward_run):
+    _, json_path = backward_run
+    report = json.loads(json_path.read_text())
+    assert report["settings"]["table"] == "backward"
+    assert [r["name"] for r in report["results"]] == ["tiny", "small"]
+    # A backward counts 2.5 forwards: 2.5 * 4 * Hq * Lq * Lk * D.
+    expected_flops = {"tiny": 10 * 1 * 6 * 6 * 3, "small": 10 * 8 * 128 * 128 * 64}
+    for r in report["results"]:
+        assert r["pass"] == "backward" and r["flops"] == expected_flops[r["name"]]
+        fa = r["libraries"]["fastattn"]
+        assert len(fa["samples_s"]) == 2 and positive_finite(fa["median_s"])
+        assert fa["gflops"] == pytest.approx(r["flops"] / fa["median_s"] / 1e9)
+        check = r["check"]
+        assert check["ok"] is True
+        assert set(check["accuracy"]["fastattn"]) == {"dq", "dk", "dv"}
+        assert 0 <= check["vs_reference_max_rel"] <= check["tolerance"] == 1e-4
+        if "skipped" in r["libraries"]["torch"]:
+            assert "speedup_vs_torch" not in r and "torch" not in check["accuracy"]
+        else:
+            assert positive_finite(r["speedup_vs_torch"])
+            assert 0 <= check["vs_torch_max_rel"] <= check["tolerance"]
+            assert max(check["accuracy"]["torch"].values()) <= check["tolerance"]
+
+
+def test_backward_shapes():
+    got = [(s.name, s.hq, s.hkv, s.lq, s.lk, s.d, s.causal, s.dtype)
+           for s in shapes.BACKWARD_SHAPES]
+    assert got == [
+        ("tiny", 1, 1, 6, 6, 3, False, "float32"),
+        ("small", 8, 8, 128, 128, 64, False, "float32"),
+        ("prefill-1k", 12, 12, 1024, 1024, 64, False, "float32"),
+        ("prefill-1k-causal", 12, 12, 1024, 1024, 64, True, "float32"),
+        ("prefill-4k-causal", 4, 4, 4096, 4096, 64, True, "float32"),
+        ("prefill-gqa-1k-causal", 16, 4, 1024, 1024, 128, True, "float32"),
+        ("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, True, "bfloat16"),
+    ]
+    # Causal: 2.5 forwards over the visible pairs only.
+    s = shapes.BACKWARD_SHAPES_BY_NAME["prefill-1k-causal"]
+    assert shapes.backward_flops(s) == 10 * 64 * 12 * (1024 * 1025 // 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--backward", "--shapes", "long-8k"], "unknown shape(s) long-8k"),
+    (["bench", "--backward", "--variants"], "not allowed with argument"),
+    (["bench", "--backward", "--repeat", "0"], "--repeat must be >= 1"),
+])
+def test_bench_backward_usage_errors_exit_2(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def _wrong_backward(backward):
+    """``backward`` with a dk 1% too large."""
+    def wrong(*args, **kwargs):
+        dq, dk, dv = backward(*args, **kwargs)
+        return dq, dk * np.float32(1.01), dv
+    return wrong
+
+
+@pytest.mark.parametrize("torch_installed", [True, False])
+def test_bench_backward_fails_on_wrong_gradients(monkeypatch, capsys, torch_installed):
+    # The check compares with the oracle (and torch when installed); a wrong dk fails the
+    # run with exit status 1. Without torch the table shows fastattn only.
+    if not torch_installed:
+        monkeypatch.setattr(harness, "import_torch", lambda: None)
+    monkeypatch.setattr(fastattn, "attention_backward",
+                        _wrong_backward(fastattn.attention_backward))
+    assert main(["bench", "--backward", "--quick", "--repeat", "1", "--shapes", "tiny"]) \
+        == common.FAILED
+    out, err = capsys.readouterr()
+    assert "correctness check FAILED on: tiny" in err and "error" not in err
+    cells = _rows(out.split("accuracy against")[0], {"tiny"})["tiny"]
+    assert cells[-2] == "FAIL"
+    if not torch_installed:
+        assert "n/a" in cells
+        accuracy = _rows(out.split("accuracy against")[1], {"tiny"})["tiny"]
+        assert accuracy[5:] == [common.symbols()["dash"]] * 3
+
+
+def test_bench_backward_names_the_shapes_the_oracle_skips(monkeypatch):
+    from fastattn.cli.bench import backward
+    monkeypatch.setattr(backward, "QUICK_ORACLE_MAX_SCORES", 10)
+    inputs = shapes.make_backward_inputs(shapes.SHAPES_BY_NAME["tiny"])
+    exact, why = backward.oracle_gradients(shapes.SHAPES_BY_NAME["tiny"], fastattn.reference,
+                                           inputs, quick=True)
+    assert exact is None
+    assert why == "skipped: the float64 oracle would build 1 x 6 x 6 matrices; run without --quick"
+    check = backward.check_gradients(shapes.SHAPES_BY_NAME["tiny"],
+                                     {"fastattn": [np.zeros(1)] * 3}, None, why)
+    assert check["ok"] is True and check["oracle"] == why
+    rep = {"results": [{"name": "tiny", "dtype": "float32", "check": check}]}
+    assert report.format_accuracy_table(rep).endswith("\n(no shape checked)\n" + "tiny: " + why)
+    failed = backward.check_gradients(shapes.SHAPES_BY_NAME["tiny"],
+                                      {"fastattn": [np.zeros(1)] * 3}, None, "error: boom")
+    assert failed["ok"] is False
+
+
+def test_bench_backward_alternates_batches_after_a_pause_and_a_wake_up_call(monkeypatch):
+    # fastattn's and torch's backward batches alternate through the one harness, each after
+    # a pause and one untimed call, as the shapes table's do.
+    from types import SimpleNamespace
+    from fastattn.cli.bench import backward
+    events = []
+    monkeypatch.setattr(harness, "settle", lambda: events.append("pause"))
+    timed = harness.timed_batch
+
+    def logged_batch(fn, n):
+        seconds = timed(fn, n)
+        events.append("batch")
+        return seconds
+
+    monkeypatch.setattr(harness, "timed_batch", logged_batch)
+
+    def logged(tag, make):
+        def call_maker(shape, lib, inputs):
+            call = make(shape, fastattn, inputs)
+            return lambda: events.append(tag) or call()
+        return call_maker
+
+    real = backward.fastattn_backward_call
+    monkeypatch.setattr(backward, "fastattn_backward_call", logged("fa", real))
+    monkeypatch.setattr(backward, "torch_backward_call", logged("torch", real))
+    result = backward.measure_backward_shape(
+        shapes.SHAPES_BY_NAME["tiny"], fa=fastattn, ref_mod=fastattn.reference,
+        torch=SimpleNamespace(Tensor=type(None)), repeat=2, quick=True)
+    calls = {tag: result["libraries"][name]["calls_per_sample"]
+             for tag, name in (("fa", "fastattn"), ("torch", "torch"))}
+    segments = " ".join(events).split("batch")[:-1]
+    samples = [seg.split("pause")[-1].split() for seg in segments]
+    assert [s[0] for s in samples] == ["fa", "torch", "torch", "fa"]    # the order rotates
+    for s in samples:
+        assert len(set(s)) == 1 and len(s) == calls[s[0]] + 1
+    assert result["check"]["vs_torch_max_rel"] == 0.0 and result["check"]["ok"] is True

@@ -38,39 +38,41 @@ ORACLE_MAX_SCORES = 1 << 24
 QUICK_ORACLE_MAX_SCORES = 1 << 20
 
 
-def _fastattn_entry(shape, fa, inputs, repeat):
+def fastattn_backward_call(shape, fa, inputs):
+    """fastattn's backward on ``inputs`` (q, k, v, dout), its forward run now."""
     q, k, v, dout = inputs
     out, lse = fa.attention(q, k, v, causal=shape.causal, return_lse=True)
-    return harness.Timed(functools.partial(
-        fa.attention_backward, dout, q, k, v, out, lse, causal=shape.causal), repeat)
+    return functools.partial(fa.attention_backward, dout, q, k, v, out, lse,
+                             causal=shape.causal)
 
 
-def _torch_entry(shape, torch, inputs, repeat):
+def torch_backward_call(shape, torch, inputs):
+    """torch's backward through SDPA on ``inputs`` (q, k, v, dout), its forward run now
+    and its graph kept between calls."""
     q, k, v, dout = (harness.to_torch(torch, a) for a in inputs)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **torch_keywords(shape))
-    return harness.Timed(functools.partial(
-        torch.autograd.grad, out, (q, k, v), dout, retain_graph=True), repeat)
+    return functools.partial(torch.autograd.grad, out, (q, k, v), dout, retain_graph=True)
 
 
 def _entries(shape, fa, torch, inputs, repeat):
     """The calls to time, the libraries skipped (with why), and the setup errors."""
-    makers = {"fastattn": functools.partial(_fastattn_entry, shape, fa)}
+    makers = {"fastattn": functools.partial(fastattn_backward_call, shape, fa)}
     skipped = {}
     if torch is None:
         skipped["torch"] = {"skipped": "torch is not installed"}
     else:
-        makers["torch"] = functools.partial(_torch_entry, shape, torch)
+        makers["torch"] = functools.partial(torch_backward_call, shape, torch)
     entries, errors = {}, {}
     for name, make in makers.items():
         try:   # a library whose forward fails does not stop the other
-            entries[name] = make(inputs, repeat)
+            entries[name] = harness.Timed(make(inputs), repeat)
         except Exception as exc:
             errors[name] = exc
     return entries, skipped, errors
 
 
-def _oracle(shape, ref_mod, inputs, quick):
+def oracle_gradients(shape, ref_mod, inputs, quick):
     """``(float64 gradients, None)``, or ``(None, why there are none)``."""
     scores = shape.hq * shape.lq * shape.lk
     if scores > (QUICK_ORACLE_MAX_SCORES if quick else ORACLE_MAX_SCORES):
@@ -128,7 +130,7 @@ def measure_backward_shape(shape, *, fa, ref_mod, torch, repeat, quick):
     record_libraries(result, entries, samples, skipped, {**errors, **failed})
     grads = {name: [np.asarray(as_numpy(torch, g), np.float64) for g in res]
              for name, res in outputs.items()}
-    exact, why_not = _oracle(shape, ref_mod, inputs, quick)
+    exact, why_not = oracle_gradients(shape, ref_mod, inputs, quick)
     result["check"] = check_gradients(shape, grads, exact, why_not)
     record_load(result, load)
     return result
