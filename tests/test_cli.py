@@ -179,9 +179,9 @@ def test_bench_threads_and_decode(tmp_path):
     assert "GB/s" in proc.stdout
 
 
-def test_bench_each_timed_batch_follows_an_untimed_call(monkeypatch):
-    # After the pause before a batch, one untimed call wakes the library's threads, so the
-    # batch times back-to-back calls only; the reference's batches (long calls) go as is.
+def _log_harness(monkeypatch):
+    """A list to which the harness adds "pause" for each pause and "batch" at the end of
+    each timed batch; the callables add their own events."""
     events = []
     monkeypatch.setattr(harness, "settle", lambda: events.append("pause"))
     timed = harness.timed_batch
@@ -192,6 +192,19 @@ def test_bench_each_timed_batch_follows_an_untimed_call(monkeypatch):
         return seconds
 
     monkeypatch.setattr(harness, "timed_batch", logged_batch)
+    return events
+
+
+def _timed_samples(events):
+    """Each timed sample's events since its pause: the wake-up call, then the batch."""
+    segments = " ".join(events).split("batch")[:-1]
+    return [seg.split("pause")[-1].split() for seg in segments]
+
+
+def test_bench_each_timed_batch_follows_an_untimed_call(monkeypatch):
+    # After the pause before a batch, one untimed call wakes the library's threads, so the
+    # batch times back-to-back calls only; the reference's batches (long calls) go as is.
+    events = _log_harness(monkeypatch)
 
     class Logged:
         def __init__(self, mod, tag):
@@ -207,8 +220,7 @@ def test_bench_each_timed_batch_follows_an_untimed_call(monkeypatch):
     calls = {tag: result["libraries"][name]["calls_per_sample"]
              for tag, name in (("fa", "fastattn"), ("ref", "reference"))}
     # Each timed sample: a pause, the calls, then the batch ends.
-    segments = " ".join(events).split("batch")[:-1]
-    samples = [seg.split("pause")[-1].split() for seg in segments]
+    samples = _timed_samples(events)
     assert sorted(s[0] for s in samples) == ["fa", "fa", "ref", "ref"]
     for s in samples:
         assert len(set(s)) == 1
@@ -826,16 +838,7 @@ def test_bench_backward_alternates_batches_after_a_pause_and_a_wake_up_call(monk
     # a pause and one untimed call, as the shapes table's do.
     from types import SimpleNamespace
     from fastattn.cli.bench import backward
-    events = []
-    monkeypatch.setattr(harness, "settle", lambda: events.append("pause"))
-    timed = harness.timed_batch
-
-    def logged_batch(fn, n):
-        seconds = timed(fn, n)
-        events.append("batch")
-        return seconds
-
-    monkeypatch.setattr(harness, "timed_batch", logged_batch)
+    events = _log_harness(monkeypatch)
 
     def logged(tag, make):
         def call_maker(shape, lib, inputs):
@@ -851,8 +854,7 @@ def test_bench_backward_alternates_batches_after_a_pause_and_a_wake_up_call(monk
         torch=SimpleNamespace(Tensor=type(None)), repeat=2, quick=True)
     calls = {tag: result["libraries"][name]["calls_per_sample"]
              for tag, name in (("fa", "fastattn"), ("torch", "torch"))}
-    segments = " ".join(events).split("batch")[:-1]
-    samples = [seg.split("pause")[-1].split() for seg in segments]
+    samples = _timed_samples(events)
     assert [s[0] for s in samples] == ["fa", "torch", "torch", "fa"]    # the order rotates
     for s in samples:
         assert len(set(s)) == 1 and len(s) == calls[s[0]] + 1

@@ -50,10 +50,10 @@ def add_arguments(parser):
                        help="instead of the shapes: the backward table, "
                             "fastattn.attention_backward against torch.autograd.grad through "
                             "torch's scaled_dot_product_attention (same dtype), each side's "
-                            "gradients against the float64 oracle on shapes up to "
-                            f"{ORACLE_MAX_SCORES:,} scores (Hq Lq Lk; "
-                            f"{QUICK_ORACLE_MAX_SCORES:,} with --quick); --json writes its "
-                            "rows, --plot is not drawn")
+                            "gradients against the float64 oracle where Hq*Lq*Lk <= "
+                            f"2**{ORACLE_MAX_SCORES.bit_length() - 1} "
+                            f"(2**{QUICK_ORACLE_MAX_SCORES.bit_length() - 1} with --quick); "
+                            "--json writes its rows, --plot is not drawn")
     table.add_argument("--variants", action="store_true",
                        help="only the variants table: softcap, ALiBi, sinks and packed "
                             "sequences against the same calls without them and against "
