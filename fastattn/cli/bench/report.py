@@ -208,8 +208,8 @@ def format_accuracy_table(report):
             notes.append(f"{r['name']}: {c['oracle']}")
     header = ["shape", "dtype"] + [f"fastattn {g}" for g in GRADIENTS] + [
         f"torch {g}" for g in GRADIENTS]
-    text = ("accuracy against the float64 oracle (fastattn.reference.attention_backward), "
-            "max|g - g64| / max|g64| per gradient:\n")
+    text = ("accuracy against the float64 oracle (fastattn.reference.attention_backward):\n"
+            "max|g - g64| / max|g64| of each gradient g\n")
     text += format_table(header, rows, align="ll") if rows else "(no shape checked)"
     return "\n".join([text] + notes)
 
