@@ -13,6 +13,8 @@ length / mask visibility, never materialising the Lq x Lk score matrix.
 - ``src/fa_kernels.h``      the visibility rule (one definition) and the SIMD micro-kernels
   ``src/fa_tile_impl.h``    (score tile, softmax step, output tile), compiled once per ISA.
 - ``fastattn/_dispatch.py`` imports the best compiled variant for the running CPU.
+- ``fastattn/_merge.py``    ``merge_attention``: partial results over disjoint keys, merged
+                            exactly through their lse (sharded caches, dask).
 - ``fastattn/reference.py`` the plain-NumPy oracle the tests and benchmarks compare with.
 - ``fastattn/layers.py``, ``positions.py``: self-attention, multi-head attention with a KV
   cache, sinusoidal and rotary positions, all on the fused kernel.
@@ -20,6 +22,7 @@ length / mask visibility, never materialising the Lq x Lk score matrix.
 from importlib import metadata as _metadata
 
 from ._api import attention, attention_varlen, attention_weights, softmax
+from ._merge import merge_attention
 from ._threads import get_num_threads, num_threads, set_num_threads
 from . import reference
 from .layers import KVCache, MultiHeadAttention, self_attention
@@ -31,7 +34,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
     __version__ = "0.1.0+unknown"
 
 __all__ = [
-    "attention", "attention_varlen", "attention_weights", "softmax",
+    "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
