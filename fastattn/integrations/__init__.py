@@ -10,9 +10,11 @@ dependency stays NumPy alone.
   ``attn_implementation="fastattn"``.
 - ``fastattn.integrations.tabpfn``: ``register()`` adds an attention backend that TabPFN
   prefers for its CPU inference calls.
+- ``fastattn.integrations.dask``: ``attention(q, k, v, ...)`` on dask arrays, one task per
+  block of batch elements and heads, keys split across chunks merged exactly.
 
-Both hand torch's CPU tensors to :func:`fastattn.attention` as NumPy views of the same
+The first two hand torch's CPU tensors to :func:`fastattn.attention` as NumPy views of the same
 memory (``torch.Tensor.numpy()``), so float32 inputs and the result are not copied.
 """
 
-__all__ = ["tabpfn", "transformers"]
+__all__ = ["dask", "tabpfn", "transformers"]
