@@ -4,8 +4,8 @@ Every result is compared with the single-process fastattn.attention call on the 
 arrays: bitwise where the keys are in one chunk (each block is the same kernel call on the
 same rows, and a row's bits do not depend on the thread count or the rows beside it), and
 within conftest's tolerance where key chunks are merged.  One cluster serves the module
-(starting one costs a few seconds); the worker-failure test runs last and waits for the
-nanny to bring the killed worker back.
+(starting one costs a few seconds); the worker-failure test waits for the nanny to bring
+the killed worker back before it ends.
 """
 import logging
 import os
@@ -218,3 +218,31 @@ def test_worker_killed_mid_computation(client):
     client.wait_for_workers(2, timeout=30)
     new_pids = {f["pid"] for f in client.run(_worker_facts).values()}
     assert pids[victim] not in new_pids and len(new_pids) == 2
+
+
+# --------------------------------------------------------------------------- the docs
+
+def test_docs_examples_run():
+    """The cluster examples of docs/beyond-one-machine.md run as printed, each in a fresh
+    interpreter (they start their own cluster), and print what the page says they print."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "beyond-one-machine.md").read_text(encoding="utf-8")
+    examples = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "LocalCluster" in b]
+    assert len(examples) == 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    for code in examples:
+        res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        printed = res.stdout.split()
+        claimed = re.search(r"print\(.*\)\s+# (.*)\n", code).group(1).split()
+        if printed[0].startswith("("):       # the batch example: shape, then difference
+            assert printed[:2] == claimed[:2] and float(printed[2]) <= 1e-6, res.stdout
+        else:                                # the decode example: relative error
+            assert float(printed[0]) <= 1e-6, res.stdout
