@@ -20,58 +20,56 @@ from . import _variants
 __all__ = ["merge_attention"]
 
 
-_shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
+_LOWEST = {np.dtype(t): np.finfo(t).min for t in (np.float32, np.float64)}
 
 
-def _arrays(items, name):
-    if isinstance(items, np.ndarray):
-        items = list(items)   # a stacked array: its partials along axis 0
-    else:
-        try:
-            items = [a if type(a) is np.ndarray else np.asarray(a) for a in items]
-        except TypeError:
-            raise TypeError(f"{name} must be a sequence of arrays, got "
-                            f"{type(items).__name__}") from None
-    if not items:
+def _stack(items, name):
+    """The partials stacked along a new axis 0 (a stacked array is taken as it is)."""
+    try:
+        n = len(items)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of arrays, got {type(items).__name__}") from None
+    if n == 0:
         raise ValueError(f"{name} must hold at least one partial result, got an empty sequence")
-    return items
-
-
-def _first_unlike(items, attr, value):
-    return next(i for i, a in enumerate(items) if attr(a) != value)
+    if not isinstance(items, np.ndarray):
+        try:
+            dtypes = set(map(_dtype, items))
+        except AttributeError:                 # nested lists, scalars: their arrays' dtypes
+            dtypes = {np.asarray(a).dtype for a in items}
+        if len(dtypes) > 1:
+            i = next(i for i, a in enumerate(items) if getattr(a, "dtype", None) != items[0].dtype)
+            raise TypeError(f"{name} must all have one dtype: {name}[0].dtype="
+                            f"{getattr(items[0], 'dtype', None)}, {name}[{i}].dtype="
+                            f"{getattr(items[i], 'dtype', None)}")
+    try:
+        stacked = np.asarray(items)
+    except ValueError:
+        stacked = np.empty(0, dtype=object)
+    if stacked.dtype == object:                # partials of different shapes
+        shapes = [np.shape(a) for a in items]
+        i = next(i for i, s in enumerate(shapes) if s != shapes[0])
+        raise ValueError(f"{name} must all have one shape: {name}[0].shape={shapes[0]}, "
+                         f"{name}[{i}].shape={shapes[i]}")
+    return stacked
 
 
 def _check(outs, lses):
-    """The partials as arrays, their dtype and compute dtype; raises before any arithmetic."""
-    outs, lses = _arrays(outs, "outs"), _arrays(lses, "lses")
+    """The partials stacked, their dtype and compute dtype; raises before any arithmetic."""
+    outs, lses = _stack(outs, "outs"), _stack(lses, "lses")
     if len(outs) != len(lses):
         raise ValueError(f"outs and lses must have the same length, got {len(outs)} outs "
                          f"and {len(lses)} lses")
-    first = outs[0]
-    if first.ndim < 1:
-        raise ValueError("outs[0] must have shape (..., Lq, Dv), got a 0-d array")
-    dtype = _variants.storage_dtype(first.dtype, "outs[0].dtype")
+    if outs.ndim < 2:
+        raise ValueError("outs must be arrays of shape (..., Lq, Dv), got 0-d arrays")
+    dtype = _variants.storage_dtype(outs.dtype, "outs[0].dtype")
     compute = np.dtype(np.float32) if dtype.itemsize == 2 else dtype   # 16-bit: float32
-    rows = first.shape[:-1]
-    # Whole lists compared in C; the loops in _first_unlike only name the culprit.
-    n = len(outs)
-    if list(map(_shape, outs)) != [first.shape] * n:
-        i = _first_unlike(outs, _shape, first.shape)
-        raise ValueError(f"outs must all have one shape: outs[0].shape={first.shape}, "
-                         f"outs[{i}].shape={outs[i].shape}")
-    if list(map(_dtype, outs)) != [dtype] * n:
-        i = _first_unlike(outs, _dtype, dtype)
-        raise TypeError(f"outs must all have one dtype: outs[0].dtype={dtype}, "
-                        f"outs[{i}].dtype={outs[i].dtype}")
-    if list(map(_shape, lses)) != [rows] * n:
-        i = _first_unlike(lses, _shape, rows)
-        raise ValueError(f"lses[{i}] must have shape out.shape[:-1] = {rows}, got "
-                         f"lses[{i}].shape={lses[i].shape} (outs[0].shape={first.shape})")
-    if list(map(_dtype, lses)) != [compute] * n:
-        i = _first_unlike(lses, _dtype, compute)
-        raise TypeError(f"lses[{i}] must have dtype {compute} (the compute dtype of outs of "
-                        f"dtype {dtype}), got {lses[i].dtype}")
+    if lses.shape != outs.shape[:-1]:
+        raise ValueError(f"lses must have shape out.shape[:-1] = {outs.shape[1:-1]}, got "
+                         f"lses of shape {lses.shape[1:]} (outs of shape {outs.shape[1:]})")
+    if lses.dtype != compute:
+        raise TypeError(f"lses must have dtype {compute} (the compute dtype of outs of dtype "
+                        f"{dtype}), got {lses.dtype}")
     return outs, lses, dtype, compute
 
 
@@ -132,24 +130,23 @@ def merge_attention(outs, lses):
     True
     """
     outs, lses, dtype, compute = _check(outs, lses)
-    rows, Dv = outs[0].shape[:-1], outs[0].shape[-1]
-    n, R = len(outs), math.prod(rows)
-    lse_all = np.array(lses).reshape(n, R)
+    n, rows, Dv = outs.shape[0], outs.shape[1:-1], outs.shape[-1]
+    R = math.prod(rows)
+    lse_all = lses.reshape(n, R)
     top = np.maximum.reduce(lse_all, axis=0)
     # Rows nobody sees (top = -inf) are shifted by the most negative finite number instead,
     # so that their weights come out as exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
-    shift = np.maximum(top, np.finfo(compute).min)
-    # Weights of row r in w[r], contiguous: the layout the product below reads.
-    w = np.subtract(lse_all.T, shift[:, None], order="C")
+    w = np.subtract(lse_all, np.maximum(top, _LOWEST[compute]))
     np.exp(w, out=w)
     # The largest weight of a row someone sees is exp(0) = 1 exactly, so its total is >= 1
     # and max(total, 1) changes only the rows nobody sees (total 0: weights 0, lse -inf).
-    total = np.maximum(np.add.reduce(w, axis=1), 1)
-    lse = np.add(top, np.log(total)).reshape(rows)
-    w /= total[:, None]
+    total = np.maximum(np.add.reduce(w, axis=0), 1)
+    w /= total
+    lse = np.log(total)
+    lse += top
     # One batched product, (R, 1, n) @ (R, n, Dv): each row's weighted sum of the partials
-    # in a single call.  np.array copies the partials once; the product reads that copy
-    # through a transposed view (BLAS takes its stride).
-    stacked = np.array(outs, dtype=compute).reshape(n, R, Dv).transpose(1, 0, 2)
-    out = np.matmul(w[:, None, :], stacked).reshape(rows + (Dv,))
-    return out.astype(dtype, copy=False), lse
+    # in a single call, reading the stacked partials and the weights through transposed
+    # views (BLAS takes their strides).
+    stacked = outs.reshape(n, R, Dv).astype(compute, copy=False).transpose(1, 0, 2)
+    out = np.matmul(w.T[:, None, :], stacked).reshape(rows + (Dv,))
+    return out.astype(dtype, copy=False), lse.reshape(rows)

@@ -232,11 +232,14 @@ L32 = np.zeros((2, 3), np.float32)
     ([O32, O32], [L32], ValueError, "same length"),
     ([O32, O32[:, :2]], [L32, L32], ValueError, "outs[1].shape=(2, 2, 4)"),
     ([O32, O32.astype(np.float64)], [L32, L32], TypeError, "outs[1].dtype=float64"),
-    ([O32, O32], [L32, L32[:1]], ValueError, "lses[1] must have shape out.shape[:-1] = (2, 3)"),
-    ([O32, O32], [L32, L32.astype(np.float64)], TypeError, "lses[1] must have dtype float32"),
+    ([O32, O32], [L32, L32[:1]], ValueError, "lses[0].shape=(2, 3), lses[1].shape=(1, 3)"),
+    ([O32, O32], [L32[:, :2]] * 2, ValueError, "lses must have shape out.shape[:-1] = (2, 3)"),
+    ([O32, O32], [L32, L32.astype(np.float64)], TypeError, "lses[1].dtype=float64"),
+    ([O32, O32], [L32.astype(np.float64)] * 2, TypeError, "lses must have dtype float32"),
     ([O32.astype(np.float16)] * 2, [L32.astype(np.float16)] * 2, TypeError, "float32"),
     ([O32.astype(np.int64)], [L32], TypeError, "outs[0].dtype"),
     ([np.float32(1)], [L32], ValueError, "0-d"),
+    ([[[1.0]], [[1.0], [2.0]]], [L32, L32], ValueError, "outs[1].shape=(2, 1)"),
     (3, [L32], TypeError, "outs must be a sequence of arrays"),
 ])
 def test_bad_input(outs, lses, error, words):

@@ -335,6 +335,6 @@ def _merge_packed(x, axis=None, keepdims=False):
     """Merge packed partials (rows with the lse as the last column) along ``axis``."""
     axis = axis[0] if isinstance(axis, tuple) else axis
     parts = np.moveaxis(x, axis, 0)
-    out, lse = merge_attention(list(parts[..., :-1]), list(parts[..., -1]))
+    out, lse = merge_attention(parts[..., :-1], parts[..., -1])
     packed = np.concatenate([out, lse[..., None]], axis=-1)
     return np.expand_dims(packed, axis) if keepdims else packed
