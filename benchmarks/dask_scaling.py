@@ -15,6 +15,9 @@
    the float64 reference, float32's own error), the bytes that cross between client and
    workers per step, and the step's latency.
 
+3. The merge alone: 8 partials of (32 heads, 1 row, D 128) float32, as a list and stacked
+   in one array, against summing them (the least a merge must do: read every partial once).
+
 The machine may be shared: read the spread, not one number.
 """
 import argparse
@@ -144,6 +147,37 @@ def decode_step(client, steps):
           f"{1e3 * statistics.median(local):.2f} ms")
 
 
+def merge_overhead(rounds):
+    import timeit
+
+    rng = np.random.default_rng(0)
+    outs = [rng.standard_normal((32, 1, 128), dtype=np.float32) for _ in range(8)]
+    lses = [rng.standard_normal((32, 1), dtype=np.float32) for _ in range(8)]
+    stacked, stacked_lse = np.stack(outs), np.stack(lses)
+
+    def read():
+        total = outs[0] + outs[1]
+        for o in outs[2:]:
+            total += o
+        return total
+
+    cases = {"sum of the list": read,
+             "sum of the stack": lambda: np.add.reduce(stacked, axis=0),
+             "merge the list": lambda: fastattn.merge_attention(outs, lses),
+             "merge the stack": lambda: fastattn.merge_attention(stacked, stacked_lse)}
+    times = {name: [] for name in cases}
+    for _ in range(rounds):                       # alternate the cases, best of 5 x 500 each
+        for name, f in cases.items():
+            times[name].append(min(timeit.repeat(f, number=500, repeat=5)) / 500 * 1e6)
+    print("\nmerge of 8 partials (32 heads, 1 row, D 128), float32, us per call")
+    for name, t in times.items():
+        print(f"  {name:17s} median {statistics.median(t):6.2f}  range {min(t):.2f}..{max(t):.2f}")
+    for merge, read_ in (("merge the list", "sum of the list"), ("merge the stack", "sum of the stack")):
+        extra = [a - b for a, b in zip(times[merge], times[read_])]
+        print(f"  {merge} - {read_}: median {statistics.median(extra):.2f} us, range "
+              f"{min(extra):.2f}..{max(extra):.2f} (target <= 10)")
+
+
 def main(argv=None):
     from distributed import Client, LocalCluster
 
@@ -159,6 +193,7 @@ def main(argv=None):
               f"{sorted(set(threads.values()))}\n")
         prefill_rounds(client, args.calls, args.rounds)
         decode_step(client, args.steps)
+    merge_overhead(args.rounds)
 
 
 if __name__ == "__main__":

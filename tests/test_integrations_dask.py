@@ -159,6 +159,17 @@ def test_decode_over_a_sharded_cache(client, rng):
     assert error(out, one) <= 2e-6
 
 
+def test_docstring_example():
+    import doctest
+
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    tests = doctest.DocTestFinder().find(fa_dask.attention, "attention", globs={"np": np})
+    assert tests and tests[0].examples
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0
+
+
 def test_errors_before_any_task(rng):
     q, k, v = rows(rng)
     with pytest.raises(ValueError, match="k.shape=.*v.shape"):
