@@ -6,9 +6,10 @@ each ``K_i``: with ``lse_i = log(sum_{j in K_i} exp(s_j))``,
     lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i.
 
 The sums are shifted by ``max_i lse_i`` (the log-sum-exp trick), so every weight lies in
-[0, 1] and nothing overflows whatever the scores.  Everything here is elementwise over the
-rows and sums the partials in the order given, so a row's result does not depend on the
-other rows passed with it (dask's chunking of the batch and heads leaves its bits alone).
+[0, 1] and nothing overflows whatever the scores.  Each row is merged on its own (its
+weights elementwise, its weighted sum one small product of its own), so a row's result does
+not depend on the other rows passed with it: dask's chunking of the batch and heads leaves
+its bits alone.
 """
 import math
 import operator
@@ -33,15 +34,15 @@ def _stack(items, name):
     if n == 0:
         raise ValueError(f"{name} must hold at least one partial result, got an empty sequence")
     if not isinstance(items, np.ndarray):
+        # Checked before stacking, which would promote mixed dtypes silently.
         try:
-            dtypes = set(map(_dtype, items))
+            dtypes = list(map(_dtype, items))
         except AttributeError:                 # nested lists, scalars: their arrays' dtypes
-            dtypes = {np.asarray(a).dtype for a in items}
-        if len(dtypes) > 1:
-            i = next(i for i, a in enumerate(items) if getattr(a, "dtype", None) != items[0].dtype)
-            raise TypeError(f"{name} must all have one dtype: {name}[0].dtype="
-                            f"{getattr(items[0], 'dtype', None)}, {name}[{i}].dtype="
-                            f"{getattr(items[i], 'dtype', None)}")
+            dtypes = [np.asarray(a).dtype for a in items]
+        if dtypes.count(dtypes[0]) != n:
+            i = next(i for i, dt in enumerate(dtypes) if dt != dtypes[0])
+            raise TypeError(f"{name} must all have one dtype: {name}[0].dtype={dtypes[0]}, "
+                            f"{name}[{i}].dtype={dtypes[i]}")
     try:
         stacked = np.asarray(items)
     except ValueError:

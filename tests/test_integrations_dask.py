@@ -107,6 +107,19 @@ def test_numpy_inputs_broadcast_batch_and_mask(client, rng):
                                   fastattn.attention(q[0, 0], k[0, 0], v[0, 0]))
 
 
+@pytest.mark.parametrize("keys", [40, 15])
+def test_no_batch_axes(rng, keys):
+    # (H, L, D) inputs: the per-batch keyword arrays are 0-d.
+    q, k, v = make_qkv(rng, (4, 6, 16), (2, 40, 16), (2, 40, 8))
+    kd, vd = (da.from_array(a, chunks=(1, keys, -1)) for a in (k, v))
+    keywords = dict(kv_lengths=30, q_lengths=5, sinks=np.ones(4), causal=True)
+    out, lse = dask.compute(*fa_dask.attention(q, kd, vd, return_lse=True, **keywords),
+                            scheduler="synchronous")
+    expected, expected_lse = fastattn.attention(q, k, v, return_lse=True, **keywords)
+    assert_close(out, expected)
+    assert_close(lse, expected_lse, scale=10.0)
+
+
 def test_head_chunks_keep_gqa_groups(rng):
     q, k, v = rows(rng, Hq=12, Hkv=3)               # groups of 4 query heads
     qd = da.from_array(q, chunks=(3, 5, -1, -1))     # 5 heads would split a group

@@ -186,7 +186,7 @@ class _Plan:
         batch_chunks = tuple(self.batch_chunks)
         per_head = batch_chunks + (self.q_heads,)
         wrap = lambda a, ch: None if a is None else da.from_array(  # noqa: E731
-            np.ascontiguousarray(a), chunks=ch)
+            np.array(a), chunks=ch)          # np.array: a copy that stays 0-d for batch ()
         lengths = lambda a: None if a is None else np.broadcast_to(  # noqa: E731
             np.asarray(a, dtype=np.intp).reshape(c.batch), c.batch)
         heads = lambda a: None if a is None else a.reshape(c.batch + (c.Hq,))  # noqa: E731
@@ -302,7 +302,8 @@ def _shard_keywords(q, k, v, a, b, Lk, kv_len, q_len, mask, static):
         keywords.update(causal=False, window=(wl if wl == -1 else wl - after,
                                               wr if wr == -1 else wr + after))
         return dict(keywords, mask=mask)
-    keywords.update(causal=False, window=None)
+    # Padding rows (q_lengths) stay padding: zeros and lse = -inf, the sink left out too.
+    keywords.update(causal=False, window=None, q_lengths=q_len)
     return dict(keywords, mask=_shard_mask(q, k, v, a, b, Lk, kv_len, q_len, mask, causal, wl, wr))
 
 
