@@ -3,10 +3,11 @@
     python benchmarks/dask_scaling.py [--rounds 5] [--calls 64]
 
 1. Throughput: ``--calls`` prefill-1k calls (12 heads, Lq = Lk = 1024, D 64, float32), as
-   ``fastattn.integrations.dask.attention`` on ``LocalCluster(2 workers x 1 thread)`` (one
-   task per call, each call's inputs generated on the worker that runs it) against a loop of
-   ``fastattn.attention`` calls in this process with 2 threads (cycling over 8 inputs).  Rounds alternate the two;
-   the ratio of each round's throughputs is printed, then the median and the range.
+   ``fastattn.integrations.dask.attention`` on ``LocalCluster(2 workers x 1 thread)`` (each
+   call's inputs generated on the worker that runs it; one task per call, and one per 4
+   calls) against a loop of ``fastattn.attention`` calls in this process with 2 threads
+   (cycling over 8 inputs).  Rounds alternate them; the ratio of each round's throughputs
+   is printed, then the median and the range.
 2. A decode step (decode-4k: 32 heads, 4096 cached keys, D 128, float32) against a KV cache
    split into 2 shards, one per worker, built there: each worker attends over its shard,
    the client merges with ``fastattn.merge_attention``; also the same step as
@@ -18,7 +19,9 @@
 3. The merge alone: 8 partials of (32 heads, 1 row, D 128) float32, as a list and stacked
    in one array, against summing them (the least a merge must do: read every partial once).
 
-The machine may be shared: read the spread, not one number.
+Workers run with Dask's statistical profiler off and without ``MALLOC_TRIM_THRESHOLD_``
+(``--dask-defaults`` keeps both; see ``tune_workers``).  The machine may be shared: read
+the spread, not one number.
 """
 import argparse
 import statistics
@@ -39,24 +42,24 @@ def make_qkv(seed):
     return np.random.default_rng(seed).standard_normal((3, 1, H, L, D), dtype=np.float32)
 
 
-def prefill_rounds(client, calls, rounds):
+def prefill_rounds(client, calls, rounds, group=4):
     import dask
     import dask.array as da
     from distributed import wait
 
     H, L, D = PREFILL
-    # The inputs of call i are generated on worker i % 2 (32 calls each: a balanced load,
-    # with no input crossing between workers), by one task for q, k and v together.
+    # Calls i .. i + group - 1 are generated on one worker, the next group on the other
+    # (a balanced load, no input crossing between workers), q, k and v by one task.
     workers = sorted(client.scheduler_info()["workers"])[:2]
-    blocks = [client.submit(make_qkv, i, workers=[workers[i % 2]], pure=False)
+    blocks = [client.submit(make_qkv, i, workers=[workers[i // group % 2]], pure=False)
               for i in range(calls)]
     wait(blocks)
     x = da.concatenate([da.from_delayed(dask.delayed(b), (3, 1, H, L, D), np.float32)
                         for b in blocks], axis=1)
-    # Persisted views: the timed graph is then the attention tasks alone, each sent at once
-    # to the worker that holds its inputs.
-    qkv = client.persist([x[0], x[1], x[2]])
-    wait(qkv)
+    # Persisted inputs, one call per chunk and `group` calls per chunk: the timed graph is
+    # then the attention tasks alone, each sent at once to the worker that holds its inputs.
+    inputs = {n: client.persist([x[i].rechunk({0: n}) for i in range(3)]) for n in (1, group)}
+    wait(list(inputs.values()))
     rng = np.random.default_rng(0)
     local = [rng.standard_normal((3, 1, H, L, D), dtype=np.float32) for _ in range(8)]
 
@@ -67,7 +70,7 @@ def prefill_rounds(client, calls, rounds):
                 fastattn.attention(*local[i % len(local)])
         return calls / (time.perf_counter() - t)
 
-    def cluster():
+    def cluster(qkv):
         out = fa_dask.attention(*qkv)
         t = time.perf_counter()
         done = client.persist(out)
@@ -80,16 +83,20 @@ def prefill_rounds(client, calls, rounds):
             time.sleep(0.01)
         return rate
 
-    one_process(), cluster()          # warm-up: imports and first calls on the workers
-    print(f"prefill-1k x {calls}: calls/s, one process (2 threads) vs LocalCluster(2 x 1)")
-    ratios = []
+    one_process(), cluster(inputs[1]), cluster(inputs[group])      # warm-up
+    print(f"prefill-1k x {calls}: calls/s, one process (2 threads) vs LocalCluster(2 x 1), "
+          f"tasks of 1 call and of {group} calls")
+    ratios = {1: [], group: []}
     for r in range(rounds):
         a = one_process()
-        b = cluster()
-        ratios.append(b / a)
-        print(f"  round {r + 1}: one process {a:6.2f}/s   cluster {b:6.2f}/s   ratio {b / a:.3f}")
-    print(f"  ratio median {statistics.median(ratios):.3f}  range "
-          f"{min(ratios):.3f}..{max(ratios):.3f}  (target >= 0.85)")
+        b = {n: cluster(inputs[n]) for n in ratios}
+        line = "   ".join(f"{n} per task {b[n]:6.2f}/s ({b[n] / a:.3f})" for n in ratios)
+        print(f"  round {r + 1}: one process {a:6.2f}/s   cluster: {line}")
+        for n in ratios:
+            ratios[n].append(b[n] / a)
+    for n, rs in ratios.items():
+        print(f"  {n} call(s) per task: ratio median {statistics.median(rs):.3f}  range "
+              f"{min(rs):.3f}..{max(rs):.3f}  (target >= 0.85)")
 
 
 def make_shard(seed, shard, n_shards):
@@ -191,6 +198,19 @@ def merge_overhead(rounds):
               f"{min(extra):.2f}..{max(extra):.2f} (target <= 10)")
 
 
+def tune_workers():
+    """Two worker settings that cost compute-bound tasks time: the statistical profiler,
+    which samples every worker thread's stack every 10 ms, and MALLOC_TRIM_THRESHOLD_=65536,
+    which makes glibc return freed memory at once (and disables its adaptive mmap
+    threshold), so that calls fault fresh pages in again."""
+    import dask
+
+    env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)
+    dask.config.set({"distributed.worker.profile.enabled": False,
+                     "distributed.nanny.pre-spawn-environ": env})
+
+
 def main(argv=None):
     from distributed import Client, LocalCluster
 
@@ -198,12 +218,18 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--dask-defaults", action="store_true",
+                        help="keep Dask's worker defaults (see tune_workers)")
     args = parser.parse_args(argv)
+    if not args.dask_defaults:
+        tune_workers()
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         threads = client.run(fastattn.get_num_threads)
         print(f"workers: {len(threads)}, fastattn threads per worker: "
-              f"{sorted(set(threads.values()))}\n")
+              f"{sorted(set(threads.values()))}, "
+              + ("Dask's defaults" if args.dask_defaults else
+                 "profiler off and MALLOC_TRIM_THRESHOLD_ unset (see tune_workers)") + "\n")
         prefill_rounds(client, args.calls, args.rounds)
         decode_step(client, args.steps)
     merge_overhead(args.rounds)
