@@ -13,7 +13,7 @@ import pytest
 import fastattn
 from fastattn import _merge, reference
 
-from conftest import assert_close, make_qkv, tolerance
+from conftest import assert_close, import_optional, make_qkv, tolerance
 
 
 def shard_call(q, k, v, a, b, *, causal=False, window=None, kv_lengths=None, first=True,
@@ -152,7 +152,7 @@ def test_float16_partials(rng):
 
 
 def test_bfloat16_partials(rng):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = import_optional("ml_dtypes")
     q, k, v = make_qkv(rng, (2, 3, 32), (2, 100, 32), (2, 100, 32))
     q, k, v = (a.astype(ml_dtypes.bfloat16) for a in (q, k, v))
     out, lse = merged(q, k, v, [0, 30, 100])
