@@ -270,3 +270,24 @@ def test_docs_examples_run():
             assert printed[:2] == claimed[:2] and float(printed[2]) <= 1e-6, res.stdout
         else:                                # the decode example: relative error
             assert float(printed[0]) <= 1e-6, res.stdout
+
+
+def test_threads_per_task(rng, monkeypatch):
+    # Under dask's local threaded scheduler no nanny sets OMP_NUM_THREADS: threads= does.
+    seen = []
+    attention = fastattn.attention
+
+    def spy(*args, **keywords):
+        seen.append(fastattn.get_num_threads())
+        return attention(*args, **keywords)
+
+    monkeypatch.setattr(fastattn, "attention", spy)
+    q, k, v = rows(rng)
+    with fastattn.num_threads(2):
+        for keys, threads, expected in ((None, 1, 1), (35, 1, 1), (None, None, 2)):
+            seen.clear()
+            out = fa_dask.attention(*chunked(q, k, v, keys=keys), threads=threads)
+            out.compute(scheduler="synchronous")
+            assert seen and set(seen) == {expected}, (keys, threads, seen)
+    with pytest.raises(ValueError, match="threads: n must be >= 1"):
+        fa_dask.attention(q, k, v, threads=0)

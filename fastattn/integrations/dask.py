@@ -25,7 +25,7 @@ dask is imported when :func:`attention` is called, never by importing this modul
 """
 import numpy as np
 
-from .. import _api
+from .. import _api, _threads
 from .._dispatch import kernel as _kernel
 from .._merge import merge_attention
 
@@ -34,7 +34,7 @@ __all__ = ["attention"]
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, kv_lengths=None,
               return_lse=False, softcap=None, alibi_slopes=None, sinks=None, q_lengths=None,
-              split_every=None):
+              split_every=None, threads=None):
     """:func:`fastattn.attention` on dask arrays, block by block, keys split and merged.
 
     Parameters
@@ -52,6 +52,12 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, kv_l
         ``alibi_slopes`` needs the keys in one chunk.
     split_every : int, optional
         Fan-in of the tree that merges key chunks (dask's default when None).
+    threads : int, optional
+        fastattn threads per task.  None: fastattn's default, which honours
+        ``OMP_NUM_THREADS`` -- in a worker started by Dask's nanny, 1 (the worker's threads
+        run that many tasks at once).  Give it where no nanny sets the variable: under
+        dask's local threaded scheduler, or in workers without a nanny, where every task
+        would otherwise take all the cores.
 
     Returns
     -------
@@ -83,10 +89,16 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None, kv_l
     squeeze = arrays[0].ndim == 2        # (Lq, D): one head, as fastattn.attention allows
     if squeeze and all(a.ndim == 2 for a in arrays):
         arrays = [a[None] for a in arrays]
+    if threads is not None:
+        try:
+            threads = _threads._check(threads)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"threads: {e}") from None
     plan = _Plan(arrays, mask, dict(scale=scale, causal=causal, window=window,
                                     kv_lengths=kv_lengths, softcap=softcap,
                                     alibi_slopes=alibi_slopes, sinks=sinks,
-                                    q_lengths=q_lengths, return_lse=return_lse))
+                                    q_lengths=q_lengths, return_lse=return_lse,
+                                    threads=threads))
     out, lse = plan.build(split_every)
     if squeeze:
         out, lse = out[0], (None if lse is None else lse[0])
@@ -220,7 +232,7 @@ class _Plan:
     def _static(self):
         kw = self.keywords
         return dict(scale=self.call.scale, causal=kw["causal"], window=kw["window"],
-                    softcap=kw["softcap"])
+                    softcap=kw["softcap"], threads=kw["threads"])
 
     def build(self, split_every):
         import dask.array as da
@@ -256,29 +268,35 @@ class _Plan:
 
 # --------------------------------------------------------------------------- tasks
 
+def _attention(q, k, v, threads, **keywords):
+    """fastattn.attention in a task, on ``threads`` threads (None: fastattn's default)."""
+    from .. import attention, num_threads
+
+    if threads is None:
+        return attention(q, k, v, **keywords)
+    with num_threads(threads):
+        return attention(q, k, v, **keywords)
+
+
 def _attend_block(q, k, v, kv_len, q_len, sinks, alibi, mask, *, static, packed):
     """One block: fastattn.attention on NumPy arrays (lse appended as a column if packed)."""
-    from .. import attention
-
     keywords = dict(static, kv_lengths=kv_len, q_lengths=q_len, sinks=sinks,
                     alibi_slopes=alibi, mask=mask)
     if not packed:
-        return attention(q, k, v, **keywords)
-    out, lse = attention(q, k, v, return_lse=True, **keywords)
+        return _attention(q, k, v, **keywords)
+    out, lse = _attention(q, k, v, return_lse=True, **keywords)
     return np.concatenate([out.astype(lse.dtype, copy=False), lse[..., None]], axis=-1)
 
 
 def _partial_block(q, k, v, kv_len, q_len, sinks, alibi, mask, start, *, static, Lk, compute):
     """Attention over the keys start:start + k.shape[-2] of a call over Lk keys, with the
     whole call's visibility; the rows with the lse appended, shape (..., Hq, Lq, 1, Dv + 1)."""
-    from .. import attention
-
     a = int(start[0])
     b = a + k.shape[-2]
     keywords = _shard_keywords(q, k, v, a, b, Lk, kv_len, q_len, mask, static)
     # q in the compute dtype: the partial rows then come back unrounded (16-bit inputs).
-    out, lse = attention(q.astype(compute, copy=False), k, v, return_lse=True,
-                         sinks=sinks if a == 0 else None, alibi_slopes=alibi, **keywords)
+    out, lse = _attention(q.astype(compute, copy=False), k, v, return_lse=True,
+                          sinks=sinks if a == 0 else None, alibi_slopes=alibi, **keywords)
     return np.concatenate([out, lse[..., None]], axis=-1)[..., None, :]
 
 
