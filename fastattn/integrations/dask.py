@@ -15,11 +15,13 @@ heads, each a plain :func:`fastattn.attention` call on NumPy blocks.
   appended as one more column, in the compute dtype (16-bit inputs are merged in float32
   and rounded once).  A key chunk sees the visibility of the whole call: causal and window
   shifted by the keys after it, or a boolean mask from the kernel's own visibility rule
-  where lengths vary per batch element; the sink goes to the first key chunk only.
+  where no window can say it (lengths per batch element, narrow windows, top-left
+  causal); the sink goes to the first key chunk only.
 - **Threads.** Each task calls fastattn with its default thread count, which honours
   ``OMP_NUM_THREADS``: the variable dask's nanny sets in every worker process (to 1 by
   default, with the worker's threads running that many tasks at once), so tasks never
-  oversubscribe the cores their worker was given.
+  oversubscribe the cores their worker was given.  ``threads=`` sets it where no nanny
+  does (dask's local threaded scheduler).
 
 dask is imported when :func:`attention` is called, never by importing this module.
 """
