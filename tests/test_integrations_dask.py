@@ -223,7 +223,7 @@ def test_worker_killed_mid_computation(client):
     equals the single-process call bitwise (no block lost, none counted twice).  The inputs
     are generated on the workers (seeded per block), so the victim loses inputs too."""
     gen = da.random.default_rng(7)
-    q, k, v = (gen.standard_normal((16, 8, 512, 64), chunks=(1, 2, -1, -1), dtype=np.float32)
+    q, k, v = (gen.standard_normal((16, 8, 1024, 64), chunks=(1, 2, -1, -1), dtype=np.float32)
                for _ in range(3))
     expected = fastattn.attention(*dask.compute(q, k, v), causal=True)
     out = fa_dask.attention(q, k, v, causal=True)
