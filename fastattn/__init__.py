@@ -59,6 +59,7 @@ from importlib import metadata as _metadata
 
 from ._api import attention, attention_varlen, attention_weights, softmax
 from ._backward import attention_backward, attention_varlen_backward
+from ._merge import merge_attention
 from ._threads import get_num_threads, num_threads, set_num_threads
 from . import reference
 from .layers import KVCache, MultiHeadAttention, self_attention
@@ -70,7 +71,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
     __version__ = "0.1.0+unknown"
 
 __all__ = [
-    "attention", "attention_varlen", "attention_weights", "softmax",
+    "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",

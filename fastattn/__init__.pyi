@@ -3,6 +3,7 @@
 # ``from fastattn import ...``.  tests/test_typing.py checks it against the runtime with
 # mypy.stubtest, so a renamed argument or a new public name fails the test suite.
 from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -12,7 +13,7 @@ from . import reference as reference
 
 __version__: str
 __all__ = [
-    "attention", "attention_varlen", "attention_weights", "softmax",
+    "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",
@@ -85,6 +86,9 @@ def attention_weights(
     sinks: npt.ArrayLike | None = None, q_lengths: npt.ArrayLike | None = None,
 ) -> _Array: ...
 def softmax(x: npt.ArrayLike, axis: int = -1) -> _Array: ...
+def merge_attention(
+    outs: Sequence[npt.ArrayLike], lses: Sequence[npt.ArrayLike]
+) -> tuple[_Array, _Array]: ...
 
 # -- gradients ----------------------------------------------------------------------------
 # (dq, dk, dv), and dsinks last when sinks are given

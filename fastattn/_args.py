@@ -203,17 +203,26 @@ def store_as(a, dtype, name):
 
 # --------------------------------------------------------------------------- scalars
 
+def _finite_real(x, name, expected):
+    """``x`` as a finite float: bools and non-reals are a ``TypeError`` saying what was
+    ``expected``, infinities and NaN a ``ValueError``."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {type(x).__name__}")
+    try:
+        value = float(x)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError(f"{name} must be finite, got {x}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return value
+
+
 def check_softcap(softcap):
     """``None`` or ``softcap`` as a finite float ``> 0``; bools and non-reals are rejected."""
     if softcap is None:
         return None
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be None or a real number > 0, got {type(softcap).__name__}")
-    try:
-        value = float(softcap)
-    except OverflowError:  # an int beyond float's range
-        raise ValueError(f"softcap must be finite, got {softcap}") from None
-    if not (math.isfinite(value) and value > 0):
+    value = _finite_real(softcap, "softcap", "None or a real number > 0")
+    if value <= 0:
         raise ValueError(f"softcap must be a finite number > 0 (None turns it off), got {softcap}")
     return value
 
@@ -224,15 +233,7 @@ def check_scale(scale, D):
         if D == 0:
             raise ValueError("scale=None needs a head dimension D >= 1 (q.shape[-1] is 0)")
         return 1.0 / math.sqrt(D)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    try:
-        value = float(scale)
-    except OverflowError:  # an int beyond float's range
-        raise ValueError(f"scale must be finite, got {scale}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return value
+    return _finite_real(scale, "scale", "a real number or None")
 
 
 _CAUSAL = {False: "none", True: "bottom-right", "bottom-right": "bottom-right",

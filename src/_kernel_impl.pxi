@@ -405,7 +405,7 @@ def forward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object
              softcap, alibi, sinks, q_len)
 
 
-cdef int _execute(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
+cdef inline int _execute(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
                   object mask, int mask_kind, int nb, const Py_ssize_t* bshape,
                   const Py_ssize_t* kv_len, int causal, Py_ssize_t wl, Py_ssize_t wr,
                   double scale, object n_threads, double softcap, object alibi, object sinks,
@@ -728,7 +728,8 @@ cdef object _lean_sinks(object sinks, Py_ssize_t Hq, int nb, const cnp.npy_intp*
     return s
 
 
-cdef object _lean_out(object out, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int typenum):
+cdef inline object _lean_out(object out, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
+                            int typenum):
     # The result array: a new one, or the caller's `out` when it is exactly the result's
     # type and shape, writeable, addressable in place and clear of the inputs; None when
     # `out` needs the front end.

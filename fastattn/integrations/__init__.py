@@ -9,13 +9,18 @@ dependency stays NumPy alone.
   implementation (and its mask function) to Hugging Face transformers, used with
   ``attn_implementation="fastattn"``.
 - ``fastattn.integrations.tabpfn``: ``register()`` adds an attention backend that TabPFN
-  prefers for its CPU inference calls.
+  prefers for its CPU calls.
+- ``fastattn.integrations.torch``: ``scaled_dot_product_attention`` and ``attention`` as
+  differentiable torch operations (their backward is :func:`fastattn.attention_backward`),
+  which the transformers and TabPFN backends use when autograd records a call.
+- ``fastattn.integrations.dask``: ``attention(q, k, v, ...)`` on dask arrays, one task per
+  block of batch elements and heads, keys split across chunks merged exactly.
 
 ``_torch_state_dict`` reads a ``torch.nn.MultiheadAttention`` state dict into a
 ``fastattn.MultiHeadAttention`` (its ``from_torch_state_dict``), without importing torch.
 
-Both integrations hand torch's CPU tensors to :func:`fastattn.attention` as NumPy views of the same
-memory (``torch.Tensor.numpy()``), so float32 inputs and the result are not copied.
+The torch-based integrations hand torch's CPU tensors to fastattn as NumPy views of the
+same memory (``torch.Tensor.numpy()``), so float32 inputs are not copied.
 """
 
-__all__ = ["tabpfn", "transformers"]
+__all__ = ["dask", "tabpfn", "torch", "transformers"]
