@@ -255,7 +255,7 @@ def test_flop_count_causal_counts_visible_pairs_only():
     assert shapes.flops(shape) == 4 * 8 * 2 * 10
     # Bottom-right alignment with Lq < Lk: 2 queries against 5 keys see 4 and 5 keys.
     assert shapes.visible_pairs(shapes.Shape("t", 1, 1, 2, 5, 8, causal=True)) == 9
-    # Every SPEC shape with Lq == Lk causal counts L(L+1)/2 pairs per head.
+    # Every bench shape with Lq == Lk causal counts L(L+1)/2 pairs per head.
     s = shapes.SHAPES_BY_NAME["prefill-1k-causal"]
     assert shapes.flops(s) == 4 * 64 * 12 * (1024 * 1025 // 2)
 
