@@ -57,7 +57,9 @@ def _stack(items, name):
 
 def _check(outs, lses):
     """The partials stacked, their dtype and compute dtype; raises before any arithmetic."""
-    outs, lses = _stack(outs, "outs"), _stack(lses, "lses")
+    # Native byte order, as everywhere: a big-endian partial is converted, one copy.
+    outs = _args.as_array(_stack(outs, "outs"), "outs")
+    lses = _args.as_array(_stack(lses, "lses"), "lses")
     if len(outs) != len(lses):
         raise ValueError(f"outs and lses must have the same length, got {len(outs)} outs "
                          f"and {len(lses)} lses")

@@ -160,3 +160,25 @@ def test_varlen_entry_points_share_the_rules(attention_varlen, keywords, error):
     x = np.ones((2, 5, 4))
     with pytest.raises(error):
         attention_varlen(x, x, x, [0, 2, 5], [0, 3, 5], **keywords)
+
+
+def test_merge_attention_takes_big_endian_partials(qkv):
+    q, k, v = qkv
+    parts = [fastattn.attention(q, k[..., a:b, :], v[..., a:b, :], return_lse=True)
+             for a, b in ((0, 3), (3, 7))]
+    want = fastattn.merge_attention([o for o, _ in parts], [l for _, l in parts])
+    got = fastattn.merge_attention([_swapped(o) for o, _ in parts], [_swapped(l) for _, l in parts])
+    for g, w in zip(got, want):
+        assert g.dtype.isnative
+        np.testing.assert_array_equal(g, w)
+
+
+def test_attention_backward_takes_big_endian_arrays(qkv):
+    q, k, v = qkv
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    dout = np.random.default_rng(1).standard_normal(out.shape)
+    want = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    got = fastattn.attention_backward(*(_swapped(a) for a in (dout, q, k, v, out, lse)),
+                                      causal=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
