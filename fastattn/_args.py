@@ -72,7 +72,8 @@ from types import SimpleNamespace
 import numpy as np
 
 __all__ = [
-    "as_array", "is_bfloat16", "is_16bit", "check_dtype", "dtypes", "check_lengths", "check_shapes", "Shapes",
+    "as_array", "is_bfloat16", "is_16bit", "check_dtype", "dtypes", "check_lengths",
+    "check_shapes", "Shapes",
     "check_scale", "check_causal", "check_window", "check_flag", "check_mask",
     "check_softcap", "check_alibi_slopes", "check_sinks", "check_q_lengths",
     "check_kv_lengths", "check_out", "check_varlen_shapes", "check_cu_seqlens",

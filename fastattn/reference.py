@@ -77,6 +77,8 @@ Arguments are checked by :mod:`fastattn._args`, the rules every entry point shar
 failing with a clear ``ValueError``/``TypeError`` that names the argument before any work
 starts.
 """
+import copy
+
 import numpy as np
 
 from . import _args
@@ -102,8 +104,9 @@ def _problem(q, k, v, out=None, return_lse=False, **keywords):
 
 
 def with_batch_axes(p):
-    """The :class:`fastattn._args.Problem` ``p`` with its per-batch lengths shaped
-    ``batch``, and its slopes and sinks ``batch + (Hq,)``, as this module reads them."""
+    """A copy of the :class:`fastattn._args.Problem` ``p`` with its per-batch lengths
+    shaped ``batch``, and its slopes and sinks ``batch + (Hq,)``, as this module reads them."""
+    p = copy.copy(p)
     p.kv_len = p.kv_len_flat().reshape(p.batch)
     p.q_len = p.q_len_flat().reshape(p.batch)
     for name in ("alibi", "sinks"):

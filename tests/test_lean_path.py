@@ -63,19 +63,20 @@ def calls(draw):
     if batch and draw(st.integers(0, 5)) == 0:  # broadcast batch dims: declined
         k = k[:1]
     keywords = dict(
-        scale=draw(st.sampled_from([None] * 3 + [0.5, 2, np.float32(0.25), float("inf"),
+        scale=draw(st.sampled_from([None] * 8 + [0.5, 2, np.float32(0.25), float("inf"),
                                                  2**60, "x"])),
-        causal=draw(st.sampled_from([False, True] * 3 + ["top-left", np.True_, 1])),
+        causal=draw(st.sampled_from([False, True] * 6 + ["top-left", np.True_, 1])),
         return_lse=draw(st.sampled_from([False, True] * 3 + [np.False_])),
     )
     Hq = heads_q[0] if heads_q else 1
-    sinks = draw(st.sampled_from(["none"] * 6 + ["f64", "f32", "neg_inf", "nan", "list", "wrong"]))
+    sinks = draw(st.sampled_from(["none"] * 12 + ["f64"] * 2 + ["f32", "neg_inf", "nan", "list",
+                                                                "wrong"]))
     keywords["sinks"] = {
         "none": None, "f64": rng.standard_normal(Hq), "list": [0.5] * Hq,
         "f32": rng.standard_normal(Hq).astype(np.float32),
         "neg_inf": np.full(Hq, -np.inf), "nan": np.full(Hq, np.nan),
         "wrong": np.zeros(Hq + 1)}[sinks]
-    keywords["out"] = draw(st.sampled_from(["none"] * 3 + ["right"] * 2 + ["swapped", "float64",
+    keywords["out"] = draw(st.sampled_from(["none"] * 6 + ["right"] * 3 + ["swapped", "float64",
                                                                           "input"]))
     return q, k, v, keywords
 
