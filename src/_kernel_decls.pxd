@@ -407,20 +407,27 @@ cdef inline void pv_tile(const floating* p, Py_ssize_t nj, const char* v, Py_ssi
             fa_pv_tile1_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha)
 
 
+cdef inline void pv_tile_ld(const floating* p, Py_ssize_t ldp, Py_ssize_t nj,
+                            const floating* v, Py_ssize_t ldv, floating* acc,
+                            Py_ssize_t ldacc, const floating* alpha,
+                            Py_ssize_t nrows) noexcept nogil:
+    # pv_tile on values in the compute type, p with stride ldp:
+    # acc rows r += sum_j p[j * ldp + r] v[j * ldv].
+    if floating is float:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+    else:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
 cdef inline void pv_tile_widened(const floating* p, Py_ssize_t nj, const floating* v,
                                  Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
                                  const floating* alpha, Py_ssize_t nrows) noexcept nogil:
     # pv_tile on values already in the compute type (V's zero-padded tail strip).
-    if floating is float:
-        if nrows == FA_MR_PV:
-            fa_pv_tile_f(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_f(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
-    else:
-        if nrows == FA_MR_PV:
-            fa_pv_tile_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_d(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
+    pv_tile_ld(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha, nrows)
 
 
 cdef inline void pv_wide(Py_ssize_t nr, const floating* p, Py_ssize_t nj, const char* v,
@@ -547,18 +554,3 @@ cdef inline void bwd_transpose(const floating* src, Py_ssize_t nj, Py_ssize_t nj
         fa_bwd_transpose_d(src, FA_BQ, nj, nj_pad, nrows, dst, ldd)
 
 
-cdef inline void pv_tile_ld(const floating* p, Py_ssize_t ldp, Py_ssize_t nj,
-                            const floating* v, Py_ssize_t ldv, floating* acc,
-                            Py_ssize_t ldacc, const floating* alpha,
-                            Py_ssize_t nrows) noexcept nogil:
-    # pv_tile_widened with p's stride ldp: acc rows r += sum_j p[j * ldp + r] v[j * ldv].
-    if floating is float:
-        if nrows == FA_MR_PV:
-            fa_pv_tile_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
-    else:
-        if nrows == FA_MR_PV:
-            fa_pv_tile_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
