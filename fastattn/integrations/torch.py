@@ -60,7 +60,7 @@ def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
     """
     import torch
 
-    if "out" in keywords or "return_lse" in keywords:
+    if "out" in keywords:
         raise TypeError("out is not taken by the torch operation (autograd owns its results)")
     _check_tensors(torch, q=q, k=k, v=v)
     keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
