@@ -380,18 +380,25 @@ def check_varlen_shapes(q, k, v):
                           ("v", v, "(Hkv, total_k, Dv)")):
         if a.ndim != 3:
             raise ValueError(f"{name} must have shape {want} (packed sequences), got {a.shape}")
-    Hq, total_q, D = q.shape
-    Hkv, total_k, Dk = k.shape
+    _check_heads(q, k, v, "(Hkv, total_k, :)")
+    (Hq, total_q, D), (Hkv, total_k, _) = q.shape, k.shape
+    return Hq, Hkv, total_q, total_k, D, v.shape[2]
+
+
+def _check_heads(q, k, v, kv_axes):
+    """q, k and v (or None) agree on their last three axes ``(heads, length, dim)``: one
+    head dim D, k's heads and length for v, ``Hq`` a multiple of ``Hkv``.  ``kv_axes``
+    spells k's and v's axes for the message."""
+    Hq, D = q.shape[-3], q.shape[-1]
+    Hkv, Lk, Dk = k.shape[-3:]
     if Dk != D:
-        raise ValueError(
-            f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
-    if v.shape[:2] != (Hkv, total_k):
-        raise ValueError(f"k and v must have the same heads and length (Hkv, total_k, :): "
+        raise ValueError(f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
+    if v is not None and v.shape[-3:-1] != (Hkv, Lk):
+        raise ValueError(f"k and v must have the same heads and length {kv_axes}: "
                          f"k.shape={k.shape}, v.shape={v.shape}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"the number of query heads must be a multiple of the key/value heads: "
                          f"q.shape={q.shape} (Hq={Hq}), k.shape={k.shape} (Hkv={Hkv})")
-    return Hq, Hkv, total_q, total_k, D, v.shape[2]
 
 
 def _cu(cu, name, total, total_name):
@@ -484,18 +491,9 @@ class Shapes:
         if self.squeeze_heads:
             q, k = q[None], k[None]
             v = None if v is None else v[None]
+        _check_heads(q, k, v, "(..., Hkv, Lk, :)")
         self.Hq, self.Lq, self.D = q.shape[-3:]
-        self.Hkv, self.Lk, Dk = k.shape[-3:]
-        if Dk != self.D:
-            raise ValueError(f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
-        if v is not None and v.shape[-3:-1] != (self.Hkv, self.Lk):
-            raise ValueError(
-                f"k and v must have the same heads and length (..., Hkv, Lk, :): "
-                f"k.shape={k.shape}, v.shape={v.shape}")
-        if self.Hkv == 0 or self.Hq % self.Hkv:
-            raise ValueError(
-                f"the number of query heads must be a multiple of the key/value heads: "
-                f"q.shape={q.shape} (Hq={self.Hq}), k.shape={k.shape} (Hkv={self.Hkv})")
+        self.Hkv, self.Lk = k.shape[-3:-1]
         named = [(n, a) for n, a in zip("qkv", (q, k, v)) if a is not None]
         try:
             self.batch = np.broadcast_shapes(*[a.shape[:-3] for _, a in named])
