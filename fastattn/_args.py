@@ -34,6 +34,7 @@ packed q, k, v shapes          ``check_varlen_shapes``
 a KV cache's storage dtype     ``storage_dtype``; ``round_to`` and ``store_as`` round to it
 one whole call                 :class:`Problem` / :func:`varlen_problem`, built from the above
 a backward's dout, out, lse    ``check_forward_result`` (the forward result's shapes, dtypes)
+a gradient's dtype             ``grad_dtype``
 =============================  =========================================================
 
 ``nbatch`` is ``prod(batch_shape)``: batch element ``b`` of the flattened, broadcast batch
@@ -78,7 +79,7 @@ __all__ = [
     "check_softcap", "check_alibi_slopes", "check_sinks", "check_q_lengths",
     "check_kv_lengths", "check_out", "check_varlen_shapes", "check_cu_seqlens",
     "storage_dtype", "round_to", "store_as", "Problem", "varlen_problem",
-    "check_forward_result",
+    "check_forward_result", "grad_dtype",
 ]
 
 _NATIVE_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -582,6 +583,13 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=Fa
     p.return_lse = check_flag(return_lse, "return_lse")
     p.out = check_out(out, (p.Hq, p.total_q, p.Dv), p.result_dtype)
     return p
+
+
+def grad_dtype(dtype, fallback):
+    """The dtype of the gradient of an input of ``dtype``: that dtype when it is floating
+    (16-bit included), else ``fallback`` (integers and bools have no gradient dtype)."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.kind == "f" or is_16bit(dtype) else np.dtype(fallback)
 
 
 def check_forward_result(out_shape, out_dtype, lse_dtype, dout, out, lse, dlse):

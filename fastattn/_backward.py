@@ -17,11 +17,6 @@ from ._dispatch import kernel as _kernel
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
-def _grad_dtype(a, cdt):
-    """A gradient's dtype: its input's, or the compute dtype for integer or bool input."""
-    return a.dtype if a.dtype.kind == "f" or _args.is_16bit(a.dtype) else cdt
-
-
 def _reduce_to(g, shape, dtype):
     """The gradient g of an input of ``shape`` that broadcast to g's shape: summed over the
     broadcast axes, then rounded once to ``dtype``."""
@@ -43,8 +38,7 @@ def _dsinks(sinks, lse, delta, shape, sinks_dtype, cdt):
     with np.errstate(over="ignore", invalid="ignore"):
         w = np.where(np.isneginf(lse), 0.0, np.exp(sink - np.where(np.isneginf(lse), 0, lse)))
     g = -np.add.reduce(w * delta, axis=-1)
-    dtype = sinks_dtype if sinks_dtype.kind == "f" or _args.is_16bit(sinks_dtype) else np.dtype(np.float64)
-    return _reduce_to(g.astype(cdt), shape, dtype)
+    return _reduce_to(g.astype(cdt), shape, _args.grad_dtype(sinks_dtype, np.float64))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
@@ -86,7 +80,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
                      p.alibi, p.sinks, p.q_len, dlse)
     grads = []
     for g, a in ((dq, p.q), (dk, p.k), (dv, p.v)):
-        g = _reduce_to(g, a.shape, _grad_dtype(a, cdt))
+        g = _reduce_to(g, a.shape, _args.grad_dtype(a.dtype, cdt))
         grads.append(g[0] if p.squeeze_heads else g)
     if p.sinks is not None:
         grads.append(_dsinks(p.sinks.reshape(batch + (Hq,)), lse, delta, np.shape(sinks),
@@ -121,7 +115,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                             _CAUSAL_CODES[p.causal], p.wl, p.wr, p.scale,
                             _threads.get_num_threads(), p.softcap or 0.0, p.alibi, p.sinks,
                             dlse)
-    grads = [_reduce_to(g, a.shape, _grad_dtype(a, cdt))
+    grads = [_reduce_to(g, a.shape, _args.grad_dtype(a.dtype, cdt))
              for g, a in zip((dq, dk, dv), (p.q, p.k, p.v))]
     if p.sinks is not None:
         grads.append(_dsinks(_args.check_sinks(sinks, (), p.Hq)[0], lse, delta, np.shape(sinks),

@@ -382,8 +382,7 @@ def attention_backward(dout, q, k, v, *, scale=None, causal=False, window=None, 
             g = g.reshape(g.shape[:-3] + (Hkv, a.Hq // Hkv) + g.shape[-2:]).sum(axis=-3)
         g = _sum_to(g, x.shape)
         g = g[0] if a.squeeze_heads else g
-        dtype = x.dtype if x.dtype.kind == "f" or _args.is_16bit(x.dtype) else np.float64
-        return _args.round_to(g, dtype)
+        return _args.round_to(g, _args.grad_dtype(x.dtype, np.float64))
 
     grads = (grad(dQ, a.q, False), grad(dK, a.k, True), grad(dV, a.v, True))
     if a.sinks is None:
@@ -391,8 +390,7 @@ def attention_backward(dout, q, k, v, *, scale=None, causal=False, window=None, 
     with np.errstate(invalid="ignore", over="ignore"):
         p_sink = np.where(np.isneginf(lse), 0.0, np.exp(a.sinks[..., None] - lse))
     dsinks = _sum_to(-np.sum(p_sink * delta, axis=-1), np.shape(sinks))
-    sinks_dtype = np.asarray(sinks).dtype
-    return grads + (dsinks.astype(sinks_dtype if sinks_dtype.kind == "f" else np.float64),)
+    return grads + (_args.round_to(dsinks, _args.grad_dtype(np.asarray(sinks).dtype, np.float64)),)
 
 
 def softmax(x, axis=-1):
