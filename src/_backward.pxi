@@ -15,11 +15,13 @@
 #   2. dQ of one forward row block, looping over its key blocks in order.
 # With enough (batch element, kv head) pairs to keep the threads busy, one work item per
 # pair does the three passes instead (_head_item): S and dP once per tile, 5 products
-# instead of 7, and one run of the pool.  Every sum has one order whatever the thread count, the batch,
-# the schedule or how rows and keys are split into work items: dK_j and dV_j over the rows
-# R = (head, position) of the group in order, dQ_i over the keys in order, each a
-# sequential FMA chain in the output micro-tile (a chain may stop and resume through
-# memory, and rows or keys whose terms are exactly 0 may be skipped: the same bits).  A key block's S^T comes from the forward's own stages (_load_block,
+# instead of 7, and one run of the pool.
+# Every sum has one order whatever the thread count, the batch, the schedule or how rows
+# and keys are split into work items: dK_j and dV_j over the rows R = (head, position) of
+# the group in order, dQ_i over the keys in order, each a sequential FMA chain in the
+# output micro-tile (a chain may stop and resume through memory, and rows or keys whose
+# terms are exactly 0 may be skipped: the same bits).
+# A key block's S^T comes from the forward's own stages (_load_block,
 # _score_lanes, _finish_scores: the one home of the visibility rule and the modifiers),
 # always on the prefill tiles; dP^T from the same score micro-tiles with dO in place of Q.
 # Rows that see nothing, padding rows (past q_len) and keys past kv_len get exactly zero
@@ -402,9 +404,10 @@ cdef void _kv_head_scale(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssiz
 cdef void _head_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
                      floating* ws, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
     # Passes 0, 1 and 2 at once for kv head g of batch element b, when there are enough
-    # such items for the threads: Delta of its rows, then its row blocks in order, each over its key blocks in order,
-    # dQ accumulated per row block and dK, dV in the output itself.  Every sum runs in the
-    # order of the separate passes, through the same micro-kernels: the same bits.
+    # such items for the threads: Delta of its rows, then its row blocks in order, each
+    # over its key blocks in order, dQ accumulated per row block and dK, dV in the output
+    # itself.  Every sum runs in the order of the separate passes, through the same
+    # micro-kernels: the same bits.
     cdef Workspace w
     cdef Tile t
     cdef Py_ssize_t r0 = 0, ib, a
@@ -490,7 +493,8 @@ cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) excep
     # One item per (batch element, kv head) does the work of passes 1 and 2 with 5
     # products instead of 7 (S and dP once): taken unless it leaves threads idle for longer.
     n_items[3] = P.nbatch * P.Hkv
-    cdef bint per_head = 5 * ((n_items[3] + n_threads - 1) // n_threads) * n_threads <= 7 * n_items[3]
+    cdef Py_ssize_t rounds = (n_items[3] + n_threads - 1) // n_threads
+    cdef bint per_head = 5 * rounds * n_threads <= 7 * n_items[3]
     n_threads = <int> max(1, min(<Py_ssize_t> n_threads,
                                  max(max(n_items[0], n_items[1]), n_items[2])))
     cdef Workspace w
