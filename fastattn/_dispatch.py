@@ -2,8 +2,9 @@
 
 setup.py builds the same kernel source once per instruction set (``_kernel_base``: the
 portable baseline, plain x86-64 / SSE2 or the platform default; ``_kernel_avx2``: AVX2+FMA;
-``_kernel_avx512``: AVX-512F).  We probe the running CPU with the baseline module (which
-every CPU can execute) and import the best variant it supports.  A variant that is missing
+``_kernel_avx512``: AVX-512 F, BW, DQ and VL, which every AVX-512 CPU since Skylake-SP
+and Zen 4 has).  We probe the running CPU with the baseline module (which every CPU can
+execute) and import the best variant it supports.  A variant that is missing
 from the build, or fails to import, is skipped, so the baseline is always the fallback.
 
 ``FASTATTN_ISA=base|avx2|avx512`` forces a variant (e.g. to test the fallback on a new CPU);

@@ -192,6 +192,7 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_tanh_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
+    void fa_exp2_array_f8(const float* x, float* y, Py_ssize_t n)
     # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
                          Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,

@@ -522,10 +522,13 @@ def vector_tanh(cnp.ndarray x):
     return y
 
 
-def vector_exp2(cnp.ndarray x):
-    """The kernel's vector 2**x on a contiguous float32/float64 array (for accuracy tests)."""
+def vector_exp2(cnp.ndarray x, bint lanes8=False):
+    """The kernel's vector 2**x on a contiguous float32/float64 array (for accuracy tests);
+    lanes8: float32 through the 8-lane version of the decode kernels instead."""
     cdef cnp.ndarray y = np.empty_like(x)
-    if x.dtype == np.float32:
+    if x.dtype == np.float32 and lanes8:
+        fa_exp2_array_f8(<const float*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
+    elif x.dtype == np.float32:
         fa_exp2_array_f(<const float*> cnp.PyArray_DATA(x), <float*> cnp.PyArray_DATA(y), x.size)
     else:
         fa_exp2_array_d(<const double*> cnp.PyArray_DATA(x), <double*> cnp.PyArray_DATA(y), x.size)

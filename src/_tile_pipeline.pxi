@@ -433,10 +433,12 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
             jj += mk
 
 
-cdef inline Py_ssize_t _keyrows_pass(Py_ssize_t left) noexcept nogil:
+cdef inline Py_ssize_t _keyrows_pass(const Tile* t, Py_ssize_t left) noexcept nogil:
     # Rows per decode score pass for `left` remaining rows: 8 (AVX-512) or 4 cover 3..8
-    # rows at once (the extra rows read qt's zero padding), 2 and 1 exactly.
-    if left > 4 and FA_DEC_NR_MAX >= 8:
+    # rows at once (the extra rows read qt's zero padding), 2 and 1 exactly.  16-bit K
+    # with the 4-row kernel (gqa4) goes 4 rows at a time: it widens the keys once for
+    # two such passes.
+    if left > 4 and FA_DEC_NR_MAX >= 8 and not t.gqa4:
         return 8
     if left > 2:
         return 4
@@ -472,7 +474,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
         pf_bytes = P.Dv * t.vblk_esz   # > 0 also turns on the next K rows stream
         r = 0
         while r < nrows:
-            nr = _keyrows_pass(nrows - r)
+            nr = _keyrows_pass(t, nrows - r)
             if floating is float:
                 if nr == 4 and ldk != 0 and t.gqa4:
                     # a second 4-row pass follows (more than 2 rows after these 4): one
@@ -704,7 +706,8 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     ja = min(max(t.j0, ja), t.j1)
     if t.widen_k or t.widen_v:
         pf_rows = 0
-    elif t.pv_next_v or not (floating is float and t.nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F):
+    elif t.pv_next_v or not (floating is float
+                             and (t.nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F or t.gqa4)):
         pf_rows = max(0, min(max(0, min(t.j1, z) - ja), t.tile_hi - (ja + FA_BK)))
     if t.pv_next_v:
         pf, pf_stride, pf_cols = t.vb + (ja + FA_BK) * t.v_row, t.v_row, P.Dv

@@ -32,8 +32,6 @@
 
 typedef uint16_t fa_vh8 __attribute__((vector_size(16)));
 typedef uint32_t fa_vu8 __attribute__((vector_size(32)));
-typedef int32_t fa_vi8 __attribute__((vector_size(32)));
-typedef float fa_vf8 __attribute__((vector_size(32)));
 
 FA_INLINE uint32_t fa_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 FA_INLINE float fa_f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -151,16 +149,11 @@ FA_INLINE uint16_t fa_f32_to_bf16(float f)
 
 /* One vector of the compute type's lanes (FA_VL_F) widened from 16-bit storage. */
 #if FA_VBYTES == 64
-typedef uint16_t fa_vh16 __attribute__((vector_size(32)));
-typedef uint32_t fa_vu16 __attribute__((vector_size(64)));
 FA_INLINE fa_vf fa_load_fh(const uint16_t* p)
 { return (fa_vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+/* (GCC builds __builtin_convertvector of 16 lanes from two 8-lane halves and an insert) */
 FA_INLINE fa_vf fa_load_fb(const uint16_t* p)
-{
-    fa_vh16 h;
-    memcpy(&h, p, sizeof h);
-    return (fa_vf)(__builtin_convertvector(h, fa_vu16) << 16);
-}
+{ return (fa_vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16); }
 #else
 FA_INLINE fa_vf fa_load_fh(const uint16_t* p) { return fa_load_f16x8(p); }
 FA_INLINE fa_vf fa_load_fb(const uint16_t* p) { return fa_load_bf16x8(p); }

@@ -117,21 +117,22 @@ FA_LOAD_TRANSPOSE_16(h, fa_load_fh)
 FA_LOAD_TRANSPOSE_16(b, fa_load_fb)
 #undef FA_LOAD_TRANSPOSE_16
 
-/* ---- decode score kernel for 32-byte float vectors (AVX2 and the SSE2 baseline) ----
- * With 8 float lanes, transposing whole 8x8 blocks of K (fa_score_keyrows) leaves one
- * query row a single FMA chain per 8 keys: bound by the FMA latency, not by loads.
- * Here a call takes 32 keys (4 groups of 8) and
+/* ---- decode score kernels on groups of 8 keys (every build) ----
+ * Transposing whole blocks of VL keys (fa_score_keyrows) leaves one query row a single
+ * FMA chain per VL keys, bound by the FMA latency, and costs a full VL x VL transpose
+ * per VL dims (with 16 lanes, twice the shuffles per element of the 8-lane transposes
+ * below).  Here a call takes 32 keys (4 groups of 8, in 8-float vectors: ymm registers in
+ * AVX-512 builds) and
  * transposes 8 keys x 4 dims at a time -- two 128-bit loads and a blend (or insert) per
  * vector, then two in-lane shuffles -- so that nr rows x ng groups = 4 independent chains
  * are in flight.
  * Per score it is still the chain acc += k[d] * q[d], d = 0, 1, ... then * scale: bit for
  * bit the prefill score.  kr: 32 key rows (zero rows past nk); pf: the 32 V rows to
  * prefetch (or NULL), as in fa_score_keyrows. */
-#if FA_VBYTES == 32
 #define FA_DEC_KEYS_F 32
 /* Decode tiles of at most this many rows prefetch the next K rows in the score kernel
  * (fa_score_keys32_f's first pass); larger ones in the output kernel (fa_pv_row8/rows4). */
-#if defined(__AVX__)
+#if FA_VBYTES == 32 && defined(__AVX__)
 #define FA_DEC_SCORES_PREFETCH_K_ROWS_F 8
 #else
 #define FA_DEC_SCORES_PREFETCH_K_ROWS_F 2
@@ -211,10 +212,10 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
  * in the high one) for the decode transposes; 16-bit rows widen the pair in one conversion. */
 #if defined(__AVX__)
 /* two broadcast loads and a blend (vinsertf128 would take a shuffle-port uop) */
-#define fa_yrows_f(lo, hi) (fa_vf)_mm256_blend_ps(_mm256_broadcast_ps((const __m128*)(lo)), \
+#define fa_yrows_f(lo, hi) (fa_vf8)_mm256_blend_ps(_mm256_broadcast_ps((const __m128*)(lo)), \
                                                   _mm256_broadcast_ps((const __m128*)(hi)), 0xF0)
 #else
-FA_INLINE fa_vf fa_yrows_f(const float* lo, const float* hi)
+FA_INLINE fa_vf8 fa_yrows_f(const float* lo, const float* hi)
 {
     fa_v4f a, b;
     memcpy(&a, lo, sizeof a);
@@ -222,21 +223,21 @@ FA_INLINE fa_vf fa_yrows_f(const float* lo, const float* hi)
     return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7);
 }
 #endif
-FA_INLINE fa_vf fa_yrows_fh(const uint16_t* lo, const uint16_t* hi)
+FA_INLINE fa_vf8 fa_yrows_fh(const uint16_t* lo, const uint16_t* hi)
 { return fa_widen_f16x8(fa_h8_rows(lo, hi)); }
 #if defined(__AVX2__)
 /* bfloat16: each row's 8 bytes broadcast to its 128-bit lane, then interleaved with zeros
  * (the bits of a bfloat16 are the top half of its float32): one shuffle in all. */
-FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
+FA_INLINE fa_vf8 fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 {
     long long a, b;
     memcpy(&a, lo, sizeof a);
     memcpy(&b, hi, sizeof b);
     const __m256i y = _mm256_blend_epi32(_mm256_set1_epi64x(a), _mm256_set1_epi64x(b), 0xF0);
-    return (fa_vf)_mm256_unpacklo_epi16(_mm256_setzero_si256(), y);
+    return (fa_vf8)_mm256_unpacklo_epi16(_mm256_setzero_si256(), y);
 }
 #else
-FA_INLINE fa_vf fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
+FA_INLINE fa_vf8 fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 { return fa_widen_bf16x8(fa_h8_rows(lo, hi)); }
 #endif
 
@@ -306,7 +307,7 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D,
 #define KE_SCALAR(x) fa_f16_to_f32(x)
 #define FA_YROWS fa_yrows_fh
 #if defined(__AVX2__) && defined(__F16C__)
-#define KE_LOAD8W(p) ((fa_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p))))
+#define KE_LOAD8W(p) ((fa_vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p))))
 #endif
 #include "fa_keys32.h"
 #define KE uint16_t
@@ -315,7 +316,7 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D,
 #define FA_YROWS fa_yrows_fb
 #if defined(__AVX2__) && defined(__F16C__)
 #define KE_LOAD8W(p) \
-    ((fa_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+    ((fa_vf8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
 #endif
 #include "fa_keys32.h"
 #if defined(__AVX2__) && defined(__F16C__)
@@ -333,17 +334,19 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float*
                                   ptrdiff_t pf_bytes, int npass)
 { fa_score_keys32_kt8_fb(k, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
 #endif
-#if defined(__AVX__)
+/* The 4- and 8-row passes: fa_score_keys32_wide with AVX2.  SSE2's 16 xmm registers do
+ * not hold 4 rows x 8-lane accumulators beside the 8x4 transposes (they spill), and with
+ * AVX-512 the whole 16x16 transposes of fa_score_keyrows feed 4 or 8 rows of FMAs per
+ * shuffle, more than the 8-key transposes: both take a call's keys as whole vectors
+ * (fa_score_keyrows_split); the output kernel then prefetches the next K rows
+ * (FA_DEC_SCORES_PREFETCH_K_ROWS_F). */
+#if FA_VBYTES == 32 && defined(__AVX__)
 #define FA_KEYS32_WIDE(suf) fa_score_keys32_wide##suf
 #else
-#define FA_KEYS32_WIDE(suf) fa_score_keys32_by8##suf
+#define FA_KEYS32_WIDE(suf) fa_score_keyrows_split##suf
 #endif
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_f)
 #define KEYROWS_IMPL fa_score_keys32_f
-#else
-#define FA_DEC_KEYS_F FA_VL_F
-#define FA_DEC_SCORES_PREFETCH_K_ROWS_F 0
-#endif
 #ifndef FA_HAVE_GQA4_16
 /* Builds without that kernel never call it (the tile pipeline checks FA_HAVE_GQA4_16);
  * the names exist so that the pipeline compiles the same in every build. */
@@ -381,23 +384,18 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float*
 #define LOAD_KV fa_load_fh
 #define KV_SCALAR(x) fa_f16_to_f32(x)
 #define LOAD_TRANSPOSE_KV fa_load_transpose_vfh
-#if FA_VBYTES == 32
 #define KEYROWS_IMPL fa_score_keys32_fh
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fh)
-#endif
 #include "fa_tile_impl.h"
 #define KV uint16_t
 #define FA_FN(name) name##_fb
 #define LOAD_KV fa_load_fb
 #define KV_SCALAR(x) fa_bf16_to_f32(x)
 #define LOAD_TRANSPOSE_KV fa_load_transpose_vfb
-#if FA_VBYTES == 32
 #define KEYROWS_IMPL fa_score_keys32_fb
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fb)
-#endif
 #include "fa_tile_impl.h"
 #undef FA_KV_KERNELS_ONLY
-#if FA_VBYTES == 32
 /*
  * The online-softmax step of fa_softmax_step_f for a decode tile of at most 4 query rows
  * (lanes 0-3 of its vector; the other lanes are padding, left as they are): two keys per
@@ -410,50 +408,49 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float*
  */
 FA_INLINE fa_v4f fa_load4_f(const float* p) { fa_v4f x; memcpy(&x, p, sizeof x); return x; }
 FA_INLINE void fa_store4_f(float* p, fa_v4f x) { memcpy(p, &x, sizeof x); }
-FA_INLINE fa_vf fa_join4_f(fa_v4f lo, fa_v4f hi)
+FA_INLINE fa_vf8 fa_join4_f(fa_v4f lo, fa_v4f hi)
 { return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7); }
-FA_INLINE fa_v4f fa_lo4_f(fa_vf x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3); }
-FA_INLINE fa_v4f fa_hi4_f(fa_vf x) { return __builtin_shufflevector(x, x, 4, 5, 6, 7); }
+FA_INLINE fa_v4f fa_lo4_f(fa_vf8 x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3); }
+FA_INLINE fa_v4f fa_hi4_f(fa_vf8 x) { return __builtin_shufflevector(x, x, 4, 5, 6, 7); }
 /* keys j and j1 of the 4 rows (the same key twice for a single one) */
-FA_INLINE fa_vf fa_key_pair_f(const float* s, ptrdiff_t lds, ptrdiff_t j, ptrdiff_t j1)
+FA_INLINE fa_vf8 fa_key_pair_f(const float* s, ptrdiff_t lds, ptrdiff_t j, ptrdiff_t j1)
 { return fa_join4_f(fa_load4_f(s + j * lds), fa_load4_f(s + j1 * lds)); }
 
 #define FA_HAVE_SOFTMAX_PAIRS 1
 FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t jlo,
                                     ptrdiff_t jhi, float* m, float* l, float* alpha)
 {
-    const fa_vf ninf = fa_bcast_f(-INFINITY), zero = fa_bcast_f(0), one = fa_bcast_f(1);
-    fa_vf mb = ninf;
+    const fa_vf8 ninf = fa_bcast_f8(-INFINITY), zero = fa_bcast_f8(0), one = fa_bcast_f8(1);
+    fa_vf8 mb = ninf;
     ptrdiff_t j = jlo;
-    for (; j + 1 < jhi; j += 2) mb = fa_max_f(mb, fa_key_pair_f(s, lds, j, j + 1));
-    if (j < jhi) mb = fa_max_f(mb, fa_key_pair_f(s, lds, j, j));
-    const fa_v4f mb4 = fa_lo4_f(fa_max_f(mb, __builtin_shufflevector(mb, mb, 4, 5, 6, 7, 0, 1,
+    for (; j + 1 < jhi; j += 2) mb = fa_max_f8(mb, fa_key_pair_f(s, lds, j, j + 1));
+    if (j < jhi) mb = fa_max_f8(mb, fa_key_pair_f(s, lds, j, j));
+    const fa_v4f mb4 = fa_lo4_f(fa_max_f8(mb, __builtin_shufflevector(mb, mb, 4, 5, 6, 7, 0, 1,
                                                                      2, 3)));
-    const fa_vf m_old = fa_join4_f(fa_load4_f(m), fa_load4_f(m));
-    const fa_vf m_new = fa_max_f(m_old, fa_join4_f(mb4, mb4));
-    const fa_vf a = fa_select_f(m_new == m_old, one, fa_exp2_f(m_old - m_new));
-    const fa_vf m_sub = fa_select_f(m_new == ninf, zero, m_new);
+    const fa_vf8 m_old = fa_join4_f(fa_load4_f(m), fa_load4_f(m));
+    const fa_vf8 m_new = fa_max_f8(m_old, fa_join4_f(mb4, mb4));
+    const fa_vf8 a = fa_select_f8(m_new == m_old, one, fa_exp2_f8(m_old - m_new));
+    const fa_vf8 m_sub = fa_select_f8(m_new == ninf, zero, m_new);
     fa_store4_f(m, fa_lo4_f(m_new));
     fa_store4_f(alpha, fa_lo4_f(a));
-    for (j = 0; j < jlo; j++) fa_store_f(s + j * lds, zero);
+    for (j = 0; j < jlo; j++) fa_store_f8(s + j * lds, zero);
     fa_v4f sum = fa_lo4_f(zero);
     for (j = jlo; j + 1 < jhi; j += 2) {
-        const fa_vf p = fa_exp2_f(fa_key_pair_f(s, lds, j, j + 1) - m_sub);
+        const fa_vf8 p = fa_exp2_f8(fa_key_pair_f(s, lds, j, j + 1) - m_sub);
         fa_store4_f(s + j * lds, fa_lo4_f(p));
         fa_store4_f(s + (j + 1) * lds, fa_hi4_f(p));
         sum += fa_lo4_f(p);
         sum += fa_hi4_f(p);
     }
     if (j < jhi) {
-        const fa_vf p = fa_exp2_f(fa_key_pair_f(s, lds, j, j) - m_sub);
+        const fa_vf8 p = fa_exp2_f8(fa_key_pair_f(s, lds, j, j) - m_sub);
         fa_store4_f(s + j * lds, fa_lo4_f(p));
         sum += fa_lo4_f(p);
     }
-    for (j = jhi; j < nj; j++) fa_store_f(s + j * lds, zero);
-    const fa_vf l_old = fa_join4_f(fa_load4_f(l), fa_load4_f(l));
+    for (j = jhi; j < nj; j++) fa_store_f8(s + j * lds, zero);
+    const fa_vf8 l_old = fa_join4_f(fa_load4_f(l), fa_load4_f(l));
     fa_store4_f(l, fa_lo4_f(l_old * a + fa_join4_f(sum, sum)));
 }
-#endif
 #ifndef FA_HAVE_SOFTMAX_PAIRS
 #define FA_HAVE_SOFTMAX_PAIRS 0
 #define fa_softmax_pairs_f(...) ((void)0)
@@ -583,6 +580,7 @@ static inline void NAME(const T* x, T* y, ptrdiff_t n) \
 FA_ARRAY_FN(fa_tanh_array_f, float, FA_VL_F, fa_load_f, fa_store_f, fa_tanh_f)
 FA_ARRAY_FN(fa_exp2_array_f, float, FA_VL_F, fa_load_f, fa_store_f, fa_exp2_f)
 FA_ARRAY_FN(fa_exp2_array_d, double, FA_VL_D, fa_load_d, fa_store_d, fa_exp2_d)
+FA_ARRAY_FN(fa_exp2_array_f8, float, 8, fa_load_f8, fa_store_f8, fa_exp2_f8)
 #undef FA_ARRAY_FN
 
 /* ---- OpenMP and build facts ---- */
@@ -647,8 +645,10 @@ static inline int fa_cpu_supports(const char* isa)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
                && __builtin_cpu_supports("f16c");
     if (strcmp(isa, "avx512") == 0)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2")
-               && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+               && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
+               && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+               && __builtin_cpu_supports("f16c");
     if (strcmp(isa, "sse2") == 0) return 1;
     return 0;
 #else

@@ -16,12 +16,12 @@
 /* The 4 x 4 transpose within each 128-bit lane that turns y_i = [row i | row i+4] (4
  * elements of each) into t[i][lane] = element i of row lane: unpack, then 64-bit
  * shuffles. */
-FA_INLINE void K32(fa_transpose_y4)(fa_vf y0, fa_vf y1, fa_vf y2, fa_vf y3, fa_vf* t)
+FA_INLINE void K32(fa_transpose_y4)(fa_vf8 y0, fa_vf8 y1, fa_vf8 y2, fa_vf8 y3, fa_vf8* t)
 {
-    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
-    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
+    const fa_vf8 u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf8 u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
+    const fa_vf8 u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf8 u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
     t[0] = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13);
     t[1] = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15);
     t[2] = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13);
@@ -29,37 +29,37 @@ FA_INLINE void K32(fa_transpose_y4)(fa_vf y0, fa_vf y1, fa_vf y2, fa_vf y3, fa_v
 }
 
 /* t[i][lane] = k[lane][d0 + i] for 8 key rows k, i < 4. */
-FA_INLINE void K32(fa_load_transpose_8x4)(const KE* const* k, ptrdiff_t d0, fa_vf* t)
+FA_INLINE void K32(fa_load_transpose_8x4)(const KE* const* k, ptrdiff_t d0, fa_vf8* t)
 {
     /* y_i = [k_i | k_(i+4)]: keys 0-3 in the low 128-bit lane, 4-7 in the high one */
-    const fa_vf y0 = FA_YROWS(k[0] + d0, k[4] + d0), y1 = FA_YROWS(k[1] + d0, k[5] + d0);
-    const fa_vf y2 = FA_YROWS(k[2] + d0, k[6] + d0), y3 = FA_YROWS(k[3] + d0, k[7] + d0);
+    const fa_vf8 y0 = FA_YROWS(k[0] + d0, k[4] + d0), y1 = FA_YROWS(k[1] + d0, k[5] + d0);
+    const fa_vf8 y2 = FA_YROWS(k[2] + d0, k[6] + d0), y3 = FA_YROWS(k[3] + d0, k[7] + d0);
     K32(fa_transpose_y4)(y0, y1, y2, y3, t);
 }
 
 /* The same from 8 equally spaced rows k, k + ldk, ..., k + 7 ldk, addressed from two
  * base pointers (k and k + 3 ldk) and the stride: an array of row pointers would be kept
  * on the stack and reloaded before every load. */
-FA_INLINE void K32(fa_load_transpose_8x4s)(const KE* k, ptrdiff_t ldk, ptrdiff_t d0, fa_vf* t)
+FA_INLINE void K32(fa_load_transpose_8x4s)(const KE* k, ptrdiff_t ldk, ptrdiff_t d0, fa_vf8* t)
 {
     const KE *b = k + d0, *b3 = k + 3 * ldk + d0;
-    const fa_vf y0 = FA_YROWS(b, b + 4 * ldk), y1 = FA_YROWS(b + ldk, b3 + 2 * ldk);
-    const fa_vf y2 = FA_YROWS(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_YROWS(b3, b3 + 4 * ldk);
+    const fa_vf8 y0 = FA_YROWS(b, b + 4 * ldk), y1 = FA_YROWS(b + ldk, b3 + 2 * ldk);
+    const fa_vf8 y2 = FA_YROWS(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_YROWS(b3, b3 + 4 * ldk);
     K32(fa_transpose_y4)(y0, y1, y2, y3, t);
 }
 
 /* One step: 4 dims of the 8 keys of group g into the nr accumulators a[r]. */
 FA_INLINE void K32(fa_keys32_step)(const KE* const* kr, ptrdiff_t ldk, int g, ptrdiff_t d0,
-                                const float* qt, ptrdiff_t ldqt, const int nr, fa_vf* a)
+                                const float* qt, ptrdiff_t ldqt, const int nr, fa_vf8* a)
 {
-    fa_vf t[4];
+    fa_vf8 t[4];
     if (ldk)
         K32(fa_load_transpose_8x4s)(kr[0] + 8 * g * ldk, ldk, d0, t);
     else
         K32(fa_load_transpose_8x4)(kr + 8 * g, d0, t);
     for (int i = 0; i < 4; i++) {
         const float* qd = qt + (d0 + i) * ldqt;
-        for (int r = 0; r < nr; r++) a[r] += fa_bcast_f(qd[r]) * t[i];
+        for (int r = 0; r < nr; r++) a[r] += fa_bcast_f8(qd[r]) * t[i];
     }
 }
 
@@ -67,12 +67,12 @@ FA_INLINE void K32(fa_keys32_step)(const KE* const* kr, ptrdiff_t ldk, int g, pt
 /* One dimension of fa_kt8_pass: the nr x ng accumulators a[r][g] += q[r] k_g, where
  * kd + g gs holds the dimension's 8 keys of group g as 16-bit values. */
 FA_INLINE void K32(fa_kt8_dim)(const KE* kd, ptrdiff_t gs, const float* qd, const int nr,
-                              const int ng, fa_vf (*a)[4])
+                              const int ng, fa_vf8 (*a)[4])
 {
-    fa_vf kv[4];
+    fa_vf8 kv[4];
     for (int g = 0; g < ng; g++) kv[g] = KE_LOAD8W(kd + g * gs);
     for (int r = 0; r < nr; r++) {
-        const fa_vf qb = fa_bcast_f(qd[r]);
+        const fa_vf8 qb = fa_bcast_f8(qd[r]);
         for (int g = 0; g < ng; g++) a[r][g] += qb * kv[g];
     }
 }
@@ -87,20 +87,20 @@ FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, p
 {
     const int ng = nr >= 4 ? 2 : 4;
     const ptrdiff_t gs = 8 * D;   /* elements per group of 8 keys */
-    const fa_vf sc = fa_bcast_f(scale);
+    const fa_vf8 sc = fa_bcast_f8(scale);
     for (int g0 = 0; g0 < 4; g0 += ng) {
-        fa_vf a[4][4];
+        fa_vf8 a[4][4];
         float part[4][4][8];   /* the sums of the chunks before the current one */
         for (int r = 0; r < nr; r++)
-            for (int g = 0; g < ng; g++) a[r][g] = fa_bcast_f(0);
+            for (int g = 0; g < ng; g++) a[r][g] = fa_bcast_f8(0);
         const KE* kg = kh + g0 * gs;
         for (ptrdiff_t c0 = 0; c0 < D; c0 += FA_DCHUNK) {
             if (c0)
                 for (int r = 0; r < nr; r++)
                     for (int g = 0; g < ng; g++) {
-                        fa_store_f(part[r][g], c0 == FA_DCHUNK ? a[r][g]
-                                                               : fa_load_f(part[r][g]) + a[r][g]);
-                        a[r][g] = fa_bcast_f(0);
+                        fa_store_f8(part[r][g], c0 == FA_DCHUNK ? a[r][g]
+                                                               : fa_load_f8(part[r][g]) + a[r][g]);
+                        a[r][g] = fa_bcast_f8(0);
                     }
             const ptrdiff_t c1 = c0 + FA_DCHUNK < D ? c0 + FA_DCHUNK : D;
             ptrdiff_t d0 = c0;
@@ -123,18 +123,18 @@ FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, p
         float o[4][4][8];
         for (int r = 0; r < nr; r++)
             for (int g = 0; g < ng; g++)
-                fa_store_f(o[r][g], (D > FA_DCHUNK ? fa_load_f(part[r][g]) + a[r][g]
+                fa_store_f8(o[r][g], (D > FA_DCHUNK ? fa_load_f8(part[r][g]) + a[r][g]
                                                    : a[r][g]) * sc);
         for (int g = 0; g < ng; g++) {
             float* sg = s + 8 * (g0 + g) * lds;
             if (nr == 4 && nstore >= 4) {
                 /* [key i: rows 0-3 | key i + 4: rows 0-3] */
-                fa_vf t[4];
-                K32(fa_transpose_y4)(fa_load_f(o[0][g]), fa_load_f(o[1][g]), fa_load_f(o[2][g]),
-                                     fa_load_f(o[3][g]), t);
+                fa_vf8 t[4];
+                K32(fa_transpose_y4)(fa_load_f8(o[0][g]), fa_load_f8(o[1][g]), fa_load_f8(o[2][g]),
+                                     fa_load_f8(o[3][g]), t);
                 for (int i = 0; i < 4; i++) {
                     float w[8];
-                    fa_store_f(w, t[i]);
+                    fa_store_f8(w, t[i]);
                     memcpy(sg + i * lds, w, 4 * sizeof(float));
                     memcpy(sg + (i + 4) * lds, w + 4, 4 * sizeof(float));
                 }
@@ -187,22 +187,22 @@ FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int
 {
     /* groups of 8 keys per sweep over d: nr * ng = 4 accumulator chains (nr <= 4) */
     const int ng = nr >= 4 ? 1 : 4 / nr;
-    const fa_vf sc = fa_bcast_f(scale);
+    const fa_vf8 sc = fa_bcast_f8(scale);
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
     fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, sizeof(KE), D,
                    (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng));
     for (int g0 = 0; g0 < 4 && 8 * g0 < nk; g0 += ng) {
-        fa_vf a[4][8];   /* nr <= 4 is called; 8 keeps the unused 8-row wrapper in bounds */
+        fa_vf8 a[4][8];   /* nr <= 4 is called; 8 keeps the unused 8-row wrapper in bounds */
         float part[4][8][8];   /* the sums of the chunks before the current one */
         for (int g = 0; g < ng; g++)
-            for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f(0);
+            for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f8(0);
 #define FA_FOLD(d) \
         if ((d) && (d) % FA_DCHUNK == 0) \
             for (int g = 0; g < ng; g++) \
                 for (int r = 0; r < nr; r++) { \
-                    fa_store_f(part[g][r], (d) == FA_DCHUNK ? a[g][r] \
-                                                            : fa_load_f(part[g][r]) + a[g][r]); \
-                    a[g][r] = fa_bcast_f(0); \
+                    fa_store_f8(part[g][r], (d) == FA_DCHUNK ? a[g][r] \
+                                                            : fa_load_f8(part[g][r]) + a[g][r]); \
+                    a[g][r] = fa_bcast_f8(0); \
                 }
         ptrdiff_t d0 = 0;
         for (; d0 + 4 <= D; d0 += 4) {
@@ -220,8 +220,8 @@ FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int
             for (int g = 0; g < ng; g++) {
                 float col[8];
                 for (int i = 0; i < 8; i++) col[i] = KE_SCALAR(kr[8 * (g0 + g) + i][d0]);
-                const fa_vf kd = fa_load_f(col);
-                for (int r = 0; r < nr; r++) a[g][r] += fa_bcast_f(qd[r]) * kd;
+                const fa_vf8 kd = fa_load_f8(col);
+                for (int r = 0; r < nr; r++) a[g][r] += fa_bcast_f8(qd[r]) * kd;
             }
         }
         /* Out through a buffer indexed by constants only: a runtime bound on r here (nstore)
@@ -230,7 +230,7 @@ FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int
         float out[4][8][8];
         for (int g = 0; g < ng; g++)
             for (int r = 0; r < nr; r++)
-                fa_store_f(out[g][r], (D > FA_DCHUNK ? fa_load_f(part[g][r]) + a[g][r]
+                fa_store_f8(out[g][r], (D > FA_DCHUNK ? fa_load_f8(part[g][r]) + a[g][r]
                                                      : a[g][r]) * sc);
         for (int g = 0; g < ng; g++) {
             const int kg = nk - 8 * (g0 + g) < 8 ? nk - 8 * (g0 + g) : 8;
@@ -258,26 +258,6 @@ FA_INLINE void K32(fa_score_keys32)(const KE* const* kr, ptrdiff_t ldk, int nk,
     else
         K32(fa_score_keys32_body)(kr, 0, nk, qt, ldqt, D, scale, s, lds, nr, nstore, pf, pf_bytes);
 }
-#if !defined(__AVX__)
-/* SSE2, 4 (or 8) rows: 4 rows x 8-lane accumulators and the 8x4 transposes do not fit 16
- * xmm registers (they spill), so these passes take the 32 keys
- * as 4 groups of 8 with whole 8x8 blocks (fa_score_keyrows, fa_tile_impl.h); the output
- * kernel prefetches the next K rows for such tiles (FA_DEC_SCORES_PREFETCH_K_ROWS_F). */
-static inline void K32(fa_score_keyrows)(const KE* const* kr, ptrdiff_t ldk, int nk,
-                                      const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                                      float scale, float* s, ptrdiff_t lds, const int nr,
-                                      int nstore, const char* const* pf, ptrdiff_t pf_bytes);
-FA_INLINE void K32(fa_score_keys32_by8)(const KE* const* kr, ptrdiff_t ldk, int nk,
-                                     const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                                     float scale, float* s, ptrdiff_t lds, const int nr,
-                                     int nstore, const char* const* pf, ptrdiff_t pf_bytes)
-{
-    (void)ldk;
-    for (int g = 0; 8 * g < nk; g++)
-        K32(fa_score_keyrows)(kr + 8 * g, 0, nk - 8 * g < 8 ? nk - 8 * g : 8, qt, ldqt, D, scale,
-                           s + 8 * g * lds, lds, nr, nstore, pf ? pf + 8 * g : NULL, pf_bytes);
-}
-#endif
 #if defined(__AVX__)
 /* AVX2, 4 rows (a GQA group of 4 query heads), 32 evenly spaced keys: two sweeps of 16
  * keys, so that 4 rows x 2 groups = 8 accumulator chains are in flight -- as many as
@@ -288,21 +268,21 @@ FA_INLINE void K32(fa_score_keys32_by8)(const KE* const* kr, ptrdiff_t ldk, int 
  * than by FMAs (16 broadcasts of q and 8 half-row loads per 16 FMAs).
  * Per score: the same chain acc += k[d] * q[d], d = 0, 1, ... then * scale. */
 FA_INLINE void K32(fa_keys8x4s_r4)(const KE* b, const KE* b3, ptrdiff_t ldk,
-                                const float* qt, ptrdiff_t ldqt, fa_vf* a)
+                                const float* qt, ptrdiff_t ldqt, fa_vf8* a)
 {
     /* y_i = [k_i | k_(i+4)] over 4 dims: rows b, b+ldk, b+2ldk, b3 | b+4ldk, b3+2ldk, ... */
 #define FA_Y FA_YROWS
-    const fa_vf y0 = FA_Y(b, b + 4 * ldk), y1 = FA_Y(b + ldk, b3 + 2 * ldk);
-    const fa_vf u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
-    const fa_vf y2 = FA_Y(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_Y(b3, b3 + 4 * ldk);
+    const fa_vf8 y0 = FA_Y(b, b + 4 * ldk), y1 = FA_Y(b + ldk, b3 + 2 * ldk);
+    const fa_vf8 u0 = __builtin_shufflevector(y0, y1, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf8 u1 = __builtin_shufflevector(y0, y1, 2, 10, 3, 11, 6, 14, 7, 15);
+    const fa_vf8 y2 = FA_Y(b + 2 * ldk, b3 + 3 * ldk), y3 = FA_Y(b3, b3 + 4 * ldk);
 #undef FA_Y
-    const fa_vf u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
-    const fa_vf u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
-    fa_vf t;
+    const fa_vf8 u2 = __builtin_shufflevector(y2, y3, 0, 8, 1, 9, 4, 12, 5, 13);
+    const fa_vf8 u3 = __builtin_shufflevector(y2, y3, 2, 10, 3, 11, 6, 14, 7, 15);
+    fa_vf8 t;
 #define FA_FMA4(i) \
-    a[0] += fa_bcast_f(qt[(i) * ldqt + 0]) * t; a[1] += fa_bcast_f(qt[(i) * ldqt + 1]) * t; \
-    a[2] += fa_bcast_f(qt[(i) * ldqt + 2]) * t; a[3] += fa_bcast_f(qt[(i) * ldqt + 3]) * t;
+    a[0] += fa_bcast_f8(qt[(i) * ldqt + 0]) * t; a[1] += fa_bcast_f8(qt[(i) * ldqt + 1]) * t; \
+    a[2] += fa_bcast_f8(qt[(i) * ldqt + 2]) * t; a[3] += fa_bcast_f8(qt[(i) * ldqt + 3]) * t;
     t = __builtin_shufflevector(u0, u2, 0, 1, 8, 9, 4, 5, 12, 13); FA_FMA4(0)
     t = __builtin_shufflevector(u0, u2, 2, 3, 10, 11, 6, 7, 14, 15); FA_FMA4(1)
     t = __builtin_shufflevector(u1, u3, 0, 1, 8, 9, 4, 5, 12, 13); FA_FMA4(2)
@@ -322,20 +302,20 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
     }
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
     fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, sizeof(KE), D, 2 * (D / 4));
-    const fa_vf sc = fa_bcast_f(scale);
+    const fa_vf8 sc = fa_bcast_f8(scale);
     for (int h = 0; h < 2; h++) {
         const KE* b = kr[0] + 16 * h * ldk;        /* group 0: keys 16h .. 16h+7 */
         const KE* c = b + 8 * ldk;                 /* group 1: the next 8 */
-        fa_vf a0[4], a1[4];
+        fa_vf8 a0[4], a1[4];
         float part[4][16];   /* the sums of the chunks before the current one */
-        for (int r = 0; r < 4; r++) a0[r] = a1[r] = fa_bcast_f(0);
+        for (int r = 0; r < 4; r++) a0[r] = a1[r] = fa_bcast_f8(0);
         for (ptrdiff_t d0 = 0; d0 < D; d0 += 4) {
             if (d0 && d0 % FA_DCHUNK == 0)
                 for (int r = 0; r < 4; r++) {
                     const int first = d0 == FA_DCHUNK;
-                    fa_store_f(part[r], first ? a0[r] : fa_load_f(part[r]) + a0[r]);
-                    fa_store_f(part[r] + 8, first ? a1[r] : fa_load_f(part[r] + 8) + a1[r]);
-                    a0[r] = a1[r] = fa_bcast_f(0);
+                    fa_store_f8(part[r], first ? a0[r] : fa_load_f8(part[r]) + a0[r]);
+                    fa_store_f8(part[r] + 8, first ? a1[r] : fa_load_f8(part[r] + 8) + a1[r]);
+                    a0[r] = a1[r] = fa_bcast_f8(0);
                 }
             fa_dec_pf_step(&pfs);
             const float* q = qt + d0 * ldqt;
@@ -350,11 +330,11 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
         float o[4][16];
         for (int r = 0; r < 4; r++) {
             if (D > FA_DCHUNK) {
-                a0[r] += fa_load_f(part[r]);
-                a1[r] += fa_load_f(part[r] + 8);
+                a0[r] += fa_load_f8(part[r]);
+                a1[r] += fa_load_f8(part[r] + 8);
             }
-            fa_store_f(o[r], a0[r] * sc);
-            fa_store_f(o[r] + 8, a1[r] * sc);
+            fa_store_f8(o[r], a0[r] * sc);
+            fa_store_f8(o[r] + 8, a1[r] * sc);
         }
         for (int r = 0; r < nstore && r < 4; r++)
             for (int t = 0; t < 16; t++) s[(16 * h + t) * lds + r] = o[r][t];

@@ -60,6 +60,13 @@ FA_INLINE fa_vd fa_bcast_d(double x) { return (fa_vd){FA_X8(x)}; }
 FA_INLINE fa_vf fa_bcast_f(float x) { return (fa_vf){x, x, x, x, x, x, x, x}; }
 FA_INLINE fa_vd fa_bcast_d(double x) { return (fa_vd){x, x, x, x}; }
 #endif
+/* 8 floats: the native vector of the 32-byte builds; in AVX-512 builds a ymm register,
+ * for the decode kernels that work on groups of 8 keys (fa_keys32.h) or of 4 rows. */
+typedef float fa_vf8 __attribute__((vector_size(32)));
+typedef int32_t fa_vi8 __attribute__((vector_size(32)));
+FA_INLINE fa_vf8 fa_load_f8(const float* p) { fa_vf8 v; memcpy(&v, p, sizeof v); return v; }
+FA_INLINE void fa_store_f8(float* p, fa_vf8 v) { memcpy(p, &v, sizeof v); }
+FA_INLINE fa_vf8 fa_bcast_f8(float x) { return (fa_vf8){x, x, x, x, x, x, x, x}; }
 FA_INLINE fa_vf fa_select_f(fa_vfi m, fa_vf a, fa_vf b)
 { return (fa_vf)(((fa_vfi)a & m) | ((fa_vfi)b & ~m)); }
 
@@ -78,6 +85,16 @@ FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return (fa_vd)_mm256_max_pd((__m256
 /* No single max instruction for a 32-byte vector on SSE2: compare and select. */
 FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return fa_select_f(a > b, a, b); }
 FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return fa_select_d(a > b, a, b); }
+#endif
+
+/* max and select on 8 floats (fa_vf8), in every build */
+#if defined(__AVX__)
+FA_INLINE fa_vf8 fa_max_f8(fa_vf8 a, fa_vf8 b) { return (fa_vf8)_mm256_max_ps((__m256)a, (__m256)b); }
+#endif
+FA_INLINE fa_vf8 fa_select_f8(fa_vi8 m, fa_vf8 a, fa_vf8 b)
+{ return (fa_vf8)(((fa_vi8)a & m) | ((fa_vi8)b & ~m)); }
+#if !defined(__AVX__)
+FA_INLINE fa_vf8 fa_max_f8(fa_vf8 a, fa_vf8 b) { return fa_select_f8(a > b, a, b); }
 #endif
 
 /* Whether every lane of a comparison result is true: one movemask where the ISA has it
@@ -115,8 +132,9 @@ FA_INLINE int fa_all_f(fa_vfi m)
  *   otherwise: x is clamped to -127 first and 2^n is built in the exponent bits, whose
  *            field is then 0 for n = -127: the product is exactly 0.
  */
-#define FA_EXP2_POLY_F(p, r)                                \
-    fa_vf p = fa_bcast_f(1.5353360629289048927e-04f);       \
+#define FA_EXP2_POLY_F(p, r) FA_EXP2_POLY_F_AS(fa_vf, fa_bcast_f, p, r)
+#define FA_EXP2_POLY_F_AS(VT, BCAST, p, r)                  \
+    VT p = BCAST(1.5353360629289048927e-04f);               \
     p = p * r + 1.3398874866602215750e-03f;                 \
     p = p * r + 9.6184373664188744101e-03f;                 \
     p = p * r + 5.5503324696938733559e-02f;                 \
@@ -139,6 +157,21 @@ FA_INLINE int fa_all_f(fa_vfi m)
     p = p * r + 6.9314718055994532581e-01;                  \
     p = p * r + 1.0;
 
+/* 2^x on 8 float lanes with 2^n built in the exponent bits: x is clamped to -127 first,
+ * whose exponent field is then 0, so the product is exactly 0.  The 32-byte builds' exp2;
+ * AVX-512 builds use it for their 8-float decode kernels, and per lane it gives the bits
+ * of their vscalefps version. */
+FA_INLINE fa_vf8 fa_exp2_f8(fa_vf8 x)
+{
+    const fa_vf8 magic = fa_bcast_f8(12582912.0f);           /* 1.5 * 2^23 */
+    x = fa_max_f8(fa_bcast_f8(-127.0f), x);
+    const fa_vf8 t = x + magic;
+    const fa_vf8 r = x - (t - magic);
+    FA_EXP2_POLY_F_AS(fa_vf8, fa_bcast_f8, p, r)
+    const fa_vf8 pow2n = (fa_vf8)(((fa_vi8)t - (fa_vi8)magic + 127) << 23);
+    return p * pow2n;
+}
+
 #if FA_VBYTES == 64
 FA_INLINE fa_vf fa_exp2_f(fa_vf x)
 {
@@ -159,16 +192,7 @@ FA_INLINE fa_vd fa_exp2_d(fa_vd x)
     return (fa_vd)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)n);
 }
 #else
-FA_INLINE fa_vf fa_exp2_f(fa_vf x)
-{
-    const fa_vf magic = fa_bcast_f(12582912.0f);            /* 1.5 * 2^23 */
-    x = fa_max_f(fa_bcast_f(-127.0f), x);
-    const fa_vf t = x + magic;
-    const fa_vf r = x - (t - magic);
-    FA_EXP2_POLY_F(p, r)
-    const fa_vf pow2n = (fa_vf)(((fa_vfi)t - (fa_vfi)magic + 127) << 23);
-    return p * pow2n;
-}
+FA_INLINE fa_vf fa_exp2_f(fa_vf x) { return fa_exp2_f8(x); }
 FA_INLINE fa_vd fa_exp2_d(fa_vd x)
 {
     const fa_vd magic = fa_bcast_d(6755399441055744.0);      /* 1.5 * 2^52 */

@@ -370,6 +370,20 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int n
     }
 }
 
+/* FA_DEC_KEYS_F keys (32) for the float kernels as calls of VL keys each (see
+ * FA_KEYS32_WIDE).  pf: the V rows of all the call's keys. */
+FA_INLINE void FA_FN(fa_score_keyrows_split)(const KV* const* kr, ptrdiff_t ldk, int nk,
+                                             const T* qt, ptrdiff_t ldqt, ptrdiff_t D,
+                                             T scale, T* s, ptrdiff_t lds, const int nr,
+                                             int nstore, const char* const* pf,
+                                             ptrdiff_t pf_bytes)
+{
+    for (int g = 0; g * VL < nk; g++)
+        FA_FN(fa_score_keyrows)(kr + g * VL, ldk, nk - g * VL < VL ? nk - g * VL : VL, qt, ldqt,
+                                D, scale, s + g * VL * lds, lds, nr, nstore,
+                                pf ? pf + g * VL : NULL, pf_bytes);
+}
+
 /* KEYROWS_IMPL (optional): an ISA-specific body for the wrappers below, with the same
  * contract but FA_DEC_KEYS_F keys per call instead of VL (see fa_score_keys32_f). */
 #ifndef KEYROWS_IMPL

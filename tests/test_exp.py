@@ -40,3 +40,14 @@ def test_exp2_special_values(kernel, dtype, floor):
     assert y[0] == 1.0 and y[6] == 1.0
     assert (y[1:5] == 0.0).all()
     assert np.isnan(y[5])
+
+
+def test_exp2_float32_8_lanes_has_the_full_vectors_bits(kernel):
+    # The decode kernels' 8-lane 2**x (a ymm register in AVX-512 builds, where the full
+    # vector uses vscalefps instead) must give the same bits, or a decode step would
+    # differ from the prefill of the same row.  Dense over the range the softmax uses,
+    # with the flush-to-zero edge and the special values.
+    x = np.concatenate([np.linspace(-130.0, 0.0, 1_000_003, dtype=np.float32),
+                        np.array([-np.inf, -0.0, -126.5, -126.49999, -1e30], np.float32)])
+    np.testing.assert_array_equal(kernel.vector_exp2(x, lanes8=True).view(np.uint32),
+                                  kernel.vector_exp2(x).view(np.uint32))
