@@ -90,6 +90,7 @@ cdef struct Tile:
     Py_ssize_t tile_lo, tile_hi           # keys [tile_lo, tile_hi) are seen by some row
     bint same_keys                # every row sees exactly [tile_lo, tile_hi), not empty
     bint gqa4                     # 4-row score passes over 16-bit K: fa_score_gqa4
+    bint softmax_pairs            # the softmax step of <= 4 rows: fa_softmax_pairs_f
     # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.
     const char* kb
     const char* vb
@@ -270,6 +271,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.dv_main = (P.Dv // t.NL) * t.NL
     t.dv_tail = P.Dv - t.dv_main
     t.decode = t.nrows <= FA_DECODE_ROWS
+    # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
+    # step takes two keys per 8-lane vector (fa_softmax_pairs_f), the same bits.
+    t.softmax_pairs = floating is float and FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
     # Q^T's row stride: FA_BQ for the prefill's score tiles; the padded row count for a
     # decode tile, so that its D x nlanes values take D/2 (8 lanes of floats) cache lines
     # instead of D -- the decode score kernels read a line per dimension, beside 32 K rows
@@ -361,8 +365,9 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
         # Decode score kernels store real rows only: the padding lanes of S^T hold finite
         # values from here on (0, then the softmax's p), so no stale NaN or denormal reaches
         # the exp.  Only the keys a block can hold for this tile.
+        # The two-keys-per-vector softmax step and the 4-row output tile read lanes 0-3 only.
         nj = min(FA_BK, t.tile_hi - t.tile_lo) if t.tile_lo < t.tile_hi else 0
-        for r in range(t.nrows, t.nlanes):
+        for r in range(t.nrows, 4 if t.softmax_pairs else t.nlanes):
             for j in range(nj):
                 s[j * FA_BQ + r] = 0
 
@@ -604,15 +609,12 @@ cdef void _softmax(const Tile* t, const Workspace* w, floating* ws) noexcept nog
     cdef floating* alpha = ws + w.alpha
     cdef Py_ssize_t nv = t.nlanes // t.VL, j0 = t.j0, j1 = t.j1, ic = 0, c, vj0, vj1
     cdef int nvec
-    # A decode tile of at most 4 rows is one vector of 8 lanes, half of them padding:
-    # two keys per vector there, the same bits.
-    cdef bint pairs = FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
     while ic < nv:
         c = ic * t.VL
         nvec = <int> min(2, nv - ic)
         vj0 = min(max(min(t.vec_lo[ic], t.vec_lo[ic + nvec - 1]), j0), j1) - j0
         vj1 = max(min(max(t.vec_hi[ic], t.vec_hi[ic + nvec - 1]), j1) - j0, vj0)
-        if floating is float and pairs:
+        if floating is float and t.softmax_pairs:
             fa_softmax_pairs_f(s, FA_BQ, t.nj, vj0, vj1, m, l, alpha)
         else:
             softmax_step(s + c, t.nj, vj0, vj1, m + c, l + c, alpha + c, nvec)

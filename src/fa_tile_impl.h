@@ -413,6 +413,12 @@ FA_SCORE_KEYROWS_NR(8, KEYROWS_IMPL_WIDE)   /* called only when FA_DEC_NR_MAX >=
  * into L2 as V row j is read: the decode path passes the next block's K rows, so that
  * K and V stream from memory continuously, each kernel's loads hitting lines the other
  * kernel requested (one core alone keeps too few misses in flight otherwise). */
+#if FA_VBYTES == 64
+/* AVX-512: whole 8-vector rows are 256-1024 bytes, and the loads of one key stall on its
+ * lines (from L2, or memory when the score kernel's V stream is late) unless they are
+ * requested into L1 about 4 KiB of rows ahead. */
+#define FA_PV_L1_AHEAD (4096 / (8 * VL * (ptrdiff_t)sizeof(KV)))
+#endif
 FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                   const KV* v, ptrdiff_t ldv, T* acc, const T* alpha,
                                   const char* pf, ptrdiff_t pf_stride, ptrdiff_t pf_rows,
@@ -426,6 +432,11 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         const V b = BCAST(p[j * ldp]);
         const KV* vj = v + j * ldv;
         if (j < pf_rows) fa_prefetch_l2(pf + j * pf_stride, pf_bytes);
+#if FA_VBYTES == 64
+        if (j + FA_PV_L1_AHEAD < nj)
+            for (int u = 0; u < (int)(8 * VL * sizeof(KV)); u += 64)
+                __builtin_prefetch((const char*)(vj + FA_PV_L1_AHEAD * ldv) + u, 0, 3);
+#endif
         c0 += b * LOAD_KV(vj);
         c1 += b * LOAD_KV(vj + VL);
         c2 += b * LOAD_KV(vj + 2 * VL);
@@ -438,6 +449,7 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     STORE(acc, c0); STORE(acc + VL, c1); STORE(acc + 2 * VL, c2); STORE(acc + 3 * VL, c3);
     STORE(acc + 4 * VL, c4); STORE(acc + 5 * VL, c5); STORE(acc + 6 * VL, c6); STORE(acc + 7 * VL, c7);
 }
+#undef FA_PV_L1_AHEAD
 
 /* The output of 4 query rows over 4 vectors of value columns (decode tiles of a GQA
  * group): each V vector loaded is used by all 4 rows.  Per element, the identical
