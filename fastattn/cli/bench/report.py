@@ -227,6 +227,9 @@ def _half_row(r, peaks, sym):
         row.append(format_peak(peak_fraction(r, peaks)))
     else:
         row.append(sym["dash"])
+    check = r.get("check", {})
+    for key in ("vs_reference_max_abs", "torch_vs_reference_max_abs"):
+        row.append(f"{check[key]:.1e}" if key in check else sym["dash"])
     return row
 
 
@@ -239,9 +242,12 @@ def format_half_table(report):
     if not rows:
         return None
     header = ["shape", "dtype", "fastattn", "fastattn f32", "torch", "torch f32",
-              f"{x} fastattn f32", f"{x} torch", f"{x} torch f32", "% read bw"]
+              f"{x} fastattn f32", f"{x} torch", f"{x} torch f32", "% read bw",
+              "fastattn err", "torch err"]
     return ("16-bit storage against the same values in float32 (same rounds; "
-            f"{x} = the other's time / fastattn's):\n" + format_table(header, rows, align="ll"))
+            f"{x} = the other's time / fastattn's;\nerr = max|out - ref f64| over the rows "
+            "the reference ran on, both libraries in the 16-bit dtype):\n"
+            + format_table(header, rows, align="ll"))
 
 
 def _peaks_line(m):

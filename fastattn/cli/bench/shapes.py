@@ -64,6 +64,9 @@ SHAPES = (
     Shape("decode-4k-bf16", 32, 32, 1, 4096, 128, dtype="bfloat16"),
     Shape("decode-gqa-8k-f16", 32, 8, 1, 8192, 128, dtype="float16"),
     Shape("prefill-1k-f16", 12, 12, 1024, 1024, 64, dtype="float16"),
+    Shape("prefill-1k-bf16", 12, 12, 1024, 1024, 64, dtype="bfloat16"),
+    Shape("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, causal=True, dtype="bfloat16"),
+    Shape("prefill-4k-causal-bf16", 4, 4, 4096, 4096, 64, causal=True, dtype="bfloat16"),
 )
 SHAPES_BY_NAME = {s.name: s for s in SHAPES}
 
@@ -71,13 +74,13 @@ SHAPES_BY_NAME = {s.name: s for s in SHAPES}
 BACKWARD_SHAPES = tuple(SHAPES_BY_NAME[n] for n in (
     "tiny", "small", "prefill-1k", "prefill-1k-causal", "prefill-4k-causal")) + (
     Shape("prefill-gqa-1k-causal", 16, 4, 1024, 1024, 128, causal=True),
-    Shape("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, causal=True, dtype="bfloat16"),
+    SHAPES_BY_NAME["prefill-1k-causal-bf16"],
 )
 BACKWARD_SHAPES_BY_NAME = {s.name: s for s in BACKWARD_SHAPES}
 GRADIENTS = ("dq", "dk", "dv")      # what a backward call returns, in this order
 
 # The reference materialises (Hq, Lq, Lk) float64 scores: seconds per call on these.
-QUICK_SKIP_REFERENCE = frozenset({"long-8k", "prefill-4k-causal"})
+QUICK_SKIP_REFERENCE = frozenset({"long-8k", "prefill-4k-causal", "prefill-4k-causal-bf16"})
 
 
 def parse_shapes(text, catalogue=SHAPES):
