@@ -1,71 +1,62 @@
-"""float32 accuracy of fastattn against a float64 reference, beside PyTorch's float32 math.
+"""float32 accuracy of fastattn under FlashAttention's test rule, beside torch's float32 math.
 
-    python benchmarks/accuracy.py [--heads 4]
+    python benchmarks/accuracy.py [--full] [--seeds N]
 
-For each head dim D in 32, 64, 128, 256 and each (Lq, Lk) of FlashAttention's test shapes,
-with and without (bottom-right) causal masking, q, k, v are standard normal float32.  Both
-fastattn and torch's math path (scaled_dot_product_attention with the MATH backend, or
-NumPy's float32 matmul/softmax/matmul when torch is absent) are compared with
-fastattn.reference on the same float32 inputs, computed in float64.  FlashAttention's own
-test rule asks a kernel's max error to stay within 2x that of the framework's float32 math;
-the table gives both errors and, per D, the worst ratio over the shapes.
+The cases, the inputs and the rule are those of tests/test_flash_rule.py: FlashAttention's
+(Lq, Lk) pairs and head dims, MHA/GQA/MQA, with and without (bottom-right) causal masking
+and a sliding window; fastattn and torch's float32 scaled_dot_product_attention (math
+backend) are both compared with fastattn.reference in float64 on the same float32 inputs,
+and a case misses the rule when fastattn's max error exceeds twice torch's plus twice the
+float32 rounding noise of the reference.  Per head dim the table gives both largest errors,
+the worst ratio of the two over the cases, and the misses, which are listed below it.
+
+By default the test's own cases run (~20 s); --full runs every head dim on every pair,
+adding the 1k-2k pairs at batch 1 (~3 min per seed); --seeds N repeats with N input seeds.
+Needs torch.  The kernel variant is the one fastattn imported (FASTATTN_ISA selects it).
 """
 import argparse
+import os
+import sys
 
-import numpy as np
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
-import fastattn
+import torch  # noqa: E402
 
-# FlashAttention's tests/test_flash_attn.py seqlen pairs.
-SHAPES = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256),
-          (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048)]
-
-
-def _math_torch(torch, q, k, v, mask):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    t = [torch.from_numpy(x) for x in (q, k, v)]
-    m = None if mask is None else torch.from_numpy(mask)
-    with sdpa_kernel(SDPBackend.MATH):
-        return torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=m).numpy()
-
-
-def _math_numpy(q, k, v, mask):
-    s = (q @ np.swapaxes(k, -1, -2)) * np.float32(1 / np.sqrt(q.shape[-1]))
-    if mask is not None:
-        s = np.where(mask, s, np.float32(-np.inf))
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
+from fastattn._dispatch import ISA  # noqa: E402
+from test_flash_rule import (HEAD_DIMS, LONG_SHAPES, SHAPES, case_id, cases,  # noqa: E402
+                             flash_rule_errors)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--full", action="store_true",
+                    help="every head dim on every pair, and the 1k-2k pairs")
+    ap.add_argument("--seeds", type=int, default=1, help="input seeds 0 .. N-1")
     args = ap.parse_args()
-    try:
-        import torch
-        math, name = (lambda *a: _math_torch(torch, *a)), "torch f32 math"
-    except ImportError:
-        math, name = _math_numpy, "numpy f32 math"
-    rng = np.random.default_rng(0)
-    print(f"{'D':>4} {'fastattn max err':>17} {name + ' max err':>22} {'ratio':>6} "
-          f"{'worst shape ratio':>18}")
-    for D in (32, 64, 128, 256):
-        fa_err, m_err = [], []
-        for Lq, Lk in SHAPES:
-            q, k, v = (rng.standard_normal((1, args.heads, L, D)).astype(np.float32)
-                       for L in (Lq, Lk, Lk))
-            for causal in (False, True):
-                mask = None
-                if causal:
-                    mask = np.arange(Lk)[None] <= np.arange(Lq)[:, None] + (Lk - Lq)
-                ref = fastattn.reference.attention(*(x.astype(np.float64) for x in (q, k, v)),
-                                                   causal=causal)
-                out = fastattn.attention(q, k, v, causal=causal)
-                fa_err.append(float(np.abs(out - ref).max()))
-                m_err.append(float(np.abs(math(q, k, v, mask) - ref).max()))
-        worst = max(a / b for a, b in zip(fa_err, m_err))
-        print(f"{D:>4} {max(fa_err):>17.3e} {max(m_err):>22.3e} "
-              f"{max(fa_err) / max(m_err):>6.2f} {worst:>18.2f}")
+    torch.set_num_threads(1)
+    shapes = SHAPES
+    if args.full:
+        shapes = {pair: HEAD_DIMS for pair in [*SHAPES, *LONG_SHAPES]}
+    rows, misses = {}, []
+    for seed in range(args.seeds):
+        for case in cases(shapes):
+            err, err_torch, atol = flash_rule_errors(torch, *case, seed=seed)
+            row = rows.setdefault(case[2], [0.0, 0.0, 0.0, 0, 0])
+            row[0], row[1] = max(row[0], err), max(row[1], err_torch)
+            row[2] = max(row[2], err / err_torch)
+            row[3] += 1
+            if err > 2 * err_torch + atol:
+                row[4] += 1
+                misses.append((case_id(case), seed, err, err_torch, atol))
+    print(f"kernel {ISA}; {'full grid' if args.full else 'the test cases'}, "
+          f"{args.seeds} seed(s)")
+    print(f"{'D':>4} {'fastattn max err':>17} {'torch f32 max err':>18} "
+          f"{'worst ratio':>12} {'misses':>10}")
+    for D in sorted(rows):
+        e, et, worst, n, miss = rows[D]
+        print(f"{D:>4} {e:>17.3e} {et:>18.3e} {worst:>12.2f} {miss:>4} / {n:<4}")
+    for name, seed, err, err_torch, atol in misses:
+        print(f"miss {name} seed {seed}: {err:.3e} > 2 x {err_torch:.3e} + {atol:.2e}")
 
 
 if __name__ == "__main__":

@@ -815,13 +815,12 @@ cdef inline void _write_row(const Problem* P, const Tile* t, floating* orow,
                             Py_ssize_t i) noexcept nogil:
     # out = ACC / L, lse = M ln 2 + log L.  L == 0 exactly iff no key was visible (the max
     # key alone contributes p = 1); a NaN or +inf score makes L NaN, and the row NaN, as in
-    # the reference.
+    # the reference.  A division rounds once; a product with 1 / L rounds twice, which at
+    # float32 costs up to one more unit in the last place of every output.
     cdef Py_ssize_t c
-    cdef floating inv_l
     if L != 0:
-        inv_l = 1 / L
         for c in range(P.Dv):
-            orow[c] = ACC[c] * inv_l
+            orow[c] = ACC[c] / L
     else:
         for c in range(P.Dv):
             orow[c] = 0
@@ -836,8 +835,7 @@ cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow
     # A row whose softmax denominator has one more logit, the head's sink, without a value:
     # out = ACC 2^M / (L 2^M + 2^sink2), lse = log of that denominator (natural log);
     # a row that saw no key gets zeros and lse = sink.
-    cdef double sink2 = sink * LOG2E, mx, a, den
-    cdef floating f
+    cdef double sink2 = sink * LOG2E, mx, a, den, f
     cdef Py_ssize_t c
     cdef double lse = sink
     if L == 0:
@@ -847,9 +845,10 @@ cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow
         mx = max(<double> M, sink2)
         a = exp2(M - mx)
         den = L * a + exp2(sink2 - mx)
-        f = <floating> (a / den)
+        # in double and rounded once, as ACC / L is
+        f = a / den
         for c in range(P.Dv):
-            orow[c] = ACC[c] * f
+            orow[c] = <floating> (ACC[c] * f)
         lse = mx * LN2 + log(den)
     if P.lse != NULL:
         (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = <floating> lse
