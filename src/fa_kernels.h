@@ -38,9 +38,11 @@
  *   accumulators, the AVX2 sweet spot). */
 #define FA_BK 64
 /* FA_DCHUNK: dimensions per chunk of a score's FMA chain (see fa_score_tile).  A multiple
- * of every vector width, so that the decode kernels' steps never straddle a chunk; 64 keeps
- * the head dims most models use (<= 64) on a single chain, so chunking costs them nothing. */
-#define FA_DCHUNK 64
+ * of every vector width, so that the decode kernels' steps never straddle a chunk.  16
+ * keeps a score's rounding error near that of a dot product summed in vector lanes (what
+ * BLAS does for a single query row): with one chain of 64 at D = 64, a decode row's float32
+ * error reaches 2-3x torch's. */
+#define FA_DCHUNK 16
 /* FA_KCHUNK: keys per chunk of the softmax reduction (a multiple of FA_BK).  A row's keys
  * are reduced chunk by chunk from an empty state and the chunks merged in key order, the
  * same way whether one thread walks them all or a decode step with few (batch x kv head)

@@ -28,10 +28,9 @@
  * contiguous vector of packed queries; 12 accumulators + 2 query vectors + 1 broadcast fit
  * the 16 registers of AVX2.
  * The canonical order of a score, whichever kernel computes it: a sequential FMA chain
- * over each chunk of FA_DCHUNK (64) dimensions, the chunks' sums added in order, then one
+ * over each chunk of FA_DCHUNK (16) dimensions, the chunks' sums added in order, then one
  * multiply by scale.  Chunking bounds the rounding error of a score by about
- * (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D, which matters for
- * float32 at D = 128-256; for D <= FA_DCHUNK it is the plain chain and costs nothing.
+ * (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D.
  */
 /* One chunk's sums a into the scores at p: the first chunk stores, later ones add to what
  * is there; the last one also applies the scale. */
@@ -253,7 +252,11 @@ FA_NOINLINE void FA_FN(fa_merge_acc)(T* ACC, const T* acc, ptrdiff_t n, T a, T b
 
 /*
  * Output micro-tile: FA_MR_PV query rows x 2 vectors of value columns.
- *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j, r] * v[j, c]   (sequential in j)
+ *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j, r] * v[j, c]
+ * The canonical order of every output kernel: the block's sum from zero, sequential in j,
+ * then one FMA into the rescaled running sum.  A chain per key block (<= FA_BK keys, as a
+ * GEMM adds blocks of its inner dimension) instead of one over all of a row's keys keeps
+ * the float32 rounding error of long rows near torch's.
  * Values are read in place (rows of V are contiguous in Dv), p is broadcast.  Keys with
  * p == 0 contribute exactly nothing, so callers may shorten [0, nj) to the keys visible
  * to any of these rows.
@@ -262,9 +265,7 @@ FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                 const KV* v, ptrdiff_t ldv,
                                 T* acc, ptrdiff_t ldacc, const T* alpha)
 {
-#define FA_PV_LOAD_ROW(r) \
-    V c##r##0 = LOAD(acc + r * ldacc) * BCAST(alpha[r]); \
-    V c##r##1 = LOAD(acc + r * ldacc + VL) * BCAST(alpha[r]);
+#define FA_PV_LOAD_ROW(r) V c##r##0 = {0}, c##r##1 = {0};
     FA_PV_LOAD_ROW(0) FA_PV_LOAD_ROW(1) FA_PV_LOAD_ROW(2)
     FA_PV_LOAD_ROW(3) FA_PV_LOAD_ROW(4) FA_PV_LOAD_ROW(5)
 #undef FA_PV_LOAD_ROW
@@ -280,7 +281,8 @@ FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         b = BCAST(pj[5]); c50 += b * v0; c51 += b * v1;
     }
 #define FA_PV_STORE_ROW(r) \
-    STORE(acc + r * ldacc, c##r##0); STORE(acc + r * ldacc + VL, c##r##1);
+    STORE(acc + r * ldacc, LOAD(acc + r * ldacc) * BCAST(alpha[r]) + c##r##0); \
+    STORE(acc + r * ldacc + VL, LOAD(acc + r * ldacc + VL) * BCAST(alpha[r]) + c##r##1);
     FA_PV_STORE_ROW(0) FA_PV_STORE_ROW(1) FA_PV_STORE_ROW(2)
     FA_PV_STORE_ROW(3) FA_PV_STORE_ROW(4) FA_PV_STORE_ROW(5)
 #undef FA_PV_STORE_ROW
@@ -293,14 +295,14 @@ FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                    T* acc, ptrdiff_t ldacc, const T* alpha)
 {
     (void)ldacc;
-    V c0 = LOAD(acc) * BCAST(alpha[0]);
-    V c1 = LOAD(acc + VL) * BCAST(alpha[0]);
+    V c0 = {0}, c1 = {0};
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
         c0 += b * LOAD_KV(v + j * ldv);
         c1 += b * LOAD_KV(v + j * ldv + VL);
     }
-    STORE(acc, c0); STORE(acc + VL, c1);
+    STORE(acc, LOAD(acc) * BCAST(alpha[0]) + c0);
+    STORE(acc + VL, LOAD(acc + VL) * BCAST(alpha[0]) + c1);
 }
 
 /*
@@ -425,9 +427,7 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                   ptrdiff_t pf_bytes)
 {
     const V a = BCAST(alpha[0]);
-    V c0 = LOAD(acc) * a, c1 = LOAD(acc + VL) * a, c2 = LOAD(acc + 2 * VL) * a;
-    V c3 = LOAD(acc + 3 * VL) * a, c4 = LOAD(acc + 4 * VL) * a, c5 = LOAD(acc + 5 * VL) * a;
-    V c6 = LOAD(acc + 6 * VL) * a, c7 = LOAD(acc + 7 * VL) * a;
+    V c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
         const KV* vj = v + j * ldv;
@@ -446,8 +446,10 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         c6 += b * LOAD_KV(vj + 6 * VL);
         c7 += b * LOAD_KV(vj + 7 * VL);
     }
-    STORE(acc, c0); STORE(acc + VL, c1); STORE(acc + 2 * VL, c2); STORE(acc + 3 * VL, c3);
-    STORE(acc + 4 * VL, c4); STORE(acc + 5 * VL, c5); STORE(acc + 6 * VL, c6); STORE(acc + 7 * VL, c7);
+    STORE(acc, LOAD(acc) * a + c0); STORE(acc + VL, LOAD(acc + VL) * a + c1);
+    STORE(acc + 2 * VL, LOAD(acc + 2 * VL) * a + c2); STORE(acc + 3 * VL, LOAD(acc + 3 * VL) * a + c3);
+    STORE(acc + 4 * VL, LOAD(acc + 4 * VL) * a + c4); STORE(acc + 5 * VL, LOAD(acc + 5 * VL) * a + c5);
+    STORE(acc + 6 * VL, LOAD(acc + 6 * VL) * a + c6); STORE(acc + 7 * VL, LOAD(acc + 7 * VL) * a + c7);
 }
 #undef FA_PV_L1_AHEAD
 
@@ -476,10 +478,8 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         T* const acc_c = acc + c0 * VL;
         const KV* const v_c = v + c0 * VL;
         V c[4][FA_PV4_NV];
-        for (int r = 0; r < 4; r++) {
-            const V a = BCAST(alpha[r]);
-            for (int i = 0; i < FA_PV4_NV; i++) c[r][i] = LOAD(acc_c + r * ldacc + i * VL) * a;
-        }
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < FA_PV4_NV; i++) c[r][i] = BCAST(0);
         /* the first pass issues the prefetches (they cover all 4 vectors' columns) */
         const ptrdiff_t pf_n = c0 == 0 ? pf_rows : 0;
         for (ptrdiff_t j = 0; j < nj; j++) {
@@ -493,8 +493,11 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                 for (int i = 0; i < FA_PV4_NV; i++) c[r][i] += b * x[i];
             }
         }
-        for (int r = 0; r < 4; r++)
-            for (int i = 0; i < FA_PV4_NV; i++) STORE(acc_c + r * ldacc + i * VL, c[r][i]);
+        for (int r = 0; r < 4; r++) {
+            const V a = BCAST(alpha[r]);
+            for (int i = 0; i < FA_PV4_NV; i++)
+                STORE(acc_c + r * ldacc + i * VL, LOAD(acc_c + r * ldacc + i * VL) * a + c[r][i]);
+        }
     }
 }
 
