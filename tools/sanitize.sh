@@ -68,7 +68,7 @@ cd "$work/src"
 echo "== building with -fsanitize=address,undefined in $work/src ($(git log --oneline -1))"
 san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
 CFLAGS="$san" LDFLAGS="$san" FASTATTN_ISAS="$build_isas" \
-    "$py" setup.py build_ext --inplace > "$work/build.log" 2>&1 \
+    "$py" setup.py build_ext --inplace -j 2 > "$work/build.log" 2>&1 \
     || { tail -30 "$work/build.log"; echo "sanitizer build failed"; exit 1; }
 t1=$(date +%s)
 echo "   built in $((t1 - t0)) s"
