@@ -1,10 +1,11 @@
 """Rounding error of a float32 score at a large head dim.
 
-A score's FMA chain runs in chunks of 64 dimensions whose sums are added in order (see
+A score's FMA chain runs in chunks of 16 dimensions whose sums are added in order (see
 fa_score_tile).  For D = 256 terms of one sign, a single sequential chain lets the rounding
 errors of 256 growing partial sums pile up: about 3 units in the last place (u = 2**-24)
-on average, relative to the score (measured: 3.0 u).  Chunked, each chain is 64 long and
-the 4 chunk sums add 4 more roundings: measured 1.0 u.  The lse of a row with one visible key is its score
+on average, relative to the score (measured: 3.0 u).  Chunked, each chain is 16 long and
+the 16 chunk sums add 16 more roundings: measured 0.86-0.90 u (1.0 u with chunks of 64).
+The lse of a row with one visible key is its score
 (plus ~0.5 u from the base-2 conversions), so the mean relative error of lse over many
 rows tells the two apart; the bound 2 u sits between them with a margin each way.
 """

@@ -276,6 +276,9 @@ def test_spec_shapes():
         ("decode-4k-bf16", 32, 32, 1, 4096, 128, False, "bfloat16"),
         ("decode-gqa-8k-f16", 32, 8, 1, 8192, 128, False, "float16"),
         ("prefill-1k-f16", 12, 12, 1024, 1024, 64, False, "float16"),
+        ("prefill-1k-bf16", 12, 12, 1024, 1024, 64, False, "bfloat16"),
+        ("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, True, "bfloat16"),
+        ("prefill-4k-causal-bf16", 4, 4, 4096, 4096, 64, True, "bfloat16"),
     ]
 
 
@@ -595,12 +598,26 @@ def test_half_table_gives_the_ratios_against_float32():
         "libraries": {"fastattn": lib(4e-3), "fastattn-f32": lib(8e-3), "torch": lib(3e-2),
                       "torch-f32": lib(9e-3)},
         "speedup_vs_fastattn-f32": 2.0, "speedup_vs_torch": 7.5, "speedup_vs_torch-f32": 2.25,
-        "check": {"ok": True}})
+        "check": {"ok": True, "vs_reference_max_abs": 6.1e-5,
+                  "torch_vs_reference_max_abs": 2.4e-4}})
     table = report.format_half_table(rep)
     row = [line for line in table.splitlines() if line.startswith("decode-4k-f16")][0]
     assert row.replace("×", "x").split()[1:] == [
         "float16", "4.00", "ms", "8.00", "ms", "30.00", "ms", "9.00", "ms", "2.00x", "7.50x",
-        "2.25x", "56%"]
+        "2.25x", "56%", "6.1e-05", "2.4e-04"]
+
+
+def test_check_outputs_gives_both_libraries_error_against_the_reference():
+    # The 16-bit table's error columns: fastattn's and torch's own distance from the
+    # float64 reference, on the same rows.
+    shape = shapes.Shape("t", 2, 2, 3, 5, 4)
+    q, k, v = shapes.make_inputs(shape)
+    ref = np.zeros((1, 2, 3, 4))
+    outputs = {"reference": ref, "fastattn": ref + 1e-6, "torch": ref - 3e-6}
+    check = measure.check_outputs(shape, None, outputs, q, k, v)
+    assert check["vs_reference_max_abs"] == pytest.approx(1e-6)
+    assert check["torch_vs_reference_max_abs"] == pytest.approx(3e-6)
+    assert check["vs_torch_max_abs"] == pytest.approx(4e-6)
 
 
 # --------------------------------------------------------------------------- layout
