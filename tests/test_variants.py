@@ -289,5 +289,38 @@ def test_variant(isa, check, tmp_path_factory):
     assert error is None, f"{isa} variant, check {check}:\n{error}"
 
 
+def _fingerprint():
+    """A hash of the outputs of calls that cross every decode and prefill tile path (one
+    row, GQA groups of 4 and 8, prefill tiles; float32, float16 K/V, float64)."""
+    import hashlib
+    rng = np.random.default_rng(7)
+    h = hashlib.sha256()
+    for hq, hkv, lq, lk, d in [(4, 4, 1, 700, 128), (8, 2, 1, 1500, 64), (16, 2, 1, 300, 80),
+                               (6, 6, 3, 200, 32), (4, 4, 150, 260, 64), (2, 1, 97, 97, 24)]:
+        for dtype in (np.float32, np.float16, np.float64):
+            q, k, v = make_qkv(rng, *qkv_shapes((2,), hq, hkv, lq, lk, d, d), dtype)
+            for kw in ({}, {"causal": True, "softcap": 5.0}):
+                out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+                h.update(out.tobytes() + lse.tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.skipif(not X86, reason="the avx2 and avx512 variants are built for x86 only")
+def test_avx2_and_avx512_give_the_same_bits(tmp_path):
+    # Both FMA kernels run the same chain of operations per score and per sum (the decode
+    # kernels of the AVX-512 build even run the AVX2 build's 8-key kernels in ymm
+    # registers), so on one machine they must agree bit for bit.
+    for isa in ("avx2", "avx512"):
+        reason = _skip_reason(isa)
+        if reason:
+            pytest.skip(reason)
+    bits = [run_python(os.path.abspath(__file__), isa, "bits", env={"FASTATTN_ISA": isa},
+                       cwd=tmp_path).stdout.split()[-1] for isa in ("avx2", "avx512")]
+    assert bits[0] == bits[1]
+
+
 if __name__ == "__main__":
-    print(json.dumps(_run_checks(sys.argv[1])))
+    if sys.argv[2:] == ["bits"]:
+        print(_fingerprint())
+    else:
+        print(json.dumps(_run_checks(sys.argv[1])))
