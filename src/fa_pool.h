@@ -45,6 +45,11 @@
 
 typedef void (*fa_work_fn)(void* ctx, Py_ssize_t w, int tid);
 
+/* Which calls run on the calling thread's OpenMP team instead of the pool's threads. */
+#define FA_POOL_TEAM_NEVER 0
+#define FA_POOL_TEAM_ALWAYS 1
+#define FA_POOL_TEAM_IN_TORCH 2     /* calls made inside fastattn's torch integrations */
+
 static void fa_pool_serial(Py_ssize_t n_work, fa_work_fn fn, void* ctx)
 {
     for (Py_ssize_t w = 0; w < n_work; w++)
@@ -95,6 +100,7 @@ static struct {
     pthread_mutex_t lock;       /* held by the caller of the running call */
     int n_workers;              /* threads started (tid 1..n_workers) */
     int atfork_set;
+    int team;                   /* FA_POOL_TEAM_*: which calls run on an OpenMP team */
     uint64_t state;             /* epoch << FA_POOL_ITEM_BITS | next item */
     fa_work_fn fn;              /* the current call's parameters */
     void* ctx;
@@ -111,11 +117,14 @@ static struct {
     pthread_cond_t wait_cond;
 #endif
 } fa_pool = {
-    PTHREAD_MUTEX_INITIALIZER, 0, 0, FA_POOL_CLOSED, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0,
+    PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, FA_POOL_CLOSED, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0,
 #ifndef __linux__
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
 #endif
 };
+
+/* Set by fastattn's torch integrations around their calls, per thread. */
+static __thread int fa_pool_in_torch = 0;
 
 static inline void fa_pool_pause(void)
 {
@@ -235,18 +244,24 @@ static void fa_pool_after_fork_child(void)
     pthread_cond_init(&fa_pool.wait_cond, NULL);
 #endif
     fa_pool.n_workers = 0;
+    /* The OpenMP library may still count the parent's team threads, which the child does
+     * not have: its calls use the pool's threads. */
+    fa_pool.team = FA_POOL_TEAM_NEVER;
     fa_pool.state |= FA_POOL_CLOSED;
     fa_pool.sleepers = 0;
     fa_pool.caller_asleep = 0;
 }
 
+static void fa_pool_atfork_once(void)
+{
+    if (!__atomic_exchange_n(&fa_pool.atfork_set, 1, __ATOMIC_ACQ_REL))
+        pthread_atfork(NULL, NULL, fa_pool_after_fork_child);
+}
+
 /* Start workers until there are n (caller holds the lock); returns how many exist. */
 static int fa_pool_grow(int n)
 {
-    if (!fa_pool.atfork_set) {
-        pthread_atfork(NULL, NULL, fa_pool_after_fork_child);
-        fa_pool.atfork_set = 1;
-    }
+    fa_pool_atfork_once();
     if (n > FA_POOL_MAX_WORKERS)
         n = FA_POOL_MAX_WORKERS;
     while (fa_pool.n_workers < n) {
@@ -264,6 +279,18 @@ static int fa_pool_grow(int n)
     return fa_pool.n_workers;
 }
 
+#ifdef _OPENMP
+#include <omp.h>
+
+static void fa_pool_run_openmp(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* ctx)
+{
+    Py_ssize_t w;
+    #pragma omp parallel for schedule(dynamic) num_threads(n_threads)
+    for (w = 0; w < n_work; w++)
+        fn(ctx, w, omp_get_thread_num());
+}
+#endif
+
 static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* ctx)
 {
     if (n_threads > n_work)
@@ -273,6 +300,14 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
         fa_pool_serial(n_work, fn, ctx);
         return;
     }
+#ifdef _OPENMP
+    int team = __atomic_load_n(&fa_pool.team, __ATOMIC_RELAXED);
+    if (team == FA_POOL_TEAM_ALWAYS || (team == FA_POOL_TEAM_IN_TORCH && fa_pool_in_torch)) {
+        fa_pool_run_openmp(n_threads, n_work, fn, ctx);
+        pthread_mutex_unlock(&fa_pool.lock);
+        return;
+    }
+#endif
     int workers = fa_pool_grow(n_threads - 1);
     if (n_threads > workers + 1)
         n_threads = workers + 1;
@@ -318,6 +353,28 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
 
 static int fa_pool_workers(void) { return __atomic_load_n(&fa_pool.n_workers, __ATOMIC_RELAXED); }
 
+/* Which calls run on the caller's OpenMP team (FA_POOL_TEAM_*; never without OpenMP). */
+static void fa_pool_set_team(int team)
+{
+#ifdef _OPENMP
+    fa_pool_atfork_once();
+    __atomic_store_n(&fa_pool.team, team, __ATOMIC_RELAXED);
+#else
+    (void) team;
+#endif
+}
+
+static int fa_pool_team(void) { return __atomic_load_n(&fa_pool.team, __ATOMIC_RELAXED); }
+
+/* Mark this thread's next calls as made from inside torch (on) or not; returns the
+ * previous mark. */
+static int fa_pool_set_in_torch(int on)
+{
+    int previous = fa_pool_in_torch;
+    fa_pool_in_torch = on;
+    return previous;
+}
+
 #elif defined(_OPENMP) && !defined(FA_POOL_SERIAL)
 
 #include <omp.h>
@@ -338,6 +395,9 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
 }
 
 static int fa_pool_workers(void) { return 0; }
+static void fa_pool_set_team(int team) { (void) team; }
+static int fa_pool_team(void) { return FA_POOL_TEAM_NEVER; }
+static int fa_pool_set_in_torch(int on) { (void) on; return 0; }
 
 #else
 
@@ -350,6 +410,9 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
 }
 
 static int fa_pool_workers(void) { return 0; }
+static void fa_pool_set_team(int team) { (void) team; }
+static int fa_pool_team(void) { return FA_POOL_TEAM_NEVER; }
+static int fa_pool_set_in_torch(int on) { (void) on; return 0; }
 
 #endif
 

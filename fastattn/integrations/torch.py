@@ -160,6 +160,7 @@ def _function():
     import torch
 
     import fastattn
+    from fastattn._threads import in_torch
 
     class Attention(torch.autograd.Function):
         @staticmethod
@@ -167,8 +168,9 @@ def _function():
             ctx.set_materialize_grads(False)
             qa, ka, va = _arrays(torch, q, k, v)
             sinks_a = None if sinks is None else sinks.detach().double().numpy()
-            out, lse = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=True,
-                                          **keywords)
+            with in_torch():
+                out, lse = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=True,
+                                              **keywords)
             out_t, lse_t = _tensor(torch, out, q.dtype), torch.from_numpy(lse)
             ctx.save_for_backward(q, k, v, out_t, lse_t, sinks)
             ctx.keywords = keywords
@@ -181,10 +183,12 @@ def _function():
             if dout is None:
                 dout = torch.zeros_like(out)
             arrays = _arrays(torch, dout, q, k, v, out)
-            grads = fastattn.attention_backward(
-                *arrays, lse.numpy(), dlse=None if dlse is None else dlse.detach().numpy(),
-                sinks=None if sinks is None else sinks.detach().double().numpy(),
-                **ctx.keywords)
+            with in_torch():
+                grads = fastattn.attention_backward(
+                    *arrays, lse.numpy(),
+                    dlse=None if dlse is None else dlse.detach().numpy(),
+                    sinks=None if sinks is None else sinks.detach().double().numpy(),
+                    **ctx.keywords)
             dq, dk, dv = (_tensor(torch, g, t.dtype) for g, t in zip(grads, (q, k, v)))
             dsinks = None if sinks is None else _tensor(torch, grads[3], sinks.dtype)
             return dq, dk, dv, dsinks, None

@@ -19,7 +19,7 @@ import warnings
 
 import fastattn
 
-from .. import _api
+from .. import _api, _threads
 from . import _torch
 
 __all__ = ["register", "attention_forward"]
@@ -206,8 +206,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # The model reads (batch, Lq, Hq, Dv); fastattn writes (batch, Hq, Lq, Dv): a transposed
     # view of the same tensor, so the kernel writes the returned tensor in place.
     out = torch.empty((B, Lq, Hq, Dv), dtype=_torch.torch_dtype(torch, q.dtype))
-    fastattn.attention(q, k, v, scale=scaling, causal=causal, window=window, mask=mask,
-                       out=_torch.view(torch, out).transpose(0, 2, 1, 3), **extra)
+    with _threads.in_torch():
+        fastattn.attention(q, k, v, scale=scaling, causal=causal, window=window, mask=mask,
+                           out=_torch.view(torch, out).transpose(0, 2, 1, 3), **extra)
     return out.to(out_dtype), None
 
 
