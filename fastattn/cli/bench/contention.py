@@ -110,10 +110,10 @@ def torch_step_calls(torch, train=False):
         torch.matmul(x, w, out=y)
 
     def attend():
-        fa_torch.attention(q, k, v, causal=causal)
+        return fa_torch.attention(q, k, v, causal=causal)
 
     def attend_sdpa():
-        sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+        return sdpa(q, k, v, is_causal=causal, enable_gqa=True)
 
     return product, attend, attend_sdpa
 
