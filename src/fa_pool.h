@@ -34,8 +34,22 @@
  * arrives while another Python thread's call holds the pool runs on its own thread.
  * After fork() the child starts with no workers and makes new ones when it needs them.
  *
- * Backends: POSIX threads where available (Linux, macOS, the BSDs); OpenMP with a dynamic
- * schedule under MSVC; a plain loop when FA_POOL_SERIAL is defined or neither exists.
+ * Calls made from inside torch are the exception.  torch runs its operations on the
+ * OpenMP team of the calling thread, and that team's members spin for milliseconds after
+ * each of its parallel regions (libgomp's spin count): a pool worker woken meanwhile finds
+ * no free core, and the caller ends up waiting for it or working alone.  When the process
+ * has one OpenMP library, torch's and this module's, such calls run instead on an OpenMP
+ * region with a dynamic schedule: torch's spinning threads join it at once and claim items
+ * as the pool's workers would.  Only calls marked as from inside torch (fa_pool_set_in_torch,
+ * per thread, set by fastattn's torch integrations) do so under FA_POOL_TEAM_IN_TORCH:
+ * the team spins after fastattn's calls too, and next to NumPy's BLAS, whose threads
+ * then find no core, that turned 0.15 ms calls into 8 ms ones.  Python picks the mode
+ * (fa_pool_set_team; FASTATTN_POOL in fastattn/_threads.py); a forked child goes back to
+ * the pool, since the parent's team threads do not exist in it.
+ *
+ * Backends: POSIX threads where available (Linux, macOS, the BSDs), with the OpenMP team
+ * above when built with OpenMP; OpenMP with a dynamic schedule under MSVC; a plain loop
+ * when FA_POOL_SERIAL is defined or neither exists.
  */
 #ifndef FA_POOL_H
 #define FA_POOL_H
