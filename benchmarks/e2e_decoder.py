@@ -105,7 +105,8 @@ def hf_model(weights):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=len(weights["embed"]), hidden_size=HIDDEN, intermediate_size=FFN,
+    config = LlamaConfig(vocab_size=len(weights["embed"]), hidden_size=HIDDEN,
+                         intermediate_size=FFN,
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, rms_norm_eps=EPS, rope_theta=ROPE_BASE,
                          max_position_embeddings=4096, tie_word_embeddings=False,
