@@ -1,6 +1,7 @@
 """A Llama-style decoder in NumPy with fastattn's attention, timed against Hugging Face.
 
-    python benchmarks/e2e_decoder.py [--threads 2] [--prompt 512] [--steps 64]
+    python benchmarks/e2e_decoder.py [--threads 2] [--prompt 512] [--steps 64] [--vocab 32000]
+    python benchmarks/e2e_decoder.py --backends [--runs 9]
 
 The model is the textbook one: token embedding; per layer RMSNorm, attention with rotary
 positions (fastattn.rope) and grouped-query heads (fastattn.attention, keys and values in
@@ -13,8 +14,17 @@ token, then each decode step feeds the last token and gives the next.  When torc
 transformers are installed, the same model is built with LlamaConfig, the weights are
 copied, HF's generate() runs with attn_implementation="sdpa", and the two token sequences
 must be identical.  Every library runs on the same number of threads.
+
+``--backends`` times something else: HF's generate() on this model with fastattn's
+transformers backend (``fastattn.integrations.transformers``) against the same with
+``sdpa``, the runs interleaved (one of each in turn, the order alternating).  It prints
+the median of the runs' ratios (sdpa time / fastattn time: above 1 when fastattn's backend
+makes the whole model faster) and the median time of the attention calls inside
+generate(), prefill and decode apart, timed by wrapping the two registered attention
+functions.  The greedy tokens of both must be identical.
 """
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -27,7 +37,7 @@ HEAD_DIM = HIDDEN // HEADS
 ROPE_BASE, EPS = 10000.0, 1e-5
 
 
-def random_weights(seed=0):
+def random_weights(seed=0, vocab=VOCAB):
     """Weights as (in, out) matrices, so that a layer is ``x @ W``."""
     rng = np.random.default_rng(seed)
 
@@ -40,8 +50,8 @@ def random_weights(seed=0):
                    mlp_norm=np.ones(HIDDEN, np.float32),
                    w_gate=w(HIDDEN, FFN), w_up=w(HIDDEN, FFN), w_down=w(FFN, HIDDEN))
               for _ in range(LAYERS)]
-    return dict(embed=w(VOCAB, HIDDEN), layers=layers,
-                norm=np.ones(HIDDEN, np.float32), lm_head=w(HIDDEN, VOCAB))
+    return dict(embed=w(vocab, HIDDEN), layers=layers,
+                norm=np.ones(HIDDEN, np.float32), lm_head=w(HIDDEN, vocab))
 
 
 def rms_norm(x, weight):
@@ -95,7 +105,8 @@ def hf_model(weights):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+    config = LlamaConfig(vocab_size=len(weights["embed"]), hidden_size=HIDDEN,
+                         intermediate_size=FFN,
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, rms_norm_eps=EPS, rope_theta=ROPE_BASE,
                          max_position_embeddings=4096, tie_word_embeddings=False,
@@ -143,20 +154,99 @@ def best_time(fn, repeat):
     return min(times), result
 
 
+def timed_attention(forward, times):
+    """``forward`` (a transformers attention function) that appends each call's wall time
+    to ``times["prefill"]`` or ``times["decode"]`` (one query row)."""
+    def timed(module, query, *args, **kwargs):
+        t0 = time.perf_counter()
+        result = forward(module, query, *args, **kwargs)
+        times["decode" if query.shape[-2] == 1 else "prefill"].append(time.perf_counter() - t0)
+        return result
+    return timed
+
+
+def register_timed_backends():
+    """Register "timed-fastattn" and "timed-sdpa": fastattn's backend and sdpa, each with
+    transformers' SDPA mask and wrapped by :func:`timed_attention`.  Returns
+    ``{name: times}``, the lists the wrappers fill."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    import fastattn.integrations.transformers as fa_tf
+
+    forwards = {"fastattn": AttentionInterface._global_mapping[fa_tf.register()],
+                "sdpa": sdpa_attention_forward}
+    times = {}
+    for name, forward in forwards.items():
+        times[name] = {"prefill": [], "decode": []}
+        AttentionInterface.register(f"timed-{name}", timed_attention(forward, times[name]))
+        AttentionMaskInterface.register(f"timed-{name}", sdpa_mask)
+    return times
+
+
+def compare_backends(model, prompt, steps, runs):
+    """HF generate() with fastattn's backend and with sdpa, interleaved: per backend the
+    run times, the attention calls' times and the tokens of the last run."""
+    calls = register_timed_backends()
+    runs_s = {name: [] for name in calls}
+    tokens = {}
+    for i in range(runs + 1):              # run 0 of each warms up, untimed
+        for name in (list(calls) if i % 2 else list(reversed(calls))):
+            model.set_attn_implementation(f"timed-{name}")
+            time.sleep(0.3)   # idle BLAS/OpenMP workers stop spinning between runs
+            t0 = time.perf_counter()
+            tokens[name] = hf_generate(model, prompt, steps)
+            runs_s[name].append(time.perf_counter() - t0)
+            if i == 0:
+                runs_s[name].clear()
+                for times in calls[name].values():
+                    times.clear()
+    return runs_s, calls, tokens
+
+
+def report_backends(runs_s, calls, tokens):
+    """Print compare_backends' figures; the exit status (1 if the tokens differ)."""
+    ratios = [s / f for s, f in zip(runs_s["sdpa"], runs_s["fastattn"])]
+    for name in runs_s:
+        med = {kind: statistics.median(t) * 1e6 for kind, t in calls[name].items()}
+        print(f"{name:9s} generate: median {statistics.median(runs_s[name]):.3f} s; "
+              f"attention calls: prefill {med['prefill']:.0f} us, decode {med['decode']:.1f} us")
+    dec = {name: statistics.median(calls[name]["decode"]) for name in calls}
+    pre = {name: statistics.median(calls[name]["prefill"]) for name in calls}
+    print(f"generate, sdpa time / fastattn time: median {statistics.median(ratios):.3f} "
+          f"(runs: {' '.join(f'{r:.3f}' for r in ratios)})")
+    print(f"attention calls, fastattn / sdpa: decode {dec['fastattn'] / dec['sdpa']:.2f}x, "
+          f"prefill {pre['fastattn'] / pre['sdpa']:.2f}x")
+    same = tokens["fastattn"] == tokens["sdpa"]
+    print(f"greedy tokens identical: {same}")
+    return 0 if same else 1
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=fastattn.get_num_threads())
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (prefill)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per side (best)")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size")
+    parser.add_argument("--backends", action="store_true",
+                        help="HF generate with fastattn's backend against sdpa, interleaved")
+    parser.add_argument("--runs", type=int, default=9, help="--backends: timed runs per side")
     args = parser.parse_args()
 
-    weights = random_weights()
-    prompt = np.random.default_rng(1).integers(0, VOCAB, args.prompt)
+    weights = random_weights(vocab=args.vocab)
+    prompt = np.random.default_rng(1).integers(0, args.vocab, args.prompt)
     n_new = args.steps + 1
     print(f"Llama-style decoder: hidden {HIDDEN}, {LAYERS} layers, {HEADS}/{KV_HEADS} heads, "
-          f"vocab {VOCAB}, float32, batch 1; {args.prompt}-token prompt, {args.steps} decode "
-          f"steps; {args.threads} threads")
+          f"vocab {args.vocab}, float32, batch 1; {args.prompt}-token prompt, {args.steps} "
+          f"decode steps; {args.threads} threads")
+    if args.backends:
+        import torch
+        torch.set_num_threads(args.threads)
+        with fastattn.num_threads(args.threads):
+            return report_backends(*compare_backends(hf_model(weights), prompt, args.steps,
+                                                     args.runs))
 
     with blas_threads(args.threads), fastattn.num_threads(args.threads):
         ours = Decoder(weights)

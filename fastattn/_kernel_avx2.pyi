@@ -15,10 +15,12 @@ CAUSAL_BOTTOM_RIGHT: int
 CAUSAL_TOP_LEFT: int
 BLOCK_Q: int
 BLOCK_K: int
+POOL_TEAMS: tuple[str, ...]
 
 class _PoolInfo(TypedDict):
     backend: str
     workers: int
+    team: str
 
 class _BuildInfo(TypedDict):
     isa: str
@@ -127,6 +129,8 @@ def vector_narrow(x: npt.NDArray[np.float32], kind: str) -> npt.NDArray[np.uint1
 def build_info() -> _BuildInfo: ...
 def omp_max_threads() -> int: ...
 def pool_info() -> _PoolInfo: ...
+def pool_set_team(team: str) -> None: ...
+def pool_set_in_torch(on: bool) -> int: ...
 def cpu_supports(isa: str) -> bool: ...
 def attention_fast(
     q: object,

@@ -7,6 +7,19 @@ manager overrides it for the calling Python thread only, so two threads can use 
 settings at once.  ``threadpoolctl.threadpool_limits(n)`` caps whichever applies, for the
 whole process, as it caps NumPy's BLAS.  The count is read once when a call starts:
 changing it never affects a running call.
+
+Which threads run the work items: fastattn's own pool, or the OpenMP team of the calling
+thread, which is torch's when torch runs its operations on the same OpenMP library as
+fastattn's kernel.  torch's OpenMP threads keep spinning for milliseconds after each of its
+parallel operations: a call on fastattn's own threads finds its second core taken, while
+a call on the same team has those spinning threads pick up its work items at once.  But
+the team's threads spin after fastattn's calls too, and take the cores from NumPy's BLAS
+threads (calls of 0.1 ms become calls of 8 ms), so only calls made from inside a torch
+program run on it: those of fastattn's torch integrations (:class:`in_torch`).
+``FASTATTN_POOL`` chooses: ``auto`` (the default, as just described), ``own`` (always
+fastattn's pool) or ``openmp`` (every call on the OpenMP team, in builds with OpenMP: for
+programs that call :func:`fastattn.attention` between torch operations).  Either way every
+work item computes the same bits on any thread.
 """
 import contextlib
 import operator
@@ -142,35 +155,122 @@ def _register_with_threadpoolctl(threadpoolctl):
     threadpoolctl._fastattn_registered = True
 
 
-class _ThreadpoolctlHook:
-    """A meta-path finder that registers the controller once threadpoolctl is imported."""
+class _ImportHook:
+    """A meta-path finder that calls ``then(module)`` once the module ``name`` is imported
+    (after its code ran), and removes itself."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path=None, target=None):
-        if name != "threadpoolctl":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         import importlib.util
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
-        exec_module = spec.loader.exec_module
+        exec_module, then = spec.loader.exec_module, self.then
 
-        def exec_and_register(module):
+        def exec_and_then(module):
             exec_module(module)
             try:
-                _register_with_threadpoolctl(module)
-            except Exception:   # threadpoolctl works as before, without fastattn's pool
+                then(module)
+            except Exception:   # the module works as before, without fastattn's hook
                 pass
 
-        spec.loader.exec_module = exec_and_register
+        spec.loader.exec_module = exec_and_then
         return spec
 
 
-def _install_threadpoolctl_hook():
-    if "threadpoolctl" in sys.modules:
-        _register_with_threadpoolctl(sys.modules["threadpoolctl"])
+def _after_import(name, then):
+    """``then(module)`` now if ``name`` is imported, else right after it is."""
+    if name in sys.modules:
+        then(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _ThreadpoolctlHook())
+        sys.meta_path.insert(0, _ImportHook(name, then))
 
 
-_install_threadpoolctl_hook()
+_after_import("threadpoolctl", _register_with_threadpoolctl)
+
+
+# --------------------------------------------------------------------------- which threads
+#: The values of ``FASTATTN_POOL``.
+POOL_CHOICES = ("auto", "own", "openmp")
+
+
+def _pool_choice():
+    value = os.environ.get("FASTATTN_POOL", "").strip().lower() or "auto"
+    if value not in POOL_CHOICES:
+        raise ImportError(f"FASTATTN_POOL={value!r}: expected one of {', '.join(POOL_CHOICES)}")
+    return value
+
+
+def _openmp_runtimes():
+    """Paths of the OpenMP libraries mapped into this process (Linux), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "omp" in line}
+    except OSError:
+        return None
+    names = ("libgomp", "libiomp", "libomp")
+    return {p for p in paths if os.path.basename(p).startswith(names)}
+
+
+def _torch_shares_openmp(torch):
+    """Whether ``torch`` runs its operations on the OpenMP library fastattn's kernel uses:
+    its parallel backend is OpenMP and the process has one OpenMP library."""
+    try:
+        if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return False
+    except Exception:
+        return False
+    runtimes = _openmp_runtimes()
+    return runtimes is not None and len(runtimes) == 1
+
+
+def _can_use_openmp():
+    return kernel.pool_info()["backend"] == "pthreads" and kernel.build_info()["openmp"]
+
+
+def _set_pool(choice):
+    """Apply ``choice``, one of POOL_CHOICES (``FASTATTN_POOL`` at import; tests and the
+    bench change it)."""
+    if choice not in POOL_CHOICES:
+        raise ValueError(f"choice must be one of {', '.join(POOL_CHOICES)}, got {choice!r}")
+    global _pool
+    _pool = choice
+    team = "never"
+    if _can_use_openmp():
+        torch = sys.modules.get("torch")
+        if choice == "openmp":
+            team = "always"
+        elif choice == "auto" and torch is not None and _torch_shares_openmp(torch):
+            team = "in torch"
+    kernel.pool_set_team(team)
+
+
+def pool_team():
+    """Which calls run on the calling thread's OpenMP team instead of fastattn's pool:
+    ``"never"``, ``"always"`` or ``"in torch"`` (the calls of the torch integrations)."""
+    return kernel.pool_info()["team"]
+
+
+class in_torch:
+    """Within the block, this Python thread's calls are made from inside torch: with
+    ``FASTATTN_POOL=auto`` they run on torch's OpenMP team (see above).  fastattn's torch
+    integrations wrap their kernel calls in it."""
+
+    __slots__ = ("previous",)
+
+    def __enter__(self):
+        self.previous = kernel.pool_set_in_torch(True)
+
+    def __exit__(self, *exc):
+        kernel.pool_set_in_torch(self.previous)
+
+
+_pool = _pool_choice()
+_set_pool(_pool)
+if _pool == "auto":
+    _after_import("torch", lambda torch: _pool == "auto" and _set_pool("auto"))

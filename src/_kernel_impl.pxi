@@ -38,6 +38,9 @@ cdef extern from "fa_pool.h" nogil:
     const char* FA_POOL_BACKEND
     void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* ctx)
     int fa_pool_workers()
+    void fa_pool_set_team(int team)
+    int fa_pool_team()
+    int fa_pool_set_in_torch(int on)
 
 MASK_NONE = 0
 MASK_BOOL = 1
@@ -572,8 +575,25 @@ def omp_max_threads():
 
 
 def pool_info():
-    """The thread pool behind the kernels: its backend and how many workers it started."""
-    return {"backend": FA_POOL_BACKEND.decode(), "workers": fa_pool_workers()}
+    """The thread pool behind the kernels: its backend, how many workers it started, and
+    which calls run on an OpenMP team instead (see pool_set_team)."""
+    return {"backend": FA_POOL_BACKEND.decode(), "workers": fa_pool_workers(),
+            "team": POOL_TEAMS[fa_pool_team()]}
+
+
+POOL_TEAMS = ("never", "always", "in torch")
+
+
+def pool_set_team(str team):
+    """Which calls run on the calling thread's OpenMP team instead of the pool: one of
+    POOL_TEAMS (the pthreads pool in a build with OpenMP; elsewhere always "never")."""
+    fa_pool_set_team(POOL_TEAMS.index(team))
+
+
+def pool_set_in_torch(bint on):
+    """Mark this thread's next calls as made from fastattn's torch integrations (or not);
+    returns the previous mark."""
+    return fa_pool_set_in_torch(on)
 
 
 def cpu_supports(str isa):

@@ -34,8 +34,22 @@
  * arrives while another Python thread's call holds the pool runs on its own thread.
  * After fork() the child starts with no workers and makes new ones when it needs them.
  *
- * Backends: POSIX threads where available (Linux, macOS, the BSDs); OpenMP with a dynamic
- * schedule under MSVC; a plain loop when FA_POOL_SERIAL is defined or neither exists.
+ * Calls made from inside torch are the exception.  torch runs its operations on the
+ * OpenMP team of the calling thread, and that team's members spin for milliseconds after
+ * each of its parallel regions (libgomp's spin count): a pool worker woken meanwhile finds
+ * no free core, and the caller ends up waiting for it or working alone.  When the process
+ * has one OpenMP library, torch's and this module's, such calls run instead on an OpenMP
+ * region with a dynamic schedule: torch's spinning threads join it at once and claim items
+ * as the pool's workers would.  Only calls marked as from inside torch (fa_pool_set_in_torch,
+ * per thread, set by fastattn's torch integrations) do so under FA_POOL_TEAM_IN_TORCH:
+ * the team spins after fastattn's calls too, and next to NumPy's BLAS, whose threads
+ * then find no core, that turned 0.15 ms calls into 8 ms ones.  Python picks the mode
+ * (fa_pool_set_team; FASTATTN_POOL in fastattn/_threads.py); a forked child goes back to
+ * the pool, since the parent's team threads do not exist in it.
+ *
+ * Backends: POSIX threads where available (Linux, macOS, the BSDs), with the OpenMP team
+ * above when built with OpenMP; OpenMP with a dynamic schedule under MSVC; a plain loop
+ * when FA_POOL_SERIAL is defined or neither exists.
  */
 #ifndef FA_POOL_H
 #define FA_POOL_H
@@ -44,6 +58,11 @@
 #include <stdint.h>
 
 typedef void (*fa_work_fn)(void* ctx, Py_ssize_t w, int tid);
+
+/* Which calls run on the calling thread's OpenMP team instead of the pool's threads. */
+#define FA_POOL_TEAM_NEVER 0
+#define FA_POOL_TEAM_ALWAYS 1
+#define FA_POOL_TEAM_IN_TORCH 2     /* calls made inside fastattn's torch integrations */
 
 static void fa_pool_serial(Py_ssize_t n_work, fa_work_fn fn, void* ctx)
 {
@@ -95,6 +114,7 @@ static struct {
     pthread_mutex_t lock;       /* held by the caller of the running call */
     int n_workers;              /* threads started (tid 1..n_workers) */
     int atfork_set;
+    int team;                   /* FA_POOL_TEAM_*: which calls run on an OpenMP team */
     uint64_t state;             /* epoch << FA_POOL_ITEM_BITS | next item */
     fa_work_fn fn;              /* the current call's parameters */
     void* ctx;
@@ -111,11 +131,14 @@ static struct {
     pthread_cond_t wait_cond;
 #endif
 } fa_pool = {
-    PTHREAD_MUTEX_INITIALIZER, 0, 0, FA_POOL_CLOSED, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0,
+    PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, FA_POOL_CLOSED, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0,
 #ifndef __linux__
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
 #endif
 };
+
+/* Set by fastattn's torch integrations around their calls, per thread. */
+static __thread int fa_pool_in_torch = 0;
 
 static inline void fa_pool_pause(void)
 {
@@ -235,18 +258,24 @@ static void fa_pool_after_fork_child(void)
     pthread_cond_init(&fa_pool.wait_cond, NULL);
 #endif
     fa_pool.n_workers = 0;
+    /* The OpenMP library may still count the parent's team threads, which the child does
+     * not have: its calls use the pool's threads. */
+    fa_pool.team = FA_POOL_TEAM_NEVER;
     fa_pool.state |= FA_POOL_CLOSED;
     fa_pool.sleepers = 0;
     fa_pool.caller_asleep = 0;
 }
 
+static void fa_pool_atfork_once(void)
+{
+    if (!__atomic_exchange_n(&fa_pool.atfork_set, 1, __ATOMIC_ACQ_REL))
+        pthread_atfork(NULL, NULL, fa_pool_after_fork_child);
+}
+
 /* Start workers until there are n (caller holds the lock); returns how many exist. */
 static int fa_pool_grow(int n)
 {
-    if (!fa_pool.atfork_set) {
-        pthread_atfork(NULL, NULL, fa_pool_after_fork_child);
-        fa_pool.atfork_set = 1;
-    }
+    fa_pool_atfork_once();
     if (n > FA_POOL_MAX_WORKERS)
         n = FA_POOL_MAX_WORKERS;
     while (fa_pool.n_workers < n) {
@@ -264,6 +293,18 @@ static int fa_pool_grow(int n)
     return fa_pool.n_workers;
 }
 
+#ifdef _OPENMP
+#include <omp.h>
+
+static void fa_pool_run_openmp(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* ctx)
+{
+    Py_ssize_t w;
+    #pragma omp parallel for schedule(dynamic) num_threads(n_threads)
+    for (w = 0; w < n_work; w++)
+        fn(ctx, w, omp_get_thread_num());
+}
+#endif
+
 static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* ctx)
 {
     if (n_threads > n_work)
@@ -273,6 +314,14 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
         fa_pool_serial(n_work, fn, ctx);
         return;
     }
+#ifdef _OPENMP
+    int team = __atomic_load_n(&fa_pool.team, __ATOMIC_RELAXED);
+    if (team == FA_POOL_TEAM_ALWAYS || (team == FA_POOL_TEAM_IN_TORCH && fa_pool_in_torch)) {
+        fa_pool_run_openmp(n_threads, n_work, fn, ctx);
+        pthread_mutex_unlock(&fa_pool.lock);
+        return;
+    }
+#endif
     int workers = fa_pool_grow(n_threads - 1);
     if (n_threads > workers + 1)
         n_threads = workers + 1;
@@ -318,6 +367,28 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
 
 static int fa_pool_workers(void) { return __atomic_load_n(&fa_pool.n_workers, __ATOMIC_RELAXED); }
 
+/* Which calls run on the caller's OpenMP team (FA_POOL_TEAM_*; never without OpenMP). */
+static void fa_pool_set_team(int team)
+{
+#ifdef _OPENMP
+    fa_pool_atfork_once();
+    __atomic_store_n(&fa_pool.team, team, __ATOMIC_RELAXED);
+#else
+    (void) team;
+#endif
+}
+
+static int fa_pool_team(void) { return __atomic_load_n(&fa_pool.team, __ATOMIC_RELAXED); }
+
+/* Mark this thread's next calls as made from inside torch (on) or not; returns the
+ * previous mark. */
+static int fa_pool_set_in_torch(int on)
+{
+    int previous = fa_pool_in_torch;
+    fa_pool_in_torch = on;
+    return previous;
+}
+
 #elif defined(_OPENMP) && !defined(FA_POOL_SERIAL)
 
 #include <omp.h>
@@ -338,6 +409,9 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
 }
 
 static int fa_pool_workers(void) { return 0; }
+static void fa_pool_set_team(int team) { (void) team; }
+static int fa_pool_team(void) { return FA_POOL_TEAM_NEVER; }
+static int fa_pool_set_in_torch(int on) { (void) on; return 0; }
 
 #else
 
@@ -350,6 +424,9 @@ static void fa_pool_run(int n_threads, Py_ssize_t n_work, fa_work_fn fn, void* c
 }
 
 static int fa_pool_workers(void) { return 0; }
+static void fa_pool_set_team(int team) { (void) team; }
+static int fa_pool_team(void) { return FA_POOL_TEAM_NEVER; }
+static int fa_pool_set_in_torch(int on) { (void) on; return 0; }
 
 #endif
 

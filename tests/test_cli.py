@@ -49,14 +49,23 @@ def test_info_text():
 
 
 def test_info_says_what_the_thread_pool_is():
-    # The kernels run on fastattn's own pool of POSIX threads; OpenMP, when linked, only
-    # gives the default thread count. "OpenMP: yes" alone read as "runs on OpenMP".
+    # The kernels run on fastattn's own pool of POSIX threads; OpenMP, when linked, gives
+    # the default thread count and a team for the calls FASTATTN_POOL sends to it. "OpenMP:
+    # yes" alone read as "runs on OpenMP".
     facts = {"version": "0", "python": "3", "python_implementation": "CPython", "numpy": "2",
              "platform": "p", "compiler": "c", "threads": 2, "isa": "avx2",
              "available_variants": ["avx2"], "openmp": True, "thread_pool": "pthreads"}
     lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
     assert lines["thread pool"].strip() == "fastattn's own pool of POSIX threads"
-    assert lines["OpenMP"].strip().startswith("yes, only for the default thread count")
+    assert lines["OpenMP"].strip().startswith("yes: the default thread count")
+    assert lines["OpenMP team runs"].strip() == "unknown"
+    facts.update(pool_choice="auto", openmp_team="never")
+    lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
+    assert lines["OpenMP team runs"].strip().startswith("none yet (FASTATTN_POOL=auto")
+    facts.update(pool_choice="auto", openmp_team="in torch")
+    lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
+    assert lines["OpenMP team runs"].strip() == ("the torch integrations' calls, on torch's "
+                                                 "threads (FASTATTN_POOL=auto)")
     facts.update(openmp=False)
     lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
     assert lines["OpenMP"].strip().startswith("no")
@@ -876,3 +885,43 @@ def test_bench_backward_alternates_batches_after_a_pause_and_a_wake_up_call(monk
     for s in samples:
         assert len(set(s)) == 1 and len(s) == calls[s[0]] + 1
     assert result["check"]["vs_torch_max_rel"] == 0.0 and result["check"]["ok"] is True
+
+
+# --------------------------------------------------------------------------- contention
+
+@pytest.mark.parametrize("train", [False, True])
+def test_contention_torch_calls_compute_the_same_attention(train):
+    torch = pytest.importorskip("torch")
+    from fastattn.cli.bench import contention
+
+    _, attend, attend_sdpa = contention.torch_step_calls(torch, train)
+    with torch.inference_mode():
+        ours, theirs = attend(), attend_sdpa()
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_contention_torch_scenarios_report_fastattn_and_sdpa(monkeypatch):
+    pytest.importorskip("torch")
+    from fastattn.cli.bench import contention
+
+    monkeypatch.setattr(contention, "settle", lambda: None)
+    results = contention.run_scenarios(["torch", "torch-train"], threads=2, seconds=0.02)
+    assert [r["name"] for r in results] == ["torch", "torch-train"]
+    for r in results:
+        assert r["ratio"] == pytest.approx(r["shared_s"] / r["fair_s"])
+        assert r["fair_s"] == pytest.approx(sum(r["fair_parts_s"].values()))
+        sdpa = r["sdpa"]
+        assert sdpa["ratio"] == pytest.approx(sdpa["shared_s"] / sdpa["fair_s"])
+        assert r["pool"] in ("own pool", "OpenMP team")
+    lines = contention.format_scenarios(results).splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["torch", "torch,", "torch-train",
+                                                       "torch-train,"]
+    assert "torch SDPA" in lines[3] and "torch SDPA" in lines[5]
+
+
+def test_contention_without_torch_leaves_out_the_torch_scenarios(monkeypatch):
+    from fastattn.cli.bench import contention
+
+    monkeypatch.setattr(contention, "import_torch", lambda: None)
+    assert contention.available_scenarios() == ("blas", "processes", "neighbour")

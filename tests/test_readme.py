@@ -79,7 +79,7 @@ def test_api_reference_lists_every_public_function_and_class():
 
 def test_docs_say_what_the_thread_pool_is():
     # The kernels run on fastattn's own pool of POSIX threads, as `info` says; OpenMP
-    # only gives the default thread count.
+    # gives the default thread count and runs only the calls FASTATTN_POOL sends to it.
     for page in (README, *sorted((README.parent / "docs").glob("*.md"))):
         text = " ".join(page.read_text().split())
         assert "on OpenMP threads" not in text, page.name

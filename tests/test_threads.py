@@ -19,9 +19,10 @@ POOL = kernel.pool_info()["backend"]
 
 
 def fresh_python(code):
-    """Run ``code`` in a fresh interpreter at its default thread count; its stdout."""
-    return run_python("-c", textwrap.dedent(code), env={"OMP_NUM_THREADS": None},
-                      timeout=300).stdout
+    """Run ``code`` in a fresh interpreter at its default thread count and pool choice;
+    its stdout."""
+    return run_python("-c", textwrap.dedent(code),
+                      env={"OMP_NUM_THREADS": None, "FASTATTN_POOL": None}, timeout=300).stdout
 
 
 def _inputs(seed=0, L=300, Lk=700):
@@ -164,3 +165,133 @@ def test_lean_path_asks_for_the_thread_count_only_when_work_can_be_shared():
     assert asked == [1]
     with fastattn.num_threads(1):
         assert shared.tobytes() == fastattn.attention(q, k, v, causal=True).tobytes()
+
+
+# --------------------------------------------------------------------------- OpenMP team
+# Calls made from inside torch can run on the calling thread's OpenMP team (torch's)
+# instead of the pool (FASTATTN_POOL, fastattn/_threads.py).
+
+TEAM = kernel.build_info()["openmp"] and POOL == "pthreads"
+needs_team = pytest.mark.skipif(not TEAM, reason="needs the pthreads pool built with OpenMP")
+
+
+@pytest.fixture
+def pool_choice():
+    """Set the pool choice for a test (fastattn._threads._set_pool), restored after."""
+    before = fastattn._threads._pool
+    yield fastattn._threads._set_pool
+    fastattn._threads._set_pool(before)
+
+
+@needs_team
+def test_calls_on_the_openmp_team_match_one_thread(pool_choice):
+    rng = np.random.default_rng(5)
+    cases = []
+    for Lq, Lk, Hq, Hkv in [(1, 3000, 4, 1), (200, 200, 4, 2), (130, 90, 2, 2)]:
+        q = rng.standard_normal((2, Hq, Lq, 32)).astype(np.float32)
+        k = rng.standard_normal((2, Hkv, Lk, 32)).astype(np.float32)
+        v = rng.standard_normal((2, Hkv, Lk, 32)).astype(np.float32)
+        dout = rng.standard_normal(q.shape).astype(np.float32)
+        with fastattn.num_threads(1):
+            out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+            grads = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+        cases.append(((q, k, v, dout, out, lse), (out,) + tuple(grads)))
+    pool_choice("openmp")
+    assert fastattn._threads.pool_team() == "always"
+    for n in (2, 3, 4):
+        with fastattn.num_threads(n):
+            for (q, k, v, dout, out, lse), want in cases:
+                got = (fastattn.attention(q, k, v, causal=True),) + tuple(
+                    fastattn.attention_backward(dout, q, k, v, out, lse, causal=True))
+                for g, w in zip(got, want):
+                    assert g.tobytes() == w.tobytes(), n
+
+
+def test_pool_choice_is_checked(pool_choice):
+    with pytest.raises(ValueError, match="auto, own, openmp"):
+        pool_choice("torch")
+    assert "FASTATTN_POOL='sometimes'" in run_python(
+        "-c", "import fastattn", env={"FASTATTN_POOL": "sometimes"}, check=False).stderr
+
+
+@needs_team
+def test_own_and_openmp_choices_hold_whatever_is_imported(pool_choice):
+    pool_choice("own")
+    assert fastattn._threads.pool_team() == "never"
+    with fastattn._threads.in_torch():
+        assert fastattn._threads.pool_team() == "never"
+    pool_choice("openmp")
+    assert fastattn._threads.pool_team() == "always"
+
+
+def test_in_torch_marks_the_calling_thread_and_restores():
+    assert kernel.pool_set_in_torch(False) == 0
+    with fastattn._threads.in_torch():
+        with fastattn._threads.in_torch():
+            pass
+        assert kernel.pool_set_in_torch(True) == 1    # still marked after the inner block
+    assert kernel.pool_set_in_torch(False) == 0
+
+
+@needs_team
+@pytest.mark.parametrize("order", ["fastattn first", "torch first"])
+def test_auto_runs_the_torch_integrations_on_torchs_team(order):
+    # Once torch is imported (before or after fastattn), the torch operation's calls run
+    # on the OpenMP team: fastattn's pool starts no worker for them.  A plain call still
+    # uses the pool.
+    pytest.importorskip("torch")
+    imports = "import fastattn, torch" if order == "fastattn first" else "import torch, fastattn"
+    out = fresh_python(f"""
+        {imports}
+        from fastattn._dispatch import kernel
+        from fastattn import _threads
+        from fastattn.integrations import torch as fa_torch
+        print(_threads.pool_team() if _threads._torch_shares_openmp(torch) else "skip")
+        q = torch.randn(2, 4, 200, 32)
+        with fastattn.num_threads(2), torch.inference_mode():
+            a = fa_torch.attention(q, q, q, causal=True)
+            print(kernel.pool_info()["workers"])
+            b = fastattn.attention(q.numpy(), q.numpy(), q.numpy(), causal=True)
+            print(kernel.pool_info()["workers"], a.numpy().tobytes() == b.tobytes())
+    """)
+    if out.split()[0] == "skip":
+        pytest.skip("torch does not run on this build's OpenMP library")
+    assert out.split() == ["in", "torch", "0", "1", "True"]
+
+
+@needs_team
+def test_auto_without_torch_uses_the_pool():
+    out = fresh_python("""
+        import sys, fastattn
+        print(fastattn._threads.pool_team(), "torch" in sys.modules)
+    """)
+    assert out.split() == ["never", "False"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not TEAM,
+                    reason="needs fork() and the pthreads pool built with OpenMP")
+def test_fork_child_leaves_the_openmp_team():
+    # The OpenMP library of a forked child may still count the parent's team threads,
+    # which the child does not have: the child's calls use fastattn's pool.
+    out = fresh_python("""
+        import os, numpy as np, fastattn
+        from fastattn import _threads
+        from fastattn._dispatch import kernel
+        _threads._set_pool("openmp")
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((8, 256, 64)).astype(np.float32) for _ in range(3))
+        with fastattn.num_threads(2):
+            want = fastattn.attention(q, k, v)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                got = fastattn.attention(q, k, v)
+                ok = (got.tobytes() == want.tobytes() and _threads.pool_team() == "never"
+                      and kernel.pool_info()["workers"] >= 1)
+                os.write(w, b"ok" if ok else b"bad")
+                os._exit(0)
+            os.close(w)
+            print(os.read(r, 8).decode(), _threads.pool_team())
+            os.waitpid(pid, 0)
+    """)
+    assert out.split() == ["ok", "always"]

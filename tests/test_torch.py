@@ -140,3 +140,22 @@ def test_16_bit_inputs_match_torch_in_the_same_dtype(rng, name):
     assert got.dtype == dt
     ulp = 2.0 ** (-10 if name == "float16" else -7)
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=2 * ulp, atol=2 * ulp)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_without_grad_the_same_bits_as_through_autograd(dtype):
+    # With nothing to differentiate the operation skips autograd's node; it must give
+    # the bits, dtypes and lse of the recorded call.
+    from fastattn.integrations import torch as fa_torch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 37, 16, generator=g).to(getattr(torch, dtype))
+               for _ in range(3))
+    with torch.no_grad():
+        plain, plain_lse = fa_torch.attention(q, k, v, causal=True, return_lse=True)
+    recorded, lse = fa_torch.attention(q.clone().requires_grad_(), k, v, causal=True,
+                                       return_lse=True)
+    assert plain.grad_fn is None and recorded.grad_fn is not None
+    assert plain.dtype == recorded.dtype == q.dtype and plain_lse.dtype == lse.dtype
+    assert torch.equal(plain, recorded.detach()) and torch.equal(plain_lse, lse.detach())
+    assert torch.equal(fa_torch.attention(q, k, v, causal=True), plain)

@@ -2,7 +2,8 @@
 
 Prints the package version, Python and NumPy versions, the compiler of the compiled
 kernel, the thread count and the thread pool that runs the kernels (fastattn's own pool of
-POSIX threads; OpenMP, when the build has it, only supplies the default thread count), and
+POSIX threads; OpenMP, when the build has it, supplies the default thread count and runs
+the calls that ``FASTATTN_POOL`` sends to the calling thread's OpenMP team), and
 the SIMD variant chosen at import time (see ``fastattn._dispatch``) with the variants this CPU
 could run. Every fact is looked up defensively and shown as "unknown" when it cannot be
 found, so that ``info`` keeps working -- and stays useful for bug reports -- on a partial
@@ -127,6 +128,12 @@ def collect(fa=None):
     except Exception:
         pass
     try:
+        from fastattn import _threads
+        info["pool_choice"] = str(_threads._pool)
+        info["openmp_team"] = str(_threads.pool_team())
+    except Exception:
+        pass
+    try:
         from fastattn import _dispatch
     except Exception as exc:
         info["dispatch_error"] = f"{type(exc).__name__}: {exc}"
@@ -170,15 +177,32 @@ def _kernel_facts(kernel, info):
                      for k, v in build.items()}
 
 
+TEAMS = {"never": "no call", "always": "every call",
+         "in torch": "the torch integrations' calls, on torch's threads"}
+
+
 def _openmp_role(info):
     """What OpenMP does in this build, in the words the documentation uses."""
     if info["openmp"] is True:
         if info.get("thread_pool") == "openmp":
             return "yes: its threads run the kernels"
-        return "yes, only for the default thread count (honours OMP_NUM_THREADS)"
+        return ("yes: the default thread count (honours OMP_NUM_THREADS) and a team for "
+                "some calls (below)")
     if info["openmp"] is False:
         return "no (the default thread count still honours OMP_NUM_THREADS)"
     return UNKNOWN
+
+
+def _team_role(info):
+    """Which calls run on the calling thread's OpenMP team instead of the pool."""
+    choice, team = info.get("pool_choice"), info.get("openmp_team")
+    if choice is None or team is None:
+        return UNKNOWN
+    if choice == "auto" and team == "never" and info["openmp"] is True \
+            and info.get("thread_pool") == "pthreads":
+        return ("none yet (FASTATTN_POOL=auto: the torch integrations' calls, once torch is "
+                "imported and uses this OpenMP library)")
+    return f"{TEAMS.get(team, team)} (FASTATTN_POOL={choice})"
 
 
 def format_info(info):
@@ -199,6 +223,7 @@ def format_info(info):
         ("threads", info["threads"]),
         ("thread pool", POOLS.get(pool, pool)),
         ("OpenMP", _openmp_role(info)),
+        ("OpenMP team runs", _team_role(info)),
         ("SIMD variant", info["isa"]),
         ("variants this CPU runs", info["available_variants"]),
     ]

@@ -1,11 +1,17 @@
 """torch tensors as NumPy arrays for fastattn, shared by the integrations.
 
 Only imported from inside the integrations' functions, after torch is: nothing here
-imports torch at module level.
+imports torch at module level.  The integrations' calls are made from inside torch
+programs, so they run marked as such (``fastattn._threads.in_torch``): on torch's OpenMP
+threads when they are fastattn's too.
 """
 import functools
 
 import numpy as np
+
+import fastattn
+
+from .._threads import in_torch
 
 
 @functools.lru_cache(maxsize=None)
@@ -18,12 +24,16 @@ def bfloat16_dtype():
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def torch_dtype(torch, dtype):
-    """The torch dtype of NumPy ``dtype`` (float16/32/64 or ml_dtypes' bfloat16)."""
-    if dtype == bfloat16_dtype():
-        return torch.bfloat16
-    return {np.float16: torch.float16, np.float32: torch.float32,
-            np.float64: torch.float64}[dtype.type]
+@functools.lru_cache(maxsize=None)
+def float_dtypes(torch):
+    """The torch dtypes fastattn computes with."""
+    return frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+
+
+def needs_grad(torch, *tensors):
+    """Whether autograd records a call on ``tensors`` (None allowed): grad mode on and an
+    input that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def view(torch, t):
@@ -33,6 +43,14 @@ def view(torch, t):
     return t.numpy()
 
 
+def tensor(torch, a):
+    """The torch tensor sharing the NumPy array ``a``'s memory (ml_dtypes' bfloat16 as
+    torch.bfloat16)."""
+    if bfloat16_dtype() is not None and a.dtype == bfloat16_dtype():
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def arrays(torch, *tensors):
     """NumPy views of CPU ``tensors``, all of one dtype.
 
@@ -40,9 +58,22 @@ def arrays(torch, *tensors):
     as ``ml_dtypes.bfloat16`` when that package is installed; otherwise bfloat16, and a mix
     of dtypes, are upcast to float32 copies.
     """
+    first = tensors[0].dtype
+    if first != torch.bfloat16 and all(t.dtype == first for t in tensors):
+        return tuple([t.numpy() for t in tensors])
     dtypes = {t.dtype for t in tensors}
     if dtypes == {torch.bfloat16} and bfloat16_dtype() is not None:
         return tuple(view(torch, t) for t in tensors)
-    if torch.bfloat16 in dtypes or len(dtypes) > 1:
-        return tuple(t.float().numpy() for t in tensors)
-    return tuple(t.numpy() for t in tensors)
+    return tuple(t.float().numpy() for t in tensors)
+
+
+def attend_heads_last(torch, q, k, v, out_dtype, **keywords):
+    """``fastattn.attention`` of the arrays ``q``, ``k``, ``v`` (batch, heads, rows, D),
+    as a call from inside torch, into a new tensor laid out (batch, rows, heads, Dv) -- the
+    layout models read -- of ``out_dtype``."""
+    B, Hq, Lq, _ = q.shape
+    out = np.empty((max(B, k.shape[0], v.shape[0]), Lq, Hq, v.shape[-1]), q.dtype)
+    with in_torch():
+        fastattn.attention(q, k, v, out=out.transpose(0, 2, 1, 3), **keywords)
+    t = tensor(torch, out)
+    return t if t.dtype == out_dtype else t.to(out_dtype)

@@ -52,23 +52,17 @@ class FastattnBackend:
         """
         import torch
 
-        import fastattn
-
         from . import _torch
 
         if k_BSJD is None or v_BSJD is None:
             raise ValueError("fastattn's TabPFN backend needs dense keys and values, got None")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q_BSHD, k_BSJD, v_BSJD)):
+        if _torch.needs_grad(torch, q_BSHD, k_BSJD, v_BSJD):
             from . import torch as fa_torch
             return fa_torch.attention(*(t.transpose(1, 2) for t in (q_BSHD, k_BSJD, v_BSJD))
                                       ).transpose(1, 2)
         q, k, v = _torch.arrays(torch, q_BSHD, k_BSJD, v_BSJD)
-        B = torch.broadcast_shapes(q_BSHD.shape[:1], k_BSJD.shape[:1], v_BSJD.shape[:1])[0]
-        _, Sq, Hq, _ = q_BSHD.shape
-        out = torch.empty((B, Sq, Hq, v_BSJD.shape[-1]), dtype=_torch.torch_dtype(torch, q.dtype))
-        fastattn.attention(*(a.transpose(0, 2, 1, 3) for a in (q, k, v)),
-                           out=_torch.view(torch, out).transpose(0, 2, 1, 3))
-        return out.to(q_BSHD.dtype)
+        return _torch.attend_heads_last(torch, *(a.transpose(0, 2, 1, 3) for a in (q, k, v)),
+                                        q_BSHD.dtype)
 
     def __repr__(self):
         return "FastattnBackend()"

@@ -25,6 +25,11 @@ import functools
 
 import numpy as np
 
+import fastattn
+
+from . import _torch
+from .._threads import in_torch
+
 __all__ = ["attention", "scaled_dot_product_attention"]
 
 
@@ -66,7 +71,12 @@ def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
     keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
     if sinks is not None and not torch.is_tensor(sinks):
         sinks = torch.as_tensor(np.asarray(sinks, dtype=np.float64))
-    out, lse = _function().apply(q, k, v, sinks, keywords)
+    if _torch.needs_grad(torch, q, k, v, sinks):
+        out, lse = _function().apply(q, k, v, sinks, keywords)
+    else:
+        # Nothing to differentiate: no autograd node, whose bookkeeping costs about as
+        # much as a decode step's attention.
+        out, lse = _forward(torch, q, k, v, sinks, keywords, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -113,12 +123,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 # --------------------------------------------------------------------------- helpers
 
 def _check_tensors(torch, **tensors):
+    known = _torch.float_dtypes(torch)
     for name, t in tensors.items():
         if not torch.is_tensor(t):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(f"{name} is on {t.device}: fastattn runs on CPU tensors")
-        if t.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        if t.dtype not in known:
             raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
 
 
@@ -126,9 +137,7 @@ def _constant(torch, name, value):
     """A keyword's value as fastattn takes it: tensors as NumPy arrays (detached)."""
     if not torch.is_tensor(value):
         return value
-    from . import _torch
-
-    if value.device.type != "cpu":
+    if not value.is_cpu:
         raise ValueError(f"{name} is on {value.device}: fastattn runs on CPU tensors")
     value = value.detach()
     if value.dtype == torch.bfloat16 and _torch.bfloat16_dtype() is None:
@@ -138,20 +147,24 @@ def _constant(torch, name, value):
 
 def _arrays(torch, *tensors):
     """NumPy views of detached CPU tensors (see ``_torch.arrays``)."""
-    from . import _torch
-
-    return _torch.arrays(torch, *(t.detach() for t in tensors))
+    return _torch.arrays(torch, *(t.detach() if t.requires_grad else t for t in tensors))
 
 
 def _tensor(torch, a, dtype):
     """The NumPy result ``a`` as a tensor of ``dtype`` (shared memory when it already is)."""
-    from . import _torch
+    t = _torch.tensor(torch, a)
+    return t if t.dtype == dtype else t.to(dtype)
 
-    if _torch.bfloat16_dtype() is not None and a.dtype == _torch.bfloat16_dtype():
-        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(a)
-    return t.to(dtype)
+
+def _forward(torch, q, k, v, sinks, keywords, return_lse):
+    """:func:`fastattn.attention` on the tensors: ``(out, lse)`` as tensors (lse None
+    unless ``return_lse``)."""
+    qa, ka, va = _arrays(torch, q, k, v)
+    sinks_a = None if sinks is None else sinks.detach().double().numpy()
+    with in_torch():
+        res = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=return_lse, **keywords)
+    out, lse = res if return_lse else (res, None)
+    return _tensor(torch, out, q.dtype), None if lse is None else torch.from_numpy(lse)
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,17 +172,11 @@ def _function():
     """The autograd Function, built on first use (torch imported only then)."""
     import torch
 
-    import fastattn
-
     class Attention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, sinks, keywords):
             ctx.set_materialize_grads(False)
-            qa, ka, va = _arrays(torch, q, k, v)
-            sinks_a = None if sinks is None else sinks.detach().double().numpy()
-            out, lse = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=True,
-                                          **keywords)
-            out_t, lse_t = _tensor(torch, out, q.dtype), torch.from_numpy(lse)
+            out_t, lse_t = _forward(torch, q, k, v, sinks, keywords, True)
             ctx.save_for_backward(q, k, v, out_t, lse_t, sinks)
             ctx.keywords = keywords
             return out_t, lse_t
@@ -181,10 +188,12 @@ def _function():
             if dout is None:
                 dout = torch.zeros_like(out)
             arrays = _arrays(torch, dout, q, k, v, out)
-            grads = fastattn.attention_backward(
-                *arrays, lse.numpy(), dlse=None if dlse is None else dlse.detach().numpy(),
-                sinks=None if sinks is None else sinks.detach().double().numpy(),
-                **ctx.keywords)
+            with in_torch():
+                grads = fastattn.attention_backward(
+                    *arrays, lse.numpy(),
+                    dlse=None if dlse is None else dlse.detach().numpy(),
+                    sinks=None if sinks is None else sinks.detach().double().numpy(),
+                    **ctx.keywords)
             dq, dk, dv = (_tensor(torch, g, t.dtype) for g, t in zip(grads, (q, k, v)))
             dsinks = None if sinks is None else _tensor(torch, grads[3], sinks.dtype)
             return dq, dk, dv, dsinks, None

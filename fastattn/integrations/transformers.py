@@ -17,8 +17,6 @@ import functools
 import inspect
 import warnings
 
-import fastattn
-
 from .. import _api
 from . import _torch
 
@@ -156,7 +154,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             "fastattn: this model uses attention sinks, which this fastattn build does not "
             "support; use attn_implementation='eager'")
 
-    reason = _unsupported(module, query, key, value, attention_mask, dropout, kwargs)
+    reason = _unsupported(torch, query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         if fallback is None:
             raise NotImplementedError(
@@ -171,10 +169,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
                                       **kwargs)
 
-    B, Hq, Lq, _ = query.shape
-    Dv = value.shape[-1]
-    out_dtype = query.dtype
-
+    Lq = query.shape[-2]
     causal, window, mask = False, None, None
     if attention_mask is None:
         if is_causal is None:
@@ -193,7 +188,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     extra = {}
     if kwargs.get("softcap") is not None:
         extra["softcap"] = float(kwargs["softcap"])
-    if _needs_grad(torch, query, key, value, sinks):
+    if _torch.needs_grad(torch, query, key, value, sinks):
         # Training: the differentiable operation, whose backward is fastattn's.
         from . import torch as fa_torch
         out = fa_torch.attention(query, key, value, scale=scaling, causal=causal,
@@ -201,14 +196,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return out.transpose(1, 2), None
     if sinks is not None:
         extra["sinks"] = sinks.detach().float().numpy()
+    # The model reads (batch, Lq, Hq, Dv): fastattn writes that layout in place.
     q, k, v = _torch.arrays(torch, query, key, value)
-
-    # The model reads (batch, Lq, Hq, Dv); fastattn writes (batch, Hq, Lq, Dv): a transposed
-    # view of the same tensor, so the kernel writes the returned tensor in place.
-    out = torch.empty((B, Lq, Hq, Dv), dtype=_torch.torch_dtype(torch, q.dtype))
-    fastattn.attention(q, k, v, scale=scaling, causal=causal, window=window, mask=mask,
-                       out=_torch.view(torch, out).transpose(0, 2, 1, 3), **extra)
-    return out.to(out_dtype), None
+    return _torch.attend_heads_last(torch, q, k, v, query.dtype, scale=scaling, causal=causal,
+                                    window=window, mask=mask, **extra), None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -219,18 +210,11 @@ def _takes(keyword):
     return keyword in inspect.signature(_api.attention).parameters
 
 
-def _needs_grad(torch, *tensors):
-    """Whether autograd records this call: grad mode on and an input that requires grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _unsupported(module, query, key, value, attention_mask, dropout, kwargs):
+def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):
     """Why fastattn cannot take this call (a short phrase), or None if it can."""
-    import torch
-
-    tensors = [t for t in (query, key, value, attention_mask) if t is not None]
-    devices = {t.device.type for t in tensors}
-    if devices != {"cpu"}:
+    if not (query.is_cpu and key.is_cpu and value.is_cpu
+            and (attention_mask is None or attention_mask.is_cpu)):
+        devices = {t.device.type for t in (query, key, value, attention_mask) if t is not None}
         return f"tensors on {', '.join(sorted(devices - {'cpu'}))} (fastattn runs on the CPU)"
     if dropout:
         return f"dropout={dropout} (the module is in training mode)"
@@ -240,9 +224,9 @@ def _unsupported(module, query, key, value, attention_mask, dropout, kwargs):
         return "a paged cache (continuous batching)"
     if kwargs.get("output_attentions"):
         return "output_attentions=True"
-    dtypes = {query.dtype, key.dtype, value.dtype}
-    if not dtypes <= {torch.float32, torch.float16, torch.bfloat16, torch.float64}:
-        return f"dtype {sorted(map(str, dtypes))}"
+    known = _torch.float_dtypes(torch)
+    if not (query.dtype in known and key.dtype in known and value.dtype in known):
+        return f"dtype {sorted(map(str, {query.dtype, key.dtype, value.dtype}))}"
     return None
 
 
