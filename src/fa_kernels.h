@@ -520,7 +520,16 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
      * division run only for vectors with a lane outside.  Each lane's result is the same
      * either way. */
     if (!fa_all_f(is_small)) {
-        const fa_vf e = fa_exp2_f(ax * fa_bcast_f(-2.0f * 1.44269504088896341f));
+        /* The exponent is rounded before the exp: left to the compiler, the product is
+         * fused into the exp's first operations in one build and not in another, and the
+         * AVX2 and AVX-512 kernels would differ in the last bit. */
+        fa_vf x2 = ax * fa_bcast_f(-2.0f * 1.44269504088896341f);
+#if defined(__AVX__)
+        __asm__("" : "+v"(x2));
+#else
+        __asm__("" : "+m"(x2));
+#endif
+        const fa_vf e = fa_exp2_f(x2);
         const fa_vf one = fa_bcast_f(1.0f);
         r = fa_select_f(is_small, small, (one - e) / (one + e));
     }
