@@ -67,6 +67,14 @@ typedef int32_t fa_vi8 __attribute__((vector_size(32)));
 FA_INLINE fa_vf8 fa_load_f8(const float* p) { fa_vf8 v; memcpy(&v, p, sizeof v); return v; }
 FA_INLINE void fa_store_f8(float* p, fa_vf8 v) { memcpy(p, &v, sizeof v); }
 FA_INLINE fa_vf8 fa_bcast_f8(float x) { return (fa_vf8){x, x, x, x, x, x, x, x}; }
+FA_INLINE fa_vf8 fa_select_f8(fa_vi8 m, fa_vf8 a, fa_vf8 b)
+{ return (fa_vf8)(((fa_vi8)a & m) | ((fa_vi8)b & ~m)); }
+#if defined(__AVX__)
+FA_INLINE fa_vf8 fa_max_f8(fa_vf8 a, fa_vf8 b) { return (fa_vf8)_mm256_max_ps((__m256)a, (__m256)b); }
+#else
+/* No single max instruction for a 32-byte vector on SSE2: compare and select. */
+FA_INLINE fa_vf8 fa_max_f8(fa_vf8 a, fa_vf8 b) { return fa_select_f8(a > b, a, b); }
+#endif
 FA_INLINE fa_vf fa_select_f(fa_vfi m, fa_vf a, fa_vf b)
 { return (fa_vf)(((fa_vfi)a & m) | ((fa_vfi)b & ~m)); }
 
@@ -79,22 +87,11 @@ FA_INLINE fa_vd fa_select_d(fa_vdi m, fa_vd a, fa_vd b)
 FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return (fa_vf)_mm512_max_ps((__m512)a, (__m512)b); }
 FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return (fa_vd)_mm512_max_pd((__m512d)a, (__m512d)b); }
 #elif defined(__AVX__)
-FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return (fa_vf)_mm256_max_ps((__m256)a, (__m256)b); }
+FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return fa_max_f8(a, b); }
 FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return (fa_vd)_mm256_max_pd((__m256d)a, (__m256d)b); }
 #else
-/* No single max instruction for a 32-byte vector on SSE2: compare and select. */
-FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return fa_select_f(a > b, a, b); }
+FA_INLINE fa_vf fa_max_f(fa_vf a, fa_vf b) { return fa_max_f8(a, b); }
 FA_INLINE fa_vd fa_max_d(fa_vd a, fa_vd b) { return fa_select_d(a > b, a, b); }
-#endif
-
-/* max and select on 8 floats (fa_vf8), in every build */
-#if defined(__AVX__)
-FA_INLINE fa_vf8 fa_max_f8(fa_vf8 a, fa_vf8 b) { return (fa_vf8)_mm256_max_ps((__m256)a, (__m256)b); }
-#endif
-FA_INLINE fa_vf8 fa_select_f8(fa_vi8 m, fa_vf8 a, fa_vf8 b)
-{ return (fa_vf8)(((fa_vi8)a & m) | ((fa_vi8)b & ~m)); }
-#if !defined(__AVX__)
-FA_INLINE fa_vf8 fa_max_f8(fa_vf8 a, fa_vf8 b) { return fa_select_f8(a > b, a, b); }
 #endif
 
 /* Whether every lane of a comparison result is true: one movemask where the ISA has it
