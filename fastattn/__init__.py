@@ -43,6 +43,8 @@ Both call paths::
 - ``fastattn/_args.py``       every argument rule, and the ``Problem`` of a call.
 - ``fastattn/_backward.py``   ``attention_backward`` / ``attention_varlen_backward``.
 - ``fastattn/_merge.py``      ``merge_attention``: partial results over disjoint keys.
+- ``fastattn/_kvcache_attn.py`` ``attention_with_kvcache``: serving caches (paged, q8_0),
+                              appended in place; ``_q8_0.py`` the q8_0 format.
 - ``fastattn/reference.py``   the plain-NumPy oracle (float64, materialised scores);
                               ``attention_weights`` reuses its score stage.
 - ``src/``                    the kernel, compiled once per instruction set;
@@ -59,6 +61,8 @@ from importlib import metadata as _metadata
 
 from ._api import attention, attention_varlen, attention_weights, softmax
 from ._backward import attention_backward, attention_varlen_backward
+from ._kvcache_attn import attention_with_kvcache
+from ._q8_0 import dequantize_q8_0, quantize_q8_0
 from ._merge import merge_attention
 from ._threads import get_num_threads, num_threads, set_num_threads
 from . import reference
@@ -73,6 +77,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
+    "attention_with_kvcache", "quantize_q8_0", "dequantize_q8_0",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",
     "self_attention", "MultiHeadAttention", "KVCache",

@@ -1,0 +1,458 @@
+"""``attention_with_kvcache``: attention over a serving cache, appended in place.
+
+A server keeps the keys and values of many sequences in one cache: a ``(B, Hkv, Lmax, D)``
+array, or a pool of pages ``(num_pages, Hkv, page, D)`` that a ``block_table`` hands out
+to the sequences, in float32, float64, float16, bfloat16 or q8_0 (int8 values with a
+float16 scale per 32 of them, :mod:`fastattn._q8_0`).  One call does what a decode or
+prefill step needs: it checks everything, rotates the new keys (rotary embedding), writes
+them at the end of each sequence, and attends over each sequence's keys with the rules of
+:func:`fastattn.attention` (causal and window aligned bottom-right to the sequence's own
+length).
+
+The call has three steps, in this order, so that a refused call writes nothing:
+
+1. :func:`_check_call` -- every argument checked, the new rows rotated and rounded (or
+   quantised) to the cache's format;
+2. :func:`_append` -- the new rows written in place;
+3. :func:`_gather_keys` and :func:`fastattn.attention` -- each sequence's keys, then one
+   batched kernel call with ``kv_lengths``, whose rows have the bits of a call over each
+   sequence's own keys alone.
+"""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+from . import _api, _args
+from ._q8_0 import BLOCK, check_block_dim, check_q8_0_pair, dequantize_q8_0, quantize_q8_0
+
+__all__ = ["attention_with_kvcache"]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                           block_table=None, k_scale=None, v_scale=None, rotary_cos=None,
+                           rotary_sin=None, rotary_interleaved=False, scale=None,
+                           causal=False, window=None, softcap=None, alibi_slopes=None,
+                           sinks=None, return_lse=False, out=None):
+    """Attention over a KV cache -- contiguous or paged, float or q8_0 -- appending the new
+    keys and values in place first (FlashAttention's ``flash_attn_with_kvcache``, heads
+    first).
+
+    Parameters
+    ----------
+    q : array_like, shape (B, Hq, Lq, D)
+    k_cache : ndarray, shape (B, Hkv, Lmax, D), or (num_pages, Hkv, page, D) with block_table
+    v_cache : ndarray, shape (B, Hkv, Lmax, Dv), or (num_pages, Hkv, page, Dv)
+        float32, float64, float16, bfloat16 (``ml_dtypes``) or int8, which means q8_0 and
+        needs ``k_scale``/``v_scale``; both caches of one dtype.  Any strides: a
+        ``(num_pages, page, Hkv, D)`` pool is passed as ``np.swapaxes(pool, 1, 2)``, a view.
+        Rows beyond a sequence's keys are never read.
+    k, v : array_like, shape (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv), optional
+        New keys and values, written at positions ``cache_seqlens[b] + i`` of sequence ``b``
+        before attending (rounded once to a float cache's dtype, quantised for q8_0).
+    cache_seqlens : int or array_like of int, shape (B,)
+        The number of keys each sequence has in the cache before this call; it is not
+        changed (the caller adds ``Lnew`` for the next step).
+    block_table : array_like of int, shape (B, max_pages), optional
+        Page ``p`` of sequence ``b`` (its keys ``p * page .. (p + 1) * page - 1``) is
+        ``k_cache[block_table[b, p]]``.  Only the pages a sequence uses are read (or
+        checked); the rest of its row may hold anything.
+    k_scale, v_scale : ndarray of float16, shape cache.shape[:-1] + (D // 32,)
+        The q8_0 scales of an int8 cache, written in place with the new rows.
+    rotary_cos, rotary_sin : array_like, shape (max_pos, rotary_dim / 2), optional
+        Rotary embedding of the new keys (needs ``k``) at positions ``cache_seqlens[b] + i``,
+        stored rotated, and of ``q`` at the same positions when ``causal`` or ``window`` is
+        set, else at ``cache_seqlens[b]``.  The first ``rotary_dim`` dims rotate: pairs
+        ``(i, i + rotary_dim / 2)`` (GPT-NeoX), or ``(2i, 2i + 1)`` with
+        ``rotary_interleaved=True`` (GPT-J).
+    scale, causal, window, softcap, alibi_slopes, sinks, return_lse, out : optional
+        As in :func:`attention`, per sequence over its ``cache_seqlens[b] + Lnew`` keys
+        (``causal`` and ``window`` aligned bottom-right to that length; ``"top-left"`` is
+        refused, since the cached keys precede the queries).
+
+    Returns
+    -------
+    out : ndarray, shape (B, Hq, Lq, Dv)
+        In :func:`attention`'s result dtype of ``q`` and the cache, a q8_0 cache counting as
+        float32.  Each sequence's rows have the bits of :func:`attention` over that
+        sequence's keys alone, whatever the paging, page size, layout, batch or threads.
+    lse : ndarray, shape (B, Hq, Lq)
+        Only with ``return_lse=True``.
+
+    Every bad argument raises ``ValueError`` or ``TypeError`` before anything is written:
+    a call that raises leaves the caches as they were.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache = np.zeros((2, 1, 16, 8), np.float32); v_cache = np.zeros_like(k_cache)
+    >>> q, k, v = (rng.standard_normal((2, 1, 1, 8), dtype=np.float32) for _ in range(3))
+    >>> out = fastattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=[0, 3])
+    >>> bool(np.array_equal(k_cache[1, :, 3], k[1, :, 0]))
+    True
+    """
+    c = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, v_scale,
+                    rotary_cos, rotary_sin, rotary_interleaved)
+    _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, return_lse, out)
+    q_rot, new_rows = _rotated(c)
+    stored = _stored_rows(c, new_rows)
+    _append(c, stored)
+    keys, values = _gather_keys(c)
+    return _api.attention(q_rot, keys, values, kv_lengths=c.seen, scale=scale,
+                          causal=causal, window=window, softcap=softcap,
+                          alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+                          out=out)
+
+
+# --------------------------------------------------------------------------- argument rules
+
+def _cache(a, name):
+    """A cache argument: an ndarray (it is written in place, so never a converted copy),
+    native byte order, 4-d, of a cache dtype."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray (it is written in place), "
+                        f"got {type(a).__name__}")
+    if a.ndim != 4:
+        raise ValueError(f"{name} must have shape (B, Hkv, Lmax, D), or (num_pages, Hkv, page, "
+                         f"D) with block_table; got {a.shape}")
+    if not a.dtype.isnative:
+        raise TypeError(f"{name} must be in native byte order (it is written in place), got "
+                        f"dtype {a.dtype}")
+    if not (a.dtype == np.int8 or a.dtype in (np.float16, np.float32, np.float64)
+            or _args.is_bfloat16(a.dtype)):
+        raise TypeError(f"{name} must be float16, bfloat16 (ml_dtypes), float32, float64 or "
+                        f"int8 (q8_0, with scales), got dtype {a.dtype} (shape {a.shape})")
+    return a
+
+
+def _check_scales(cache, s, name, cache_name):
+    """``s``, the float16 scales of an int8 (q8_0) cache; ``None`` for a float cache."""
+    if cache.dtype != np.int8:
+        if s is not None:
+            raise ValueError(f"{name} is only for an int8 (q8_0) {cache_name}, which is "
+                             f"{cache.dtype}")
+        return None
+    if s is None:
+        raise ValueError(f"an int8 {cache_name} is q8_0 and needs its scales: {name} float16 "
+                         f"of shape {cache.shape[:-1] + (cache.shape[-1] // BLOCK,)}")
+    if not isinstance(s, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray (it is written in place), got "
+                        f"{type(s).__name__}")
+    check_q8_0_pair(cache, s, cache_name, name)
+    return s
+
+
+def _check_writable(a, name, why):
+    if not a.flags.writeable:
+        raise ValueError(f"{name} is read-only but {why} (shape {a.shape})")
+
+
+def _check_caches(q, k_cache, v_cache, k_scale, v_scale):
+    """The two caches (and scales) agree with each other and with q."""
+    k_cache, v_cache = _cache(k_cache, "k_cache"), _cache(v_cache, "v_cache")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and "
+                        f"{v_cache.dtype}")
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(f"k_cache and v_cache must agree on all but the last axis: "
+                         f"k_cache.shape={k_cache.shape}, v_cache.shape={v_cache.shape}")
+    if k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k_cache must have the same head dim D: q.shape={q.shape}, "
+                         f"k_cache.shape={k_cache.shape}")
+    Hkv = k_cache.shape[1]
+    if Hkv == 0 or q.shape[1] % Hkv:
+        raise ValueError(f"the number of query heads must be a multiple of the key/value "
+                         f"heads: q.shape={q.shape} (Hq={q.shape[1]}), k_cache.shape="
+                         f"{k_cache.shape} (Hkv={Hkv})")
+    k_scale = _check_scales(k_cache, k_scale, "k_scale", "k_cache")
+    v_scale = _check_scales(v_cache, v_scale, "v_scale", "v_cache")
+    return k_cache, v_cache, k_scale, v_scale
+
+
+def _check_block_table(block_table, B, num_pages):
+    """The block table as intp ``(B, max_pages)``: integers (pages are checked against the
+    pool once the pages in use are known)."""
+    bt = _args.as_array(block_table, "block_table")
+    if bt.dtype.kind not in "iu":
+        raise TypeError(f"block_table must be an integer array, got dtype {bt.dtype} "
+                        f"(shape {bt.shape})")
+    if bt.ndim != 2 or bt.shape[0] != B:
+        raise ValueError(f"block_table must have shape (B, max_pages) = ({B}, max_pages) for "
+                         f"q of batch {B}, got {bt.shape}")
+    return bt.astype(np.intp)
+
+
+def _check_seqlens(cache_seqlens, B, Lnew, capacity, capacity_text):
+    """``cache_seqlens`` as intp ``(B,)``: integers >= 0 with room for the ``Lnew`` new rows."""
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens must be an int or integer array of shape (B,), got None")
+    a = _args.as_array(cache_seqlens, "cache_seqlens")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"cache_seqlens must be an integer array, got dtype {a.dtype} "
+                        f"(shape {a.shape})")
+    try:
+        a = np.broadcast_to(a, (B,))
+    except ValueError:
+        raise ValueError(f"cache_seqlens of shape {a.shape} does not broadcast to the batch "
+                         f"(B,) = ({B},)") from None
+    if a.size and a.min() < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {a.min()} "
+                         f"(sequence {int(np.argmin(a))})")
+    if a.size and int(a.max()) + Lnew > capacity:
+        b = int(np.argmax(a))
+        raise ValueError(f"cache_seqlens[{b}] + Lnew = {int(a[b])} + {Lnew} exceeds the "
+                         f"cache's capacity {capacity} ({capacity_text})")
+    return np.ascontiguousarray(a, dtype=np.intp)
+
+
+def _check_new(k, v, B, Hkv, D, Dv):
+    """New keys and values ``(B, Hkv, Lnew, D)`` / ``(B, Hkv, Lnew, Dv)``, or both None."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and their values), got "
+                         f"{'k' if v is None else 'v'} alone")
+    if k is None:
+        return None, None
+    k, v = _args.as_array(k, "k"), _args.as_array(v, "v")
+    _args.check_dtype(k, "k")
+    _args.check_dtype(v, "v")
+    for name, a, last in (("k", k, D), ("v", v, Dv)):
+        want = (B, Hkv, "Lnew", last)
+        if a.ndim != 4 or a.shape[:2] != (B, Hkv) or a.shape[3] != last:
+            raise ValueError(f"{name} must have shape {want} to match q and the caches, got "
+                             f"{a.shape}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same number of new rows: k.shape={k.shape}, "
+                         f"v.shape={v.shape}")
+    return k, v
+
+
+def _check_rotary(cos, sin, interleaved, has_new, D, max_position):
+    """``(cos, sin)`` float tables ``(max_pos, rotary_dim / 2)`` covering ``max_position``,
+    or ``(None, None)``."""
+    interleaved = _args.check_flag(interleaved, "rotary_interleaved")
+    if cos is None and sin is None:
+        return None, None, interleaved
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if not has_new:
+        raise ValueError("rotary_cos/rotary_sin rotate the new keys: pass k and v with them")
+    cos, sin = _args.as_array(cos, "rotary_cos"), _args.as_array(sin, "rotary_sin")
+    for name, a in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if a.dtype.kind != "f" and not _args.is_bfloat16(a.dtype):
+            raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
+    if cos.ndim != 2 or cos.shape != sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must both have shape (max_pos, "
+                         f"rotary_dim / 2), got {cos.shape} and {sin.shape}")
+    if not 0 < 2 * cos.shape[1] <= D:
+        raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * cos.shape[1]} must lie "
+                         f"in [2, D] = [2, {D}]")
+    if max_position >= cos.shape[0]:
+        raise ValueError(f"rotary_cos has {cos.shape[0]} positions but position "
+                         f"{max_position} is rotated (cache_seqlens + Lnew or Lq)")
+    return cos, sin, interleaved
+
+
+def _check_pages(c, block_table, num_pages, page):
+    """``c.pages``: the pages each sequence uses, checked in range, and no cache row written
+    twice by one call (two sequences given the same page for their new rows)."""
+    used = -(-c.seen // page)                                    # ceil: pages in use
+    n_used = int(used.max(initial=0))
+    if n_used > block_table.shape[1]:                            # capacity checks this already
+        raise ValueError(f"block_table has {block_table.shape[1]} pages per sequence, "
+                         f"{n_used} needed")
+    pages = block_table[:, :n_used]
+    in_use = np.arange(n_used) < used[:, None]
+    bad = in_use & ((pages < 0) | (pages >= num_pages))
+    if bad.any():
+        b, p = (int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"block_table[{b}, {p}] = {pages[b, p]} is not a page of the cache "
+                         f"(num_pages = {num_pages}, block_table.shape={block_table.shape})")
+    c.pages = np.where(in_use, pages, 0)
+    if c.Lnew:
+        pos = c.seqlens[:, None] + np.arange(c.Lnew)
+        slots = np.take_along_axis(c.pages, pos // page, axis=1) * page + pos % page
+        if np.unique(slots).size != slots.size:
+            raise ValueError("block_table gives two sequences the same page for their new "
+                             "rows: each new row needs a cache row of its own")
+
+
+def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, v_scale,
+                rotary_cos, rotary_sin, rotary_interleaved):
+    """Every cache argument of one call, checked: a namespace of the normalised arrays and
+    sizes (``B, Hq, Hkv, Lq, Lnew, D, Dv, seqlens, seen, pages, page, q8_0``)."""
+    q = _args.as_array(q, "q")
+    _args.check_dtype(q, "q")
+    if q.ndim != 4:
+        raise ValueError(f"q must have shape (B, Hq, Lq, D), got {q.shape}")
+    B, Hq, Lq, D = q.shape
+    k_cache, v_cache, k_scale, v_scale = _check_caches(q, k_cache, v_cache, k_scale, v_scale)
+    Hkv, Dv = k_cache.shape[1], v_cache.shape[-1]
+    paged = block_table is not None
+    if paged:
+        block_table = _check_block_table(block_table, B, k_cache.shape[0])
+        page = k_cache.shape[2]
+        if page == 0:
+            raise ValueError(f"k_cache's pages must hold at least one row, got shape "
+                             f"{k_cache.shape}")
+        capacity = block_table.shape[1] * page
+        capacity_text = f"block_table.shape[1] * page = {block_table.shape[1]} * {page}"
+    else:
+        if k_cache.shape[0] != B:
+            raise ValueError(f"k_cache must have the batch of q, (B, Hkv, Lmax, D) with B = "
+                             f"{B}, got {k_cache.shape} (pass block_table for a paged cache)")
+        page, capacity = None, k_cache.shape[2]
+        capacity_text = f"Lmax = k_cache.shape[2] = {capacity}"
+    k, v = _check_new(k, v, B, Hkv, D, Dv)
+    Lnew = 0 if k is None else k.shape[2]
+    seqlens = _check_seqlens(cache_seqlens, B, Lnew, capacity, capacity_text)
+    top = int(seqlens.max(initial=0))
+    cos, sin, interleaved = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved,
+                                          k is not None, D, top + max(Lnew, Lq) - 1)
+    if k is not None:
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
+                        ("v_scale", v_scale)):
+            if a is not None:
+                _check_writable(a, name, "k and v are to be written into it")
+    c = SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale,
+                        v_scale=v_scale, k=k, v=v, B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, Lnew=Lnew, D=D,
+                        Dv=Dv, seqlens=seqlens, seen=seqlens + Lnew, page=page, pages=None,
+                        block_table=block_table, cos=cos, sin=sin, interleaved=interleaved,
+                        q8_0=k_cache.dtype == np.int8)
+    if paged:
+        _check_pages(c, block_table, k_cache.shape[0], page)
+    return c
+
+
+def _value_dtype(c):
+    """The dtype the keys are attended in: a float cache's own, float32 for q8_0."""
+    return np.dtype(np.float32) if c.q8_0 else c.k_cache.dtype
+
+
+def _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, return_lse, out):
+    """The keywords of the attention step, checked by :func:`fastattn.attention`'s own rules
+    before anything is written (on stand-in keys of the right shape and dtype, which cost
+    no memory)."""
+    if isinstance(causal, str) and causal == "top-left":
+        raise ValueError("causal='top-left' cannot be used with a KV cache (the cached keys "
+                         "precede the queries); use causal=True")
+    lk = int(c.seen.max(initial=0))
+    dt = _value_dtype(c)
+    keys = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.D))
+    values = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.Dv))
+    _args.Problem(c.q, keys, values, scale=scale, causal=causal, window=window,
+                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                  return_lse=return_lse, out=out)
+    c.rotate_q_per_row = _args.check_causal(causal) != "none" or window is not None
+
+
+# --------------------------------------------------------------------------- rotary
+
+def _rotate(x, cos, sin, interleaved):
+    """``x (..., L, D)`` rotated by the tables ``cos``/``sin`` ``(..., L, rotary_dim / 2)``:
+    FlashAttention's ``apply_rotary_emb``, computed in ``x``'s compute dtype and rounded
+    back to ``x``'s own float dtype (so a float16 q stays float16)."""
+    half = cos.shape[-1]
+    cdt = _args.dtypes(x=x)[0]
+    xr = x.astype(cdt)
+    cos, sin = cos.astype(cdt), sin.astype(cdt)
+    if interleaved:
+        x1, x2 = xr[..., 0:2 * half:2], xr[..., 1:2 * half:2]
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:2 * half]
+    r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    if interleaved:
+        xr[..., 0:2 * half:2], xr[..., 1:2 * half:2] = r1, r2
+    else:
+        xr[..., :half], xr[..., half:2 * half] = r1, r2
+    return _args.round_to(xr, x.dtype) if x.dtype.kind == "f" or _args.is_16bit(x.dtype) else xr
+
+
+def _rotated(c):
+    """``(q, (k, v))`` with the rotary embedding applied (q as given without tables):
+    new key ``i`` of sequence ``b`` at position ``cache_seqlens[b] + i``, q row ``i`` at the
+    same position when causal or windowed, else every row at ``cache_seqlens[b]``."""
+    if c.cos is None:
+        return c.q, (c.k, c.v)
+    k_pos = c.seqlens[:, None] + np.arange(c.Lnew)                        # (B, Lnew)
+    q_pos = c.seqlens[:, None] + (np.arange(c.Lq) if c.rotate_q_per_row else
+                                  np.zeros(c.Lq, np.intp))                 # (B, Lq)
+    table = lambda t, pos: t[pos][:, None]                                 # (B, 1, L, half)
+    k = _rotate(c.k, table(c.cos, k_pos), table(c.sin, k_pos), c.interleaved)
+    q = _rotate(c.q, table(c.cos, q_pos), table(c.sin, q_pos), c.interleaved)
+    return q, (k, c.v)
+
+
+# --------------------------------------------------------------------------- appending
+
+def _stored_rows(c, new_rows):
+    """The new rows in the cache's format: ``((k, k_scale), (v, v_scale))``, rounded once
+    to a float cache's dtype (a finite value beyond float16's range is refused), or
+    quantised to q8_0; None without new rows.  Raises before anything is written."""
+    k, v = new_rows
+    if k is None:
+        return None
+    if c.q8_0:
+        return quantize_q8_0(k), quantize_q8_0(v)
+    dt = c.k_cache.dtype
+    return (_args.store_as(k, dt, "k"), None), (_args.store_as(v, dt, "v"), None)
+
+
+def _row_index(c):
+    """Where new row ``i`` of sequence ``b`` goes: ``(first, row)`` index arrays
+    ``(B, Lnew)`` into a cache's axes 0 and 2 (sequence or page, and row)."""
+    pos = c.seqlens[:, None] + np.arange(c.Lnew)
+    if c.page is None:
+        return np.broadcast_to(np.arange(c.B)[:, None], pos.shape), pos
+    page = np.take_along_axis(c.pages, pos // c.page, axis=1)
+    return page, pos % c.page
+
+
+def _append(c, stored):
+    """Write the new rows (and q8_0 scales) into the caches, in place."""
+    if stored is None or c.Lnew == 0 or c.B == 0:
+        return
+    first, row = _row_index(c)
+    (k, ks), (v, vs) = stored
+    for target, rows in ((c.k_cache, k), (c.v_cache, v), (c.k_scale, ks), (c.v_scale, vs)):
+        if target is not None:
+            # advanced indices on axes 0 and 2 put their (B, Lnew) axes first
+            target[first, :, row] = np.swapaxes(rows, 1, 2)
+
+
+# --------------------------------------------------------------------------- attending
+
+def _gather_keys(c):
+    """Each sequence's first ``cache_seqlens[b] + Lnew`` keys and values as arrays
+    ``(B, Hkv, Lk, D)`` that :func:`fastattn.attention` reads with ``kv_lengths``.
+
+    A contiguous float cache is passed as it is (a view).  Pages are copied into one
+    contiguous array per sequence, and q8_0 rows dequantised to float32 (exactly); the
+    rows beyond a sequence's keys are zeros.  The kernel path that reads pages and q8_0
+    blocks where a key row is loaded replaces this copy, with the same bits.
+    """
+    lk = int(c.seen.max(initial=0))
+    if c.page is None and not c.q8_0:
+        return c.k_cache[:, :, :lk], c.v_cache[:, :, :lk]
+    return (_gathered(c, c.k_cache, c.k_scale, lk),
+            _gathered(c, c.v_cache, c.v_scale, lk))
+
+
+def _gathered(c, cache, scales, lk):
+    """One cache's keys (or values) of every sequence, contiguous ``(B, Hkv, lk, last)``."""
+    rows = _sequence_rows(c, cache, lk)
+    if scales is not None:
+        rows = dequantize_q8_0(rows, _sequence_rows(c, scales, lk))
+    # zeros, not stale rows, beyond each sequence's keys: nothing there can be NaN
+    beyond = np.arange(lk) >= c.seen[:, None]                       # (B, lk)
+    rows[np.broadcast_to(beyond[:, None, :, None], rows.shape)] = 0
+    return rows
+
+
+def _sequence_rows(c, a, lk):
+    """``a``'s first ``lk`` rows of every sequence, ``(B, Hkv, lk, last)`` (a copy)."""
+    if c.page is None:
+        return np.array(a[:, :, :lk])
+    n_pages = math.ceil(lk / c.page)
+    pages = a[c.pages[:, :n_pages]]                   # (B, n_pages, Hkv, page, last)
+    pages = np.swapaxes(pages, 1, 2)                  # (B, Hkv, n_pages, page, last)
+    return pages.reshape(pages.shape[:2] + (n_pages * c.page, a.shape[-1]))[:, :, :lk].copy()
