@@ -15,6 +15,7 @@ __version__: str
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
+    "attention_with_kvcache", "quantize_q8_0", "dequantize_q8_0",
     "set_num_threads", "get_num_threads", "num_threads",
     "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
@@ -90,6 +91,46 @@ def merge_attention(
     outs: Sequence[npt.ArrayLike], lses: Sequence[npt.ArrayLike]
 ) -> tuple[_Array, _Array]: ...
 
+# -- serving caches ------------------------------------------------------------------------
+@overload
+def attention_with_kvcache(
+    q: npt.ArrayLike, k_cache: _Array, v_cache: _Array, k: npt.ArrayLike | None = None,
+    v: npt.ArrayLike | None = None, *, cache_seqlens: npt.ArrayLike,
+    block_table: npt.ArrayLike | None = None, k_scale: _Array | None = None,
+    v_scale: _Array | None = None, rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None, rotary_interleaved: bool = False,
+    scale: float | None = None, causal: bool | Literal["bottom-right"] = False,
+    window: _Window = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    return_lse: Literal[False] = False, out: _Array | None = None,
+) -> _Array: ...
+@overload
+def attention_with_kvcache(
+    q: npt.ArrayLike, k_cache: _Array, v_cache: _Array, k: npt.ArrayLike | None = None,
+    v: npt.ArrayLike | None = None, *, cache_seqlens: npt.ArrayLike,
+    block_table: npt.ArrayLike | None = None, k_scale: _Array | None = None,
+    v_scale: _Array | None = None, rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None, rotary_interleaved: bool = False,
+    scale: float | None = None, causal: bool | Literal["bottom-right"] = False,
+    window: _Window = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    return_lse: Literal[True], out: _Array | None = None,
+) -> tuple[_Array, _Array]: ...
+@overload
+def attention_with_kvcache(
+    q: npt.ArrayLike, k_cache: _Array, v_cache: _Array, k: npt.ArrayLike | None = None,
+    v: npt.ArrayLike | None = None, *, cache_seqlens: npt.ArrayLike,
+    block_table: npt.ArrayLike | None = None, k_scale: _Array | None = None,
+    v_scale: _Array | None = None, rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None, rotary_interleaved: bool = False,
+    scale: float | None = None, causal: bool | Literal["bottom-right"] = False,
+    window: _Window = None, softcap: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
+    return_lse: bool = False, out: _Array | None = None,
+) -> _Array | tuple[_Array, _Array]: ...
+def quantize_q8_0(x: npt.ArrayLike) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float16]]: ...
+def dequantize_q8_0(values: npt.ArrayLike, scales: npt.ArrayLike) -> npt.NDArray[np.float32]: ...
+
 # -- gradients ----------------------------------------------------------------------------
 # (dq, dk, dv), and dsinks last when sinks are given
 def attention_backward(
@@ -125,10 +166,15 @@ def self_attention(
 
 class KVCache:
     def __init__(self, capacity: int = 64, *, growth: float = 2.0,
-                 dtype: npt.DTypeLike | None = None) -> None: ...
+                 dtype: npt.DTypeLike | Literal["q8_0"] | None = None) -> None: ...
     def reset(self) -> None: ...
     @property
-    def dtype(self) -> np.dtype[Any] | None: ...
+    def dtype(self) -> np.dtype[Any] | Literal["q8_0"] | None: ...
+    @property
+    def quantized(self) -> bool: ...
+    def scales(
+        self, length: int | None = None
+    ) -> tuple[_Array, _Array] | tuple[None, None]: ...
     @property
     def capacity(self) -> int: ...
     @property
@@ -170,14 +216,14 @@ class MultiHeadAttention:
     window: tuple[int, int] | None
     softcap: float | None
     sinks: _Array | None
-    kv_dtype: np.dtype[Any] | None
+    kv_dtype: np.dtype[Any] | Literal["q8_0"] | None
     def __init__(
         self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
         d_head: int | None = None, d_value: int | None = None, bias: bool = False,
         dtype: npt.DTypeLike = ..., seed: int | np.random.Generator | None = None,
         scale: float | None = None, rope: bool = False, rope_base: float = 10000.0,
         window: tuple[int, int] | None = None, softcap: float | None = None,
-        sinks: bool = False, kv_dtype: npt.DTypeLike | None = None,
+        sinks: bool = False, kv_dtype: npt.DTypeLike | Literal["q8_0"] | None = None,
     ) -> None: ...
     @overload
     def __call__(

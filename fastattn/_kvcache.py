@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from . import _args
+from ._q8_0 import Q8_0, cache_dtype, check_block_dim, quantize_q8_0
 from .positions import _as_index
 
 __all__ = ["KVCache"]
@@ -26,13 +27,19 @@ class KVCache:
     ``max(needed, growth * capacity)`` (one copy, amortised O(1) per token).
 
     ``dtype`` (float16, bfloat16 -- ``ml_dtypes.bfloat16`` or the string
-    ``"bfloat16"`` --, float32 or float64) is the storage dtype; by default it
-    is the dtype of the first keys and values appended.  Keys and values of
+    ``"bfloat16"`` --, float32, float64, or ``"q8_0"``) is the storage dtype; by
+    default it is the dtype of the first keys and values appended.  Keys and values of
     another dtype are rounded to it (to nearest, once) as they are appended; a
     finite value beyond its range (float16 stops at 65504) raises
     ``ValueError`` instead of being stored as inf.  A float16 or bfloat16
     cache holds half the bytes of a float32 one, and attention reads it in
     place, so a decode step streams half the memory.
+
+    ``dtype="q8_0"`` stores llama.cpp's q8_0 (see :func:`fastattn.quantize_q8_0`):
+    int8 values and one float16 scale per 32 of them, 1.0625 bytes a value; ``d``
+    and ``d_value`` must be multiples of 32.  ``keys_values`` then gives the int8
+    values and ``scales`` their scales, and ``MultiHeadAttention`` attends over it
+    with :func:`fastattn.attention_with_kvcache`.
 
     Each batch element has its own length (``lengths``, shape ``batch``), so
     sequences of different lengths share one cache: rows at or beyond a
@@ -60,19 +67,41 @@ class KVCache:
         if not growth > 1.0:
             raise ValueError(f"growth must be > 1, got {growth}")
         self._growth = growth
-        self._dtype = None if dtype is None else _args.storage_dtype(dtype, "dtype")
+        self._dtype = None if dtype is None else cache_dtype(dtype, "dtype")
         self.reset()
 
     @property
     def dtype(self):
-        """The storage dtype (None until the first append when none was given)."""
-        return self._dtype if self._k is None else self._k.dtype
+        """The storage dtype, or the string ``"q8_0"`` (None until the first append when
+        none was given)."""
+        if self._k is None or self._dtype == Q8_0:
+            return self._dtype
+        return self._k.dtype
+
+    @property
+    def quantized(self):
+        """Whether the cache stores q8_0 (int8 values with float16 scales)."""
+        return self._dtype == Q8_0
 
     def reset(self):
         """Forget all tokens and release the storage."""
         self._k = None
         self._v = None
+        self._k_scale = None
+        self._v_scale = None
         self._lengths = None
+
+    def _take_dtype(self, dtype):
+        # A layer's kv_dtype for an empty cache without one (q8_0 cannot be read off the
+        # float rows the layer appends).
+        if self._k is None and self._dtype is None:
+            self._dtype = dtype
+
+    _STORAGE = ("_k", "_v", "_k_scale", "_v_scale")
+
+    def _storage(self):
+        """The names of the storage arrays in use (the scales only for q8_0)."""
+        return [n for n in self._STORAGE if getattr(self, n, None) is not None]
 
     # -- read-only views ------------------------------------------------------
     @property
@@ -111,6 +140,18 @@ class KVCache:
             raise ValueError(f"length must be <= capacity = {self.capacity}, got {length}")
         return self._k[..., :length, :], self._v[..., :length, :]
 
+    def scales(self, length=None):
+        """Views of the q8_0 scales of the first ``length`` rows, ``(k_scale, v_scale)``
+        shaped ``(*batch, n_kv_heads, length, d // 32)`` and ``(..., d_value // 32)``
+        (float16), beside :meth:`keys_values`' int8 values; ``(None, None)`` for a float or
+        empty cache."""
+        if self._k_scale is None:
+            return None, None
+        length = self.max_length if length is None else _as_index(length, "length", 0)
+        if length > self.capacity:
+            raise ValueError(f"length must be <= capacity = {self.capacity}, got {length}")
+        return self._k_scale[..., :length, :], self._v_scale[..., :length, :]
+
     @property
     def k(self):
         """Stored keys, a view ``(*batch, n_kv_heads, max_length, d)`` (None when empty)."""
@@ -133,7 +174,7 @@ class KVCache:
         lengths = self._lengths
         ln = int(lengths) if lengths.ndim == 0 else lengths.tolist()
         return (f"KVCache(batch={tuple(batch)}, n_kv_heads={h}, d={d}, "
-                f"d_value={self._v.shape[-1]}, lengths={ln}, capacity={cap}, dtype={self._k.dtype})")
+                f"d_value={self._v.shape[-1]}, lengths={ln}, capacity={cap}, dtype={self.dtype})")
 
     # -- pickling -------------------------------------------------------------
     def __getstate__(self):
@@ -141,17 +182,22 @@ class KVCache:
         # would make the pickle larger and its bytes differ from one run to the next.
         state = dict(self.__dict__)
         if self._k is not None:
-            state["_k"], state["_v"] = (np.ascontiguousarray(a) for a in self.keys_values())
+            used = self.max_length
+            for name in self._storage():
+                state[name] = np.ascontiguousarray(getattr(self, name)[..., :used, :])
             state["capacity"] = self.capacity
         return state
 
     def __setstate__(self, state):
         state = dict(state)
+        state.setdefault("_k_scale", None)     # pickles of float caches made before q8_0
+        state.setdefault("_v_scale", None)
         capacity = state.pop("capacity", None)
         self.__dict__.update(state)
         if capacity is not None:
             used = self._k.shape[-2]
-            self._k, self._v = (self._allocate(a, capacity, used) for a in (self._k, self._v))
+            for name in self._storage():
+                setattr(self, name, self._allocate(getattr(self, name), capacity, used))
 
     @staticmethod
     def _allocate(rows, capacity, used):
@@ -201,43 +247,54 @@ class KVCache:
         dtype = self.dtype if self.dtype is not None else _args.dtypes(k=k, v=v)[1]
         batch, L = k.shape[:-3], k.shape[-2]
         new = self._new_counts(lengths, L, batch)
-        # Rounded (and checked for overflow) before anything is allocated or written.
-        k = _args.store_as(k, dtype, "k")
-        v = _args.store_as(v, dtype, "v")
+        # Rounded or quantised (and checked) before anything is allocated or written.
+        rows = self._stored(k, v, dtype)
         if self._k is None:
             cap = max(self._initial_capacity, L)
-            self._k = np.empty(k.shape[:-2] + (cap, k.shape[-1]), dtype=dtype)
-            self._v = np.empty(v.shape[:-2] + (cap, v.shape[-1]), dtype=dtype)
+            for name, a in zip(self._STORAGE, rows):
+                if a is not None:
+                    setattr(self, name, np.empty(a.shape[:-2] + (cap, a.shape[-1]), a.dtype))
             self._lengths = np.zeros(batch, dtype=np.int64)
         old = self._lengths.copy()
         needed = int(old.max(initial=0)) + L   # every row is written, padding included
         if needed > self.capacity:
             self._grow(needed)
-        self._write(old, k, v)
+        for name, a in zip(self._STORAGE, rows):
+            if a is not None:
+                self._write(getattr(self, name), old, a)
         self._lengths = np.asarray(old + new, dtype=np.int64)   # stays an array when batch == ()
         return old
 
-    def _write(self, old, k, v):
-        # The L new rows of sequence b go to rows old[b] .. old[b] + L - 1.
-        L = k.shape[-2]
+    @staticmethod
+    def _stored(k, v, dtype):
+        """``(k, v, k_scale, v_scale)`` as stored: rounded to a float dtype (scales None),
+        or quantised to q8_0."""
+        if dtype == Q8_0:
+            check_block_dim(k.shape[-1], "k", k.shape)
+            check_block_dim(v.shape[-1], "v", v.shape)
+            (kq, ks), (vq, vs) = quantize_q8_0(k), quantize_q8_0(v)
+            return kq, vq, ks, vs
+        return _args.store_as(k, dtype, "k"), _args.store_as(v, dtype, "v"), None, None
+
+    @staticmethod
+    def _write(target, old, rows):
+        # The L new rows of sequence b go to rows old[b] .. old[b] + L - 1 of ``target``.
+        L = rows.shape[-2]
         if old.size == 0 or L == 0:
             return
         if np.all(old == old.flat[0]):
             start = int(old.flat[0])
-            self._k[..., start:start + L, :] = k
-            self._v[..., start:start + L, :] = v
+            target[..., start:start + L, :] = rows
             return
         # Different lengths per sequence: scatter each sequence's rows at its own end.
-        h = self._k.shape[-3]
-        kb = self._k.reshape((-1,) + self._k.shape[-3:])
-        vb = self._v.reshape((-1,) + self._v.shape[-3:])
-        rows = (old.reshape(-1)[:, None] + np.arange(L))[:, None, :]      # (nb, 1, L)
-        bi = np.arange(kb.shape[0])[:, None, None]
-        hi = np.arange(h)[None, :, None]
-        kb[bi, hi, rows] = k.reshape(kb.shape[:2] + (L, k.shape[-1]))
-        vb[bi, hi, rows] = v.reshape(vb.shape[:2] + (L, v.shape[-1]))
+        tb = target.reshape((-1,) + target.shape[-3:])
+        at = (old.reshape(-1)[:, None] + np.arange(L))[:, None, :]      # (nb, 1, L)
+        bi = np.arange(tb.shape[0])[:, None, None]
+        hi = np.arange(target.shape[-3])[None, :, None]
+        tb[bi, hi, at] = rows.reshape(tb.shape[:2] + (L, rows.shape[-1]))
 
     def _grow(self, needed):
         cap = max(needed, math.ceil(self.capacity * self._growth))
         used = self.max_length
-        self._k, self._v = (self._allocate(a, cap, used) for a in (self._k, self._v))
+        for name in self._storage():
+            setattr(self, name, self._allocate(getattr(self, name), cap, used))

@@ -73,7 +73,7 @@ def quantize_q8_0(x):
     --------
     >>> values, scales = fastattn.quantize_q8_0(np.linspace(-1, 1, 32))
     >>> values[:4], scales
-    (array([-127, -119, -111, -103], dtype=int8), array([0.007874], dtype=float16))
+    (array([-127, -119, -111, -102], dtype=int8), array([0.00787], dtype=float16))
     """
     x = _args.as_array(x, "x")
     _args.check_dtype(x, "x")

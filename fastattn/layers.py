@@ -35,6 +35,8 @@ import numpy as np
 
 from . import _api, _args
 from ._kvcache import KVCache
+from ._kvcache_attn import attention_with_kvcache
+from ._q8_0 import Q8_0, cache_dtype, check_block_dim, dequantize_q8_0, quantize_q8_0
 from .positions import _as_index, _check_base
 from .positions import rope as _rope
 
@@ -197,6 +199,10 @@ class MultiHeadAttention:
         embedding, with a cache or without (so a cached decode step reproduces the
         full forward pass), and an empty ``KVCache`` without a dtype of its own takes
         it.  Attention still computes in float32; the cache takes half the memory.
+        ``"q8_0"`` stores llama.cpp's 8-bit blocks (``d_head`` and ``d_value``
+        multiples of 32; 1.0625 bytes a value): keys and values are quantised and
+        dequantised the same way with a cache or without, and a cached step attends
+        through :func:`fastattn.attention_with_kvcache` (no ``mask``).
 
     Attributes
     ----------
@@ -265,7 +271,10 @@ class MultiHeadAttention:
         self.window = None if window is None else tuple(int(w) for w in window)
         self.softcap = _args.check_softcap(softcap)
         self.sinks = np.zeros(n_heads, dtype) if sinks else None
-        self.kv_dtype = None if kv_dtype is None else _args.storage_dtype(kv_dtype, "kv_dtype")
+        self.kv_dtype = None if kv_dtype is None else cache_dtype(kv_dtype, "kv_dtype")
+        if self.kv_dtype == Q8_0:
+            check_block_dim(d_head, "d_head", (d_head,))
+            check_block_dim(d_value, "d_value", (d_value,))
 
         rng = np.random.default_rng(seed)
 
@@ -293,7 +302,7 @@ class MultiHeadAttention:
         if self.sinks is not None:
             extra += ", sinks=True"
         if self.kv_dtype is not None:
-            extra += f", kv_dtype={self.kv_dtype.name}"
+            extra += f", kv_dtype={getattr(self.kv_dtype, 'name', self.kv_dtype)}"
         return (f"MultiHeadAttention(d_model={self.d_model}, n_heads={self.n_heads}{extra}, "
                 f"d_head={self.d_head}, d_value={self.d_value}, bias={self.b_q is not None}, "
                 f"rope={self.rope})")
@@ -347,7 +356,11 @@ class MultiHeadAttention:
         if self.rope:
             q = _rope(q, positions, self.rope_base)
             k = _rope(k, positions, self.rope_base)
-        if self.kv_dtype is not None:
+        if self.kv_dtype == Q8_0:
+            # the numbers a q8_0 cache holds: a full pass attends over what decoding reads
+            k = dequantize_q8_0(*quantize_q8_0(k))
+            v = dequantize_q8_0(*quantize_q8_0(v))
+        elif self.kv_dtype is not None:
             k = _args.store_as(k, self.kv_dtype, "k")
             v = _args.store_as(v, self.kv_dtype, "v")
         return q, k, v
@@ -425,7 +438,7 @@ class MultiHeadAttention:
 
     def _decode_step(self, x, W, cache, causal, mask, kv_lengths, positions):
         # New tokens: their keys and values join the cache, their queries attend to it.
-        self._check_cache(cache, causal)
+        self._check_cache(cache, causal, mask)
         x = _array(x, "x")
         L = x.shape[-2] if x.ndim >= 2 else 0
         batch = x.shape[:-2]
@@ -439,7 +452,10 @@ class MultiHeadAttention:
             positions = None
         q, k, v = self._qkv(x, W, positions)
         new = KVCache._new_counts(kv_lengths, L, batch, "kv_lengths")
-        # An empty cache without a dtype takes k's and v's, which _qkv gave kv_dtype.
+        # An empty cache without a dtype takes k's and v's, which _qkv gave kv_dtype (q8_0,
+        # whose rows _qkv gives as float32, is handed over by name).
+        if self.kv_dtype == Q8_0:
+            cache._take_dtype(Q8_0)
         old = cache.append(k, v, lengths=new)
         # Causal alignment is bottom-right: the L queries must be the last L keys the
         # kernel sees, so padded rows count as keys (the real queries cannot see them,
@@ -447,15 +463,27 @@ class MultiHeadAttention:
         seen = old + L if causal or self.window is not None else old + new
         lk = int(seen.max(initial=0))
         keys, values = cache.keys_values(lk)
-        lengths = None if seen.size == 0 or np.all(seen == lk) else seen
-        o = _api.attention(q, keys, values, causal=bool(causal), mask=mask,
-                           kv_lengths=lengths, **self._attention_kwargs(W))
+        if cache.quantized:
+            o = self._attend_q8_0(q, cache, lk, seen, causal, W)
+        else:
+            lengths = None if seen.size == 0 or np.all(seen == lk) else seen
+            o = _api.attention(q, keys, values, causal=bool(causal), mask=mask,
+                               kv_lengths=lengths, **self._attention_kwargs(W))
         return self._out(o, W)
 
-    def _check_cache(self, cache, causal):
+    def _attend_q8_0(self, q, cache, lk, seen, causal, W):
+        # The serving call over the cache's int8 rows and scales, the batch flattened.
+        (keys, values), (k_scale, v_scale) = cache.keys_values(lk), cache.scales(lk)
+        flat = lambda a: a.reshape((-1,) + a.shape[-3:])
+        o = attention_with_kvcache(flat(q), flat(keys), flat(values), k_scale=flat(k_scale),
+                                   v_scale=flat(v_scale), cache_seqlens=seen.reshape(-1),
+                                   causal=bool(causal), **self._attention_kwargs(W))
+        return o.reshape(q.shape[:-1] + (o.shape[-1],))
+
+    def _check_cache(self, cache, causal, mask=None):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a fastattn.KVCache, got {type(cache).__name__}")
-        if self.kv_dtype is not None and cache.dtype not in (None, self.kv_dtype):
+        if self.kv_dtype is not None and cache.dtype is not None and cache.dtype != self.kv_dtype:
             raise ValueError(f"the cache stores {cache.dtype} but this layer's kv_dtype is "
                              f"{self.kv_dtype}: pass an empty KVCache or one of that dtype")
         if isinstance(causal, str):
@@ -463,6 +491,9 @@ class MultiHeadAttention:
                 f"causal={causal!r} cannot be used with a cache (the cached tokens precede the "
                 "new ones); use causal=True"
             )
+        if mask is not None and (cache.quantized or self.kv_dtype == Q8_0):
+            raise ValueError("mask is not taken with a q8_0 cache (attention_with_kvcache has "
+                             "none): use causal, window or kv_lengths")
 
     def _cached_positions(self, positions, old, batch, L):
         # Absolute rotary positions of the new rows, (*batch, 1, L) broadcast over heads:
