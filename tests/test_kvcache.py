@@ -782,3 +782,46 @@ def test_mha_q8_0_settings_are_checked():
         mha(x, cache=fastattn.KVCache(), mask=np.ones((3, 3), bool))
     with pytest.raises(ValueError, match="kv_dtype"):
         mha(x, cache=fastattn.KVCache(dtype=np.float32))
+
+
+# --------------------------------------------------------------------------- torch
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8_0"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_call_appends_into_the_tensors(rng, dtype, paged):
+    torch = import_optional("torch")
+    if dtype == "bfloat16" and ml_dtypes is None:
+        pytest.skip("bfloat16 needs ml_dtypes")
+    from fastattn.integrations.torch import attention_with_kvcache
+    B, Hq, Hkv, D = 2, 4, 2, 32
+    np_dt = np.float32 if dtype == "q8_0" else (BF16 if dtype == "bfloat16" else np.dtype(dtype))
+    cache = make_cache(rng, B, Hkv, 16, D, dtype=dtype if dtype == "q8_0" else np_dt)
+    table = None
+    if paged:
+        cache, table = paged_from(cache, 4, rng)
+    arrays = {n: a.copy() for n, a in cache.items()}                 # the NumPy twin
+    as_tensor = lambda a: (torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(
+        torch.bfloat16) if a.dtype == BF16 else torch.from_numpy(np.ascontiguousarray(a)))
+    tensors = {n: as_tensor(a) for n, a in cache.items()}          # sharing cache's memory
+    q, k, v = (rng.standard_normal((B, h, 2, D)).astype(np_dt) for h in (Hq, Hkv, Hkv))
+    kwargs = dict(cache_seqlens=np.array([3, 9]), block_table=table, causal=True)
+    want = fastattn.attention_with_kvcache(q, **arrays, k=k, v=v, **kwargs)
+    with torch.inference_mode():
+        got = attention_with_kvcache(as_tensor(q), tensors.pop("k_cache"), tensors.pop("v_cache"),
+                                     as_tensor(k), as_tensor(v), **tensors,
+                                     cache_seqlens=torch.tensor([3, 9]),
+                                     block_table=None if table is None else torch.from_numpy(table),
+                                     causal=True)
+    got = (got.float() if got.dtype == torch.bfloat16 else got).numpy()
+    np.testing.assert_array_equal(got, want.astype(np.float32) if want.dtype == BF16 else want)
+    for name in arrays:                                              # appended in place
+        np.testing.assert_array_equal(cache[name].view(np.uint8), arrays[name].view(np.uint8))
+
+
+def test_torch_call_refuses_gradients(rng):
+    torch = import_optional("torch")
+    from fastattn.integrations.torch import attention_with_kvcache
+    k_cache, v_cache = torch.zeros(1, 1, 8, 32), torch.zeros(1, 1, 8, 32)
+    q = torch.randn(1, 1, 1, 32, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([2]))

@@ -7,6 +7,8 @@
 - :func:`attention` is :func:`fastattn.attention` on tensors, with its keywords
   (bottom-right ``causal``, ``window``, lengths, ``softcap``, ``alibi_slopes``, ``sinks``)
   and ``lse`` returned with ``return_lse=True``.
+- :func:`attention_with_kvcache` is :func:`fastattn.attention_with_kvcache` on tensors, for
+  inference: the cache tensors are appended in place.
 
 Both are ``torch.autograd.Function``\\ s: the forward keeps the ``lse`` that
 :func:`fastattn.attention` returns, and the backward is :func:`fastattn.attention_backward`,
@@ -30,7 +32,7 @@ import fastattn
 from . import _torch
 from .._threads import in_torch
 
-__all__ = ["attention", "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention"]
 
 
 def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
@@ -78,6 +80,59 @@ def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
         # much as a decode step's attention.
         out, lse = _forward(torch, q, k, v, sinks, keywords, return_lse)
     return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **keywords):
+    """:func:`fastattn.attention_with_kvcache` on torch tensors (inference: no gradient).
+
+    ``q``, ``k``, ``v`` are float32, float64, float16 or bfloat16 CPU tensors; the caches
+    (and ``k_scale``/``v_scale``) are CPU tensors that are written in place through NumPy
+    views of their memory -- int8 with float16 scales for q8_0.  bfloat16 needs
+    ``ml_dtypes``.  The other keywords (``cache_seqlens``, ``block_table``, rotary tables,
+    ``causal``, ...) take tensors or arrays.  Refuses a call that would need a gradient
+    (an input that requires grad while grad mode is on).
+
+    Returns a tensor of ``(B, Hq, Lq, Dv)``, and ``lse`` with ``return_lse=True``.
+
+    Examples
+    --------
+    >>> import torch                                                       # doctest: +SKIP
+    >>> k_cache = torch.zeros(2, 2, 64, 32); v_cache = torch.zeros_like(k_cache)  # doctest: +SKIP
+    >>> q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)  # doctest: +SKIP
+    >>> out = fastattn.integrations.torch.attention_with_kvcache(
+    ...     q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([0, 5]))     # doctest: +SKIP
+    """
+    import torch
+
+    if "out" in keywords:
+        raise TypeError("out is not taken by the torch operation (it returns a new tensor)")
+    _check_tensors(torch, **{n: t for n, t in (("q", q), ("k", k), ("v", v)) if t is not None})
+    if _torch.needs_grad(torch, q, k, v):
+        raise RuntimeError("attention_with_kvcache computes no gradient: call it under "
+                           "torch.no_grad() or torch.inference_mode()")
+    caches = {}
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache),
+                    ("k_scale", keywords.pop("k_scale", None)),
+                    ("v_scale", keywords.pop("v_scale", None))):
+        if t is None:
+            continue
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_cpu:
+            raise ValueError(f"{name} is on {t.device}: fastattn runs on CPU tensors")
+        if t.dtype == torch.bfloat16 and _torch.bfloat16_dtype() is None:
+            raise TypeError(f"{name} is bfloat16, which needs the ml_dtypes package to be "
+                            "written in place (pip install ml_dtypes)")
+        caches[name] = _torch.view(torch, t.detach())
+    keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
+    qa, ka, va = (_constant(torch, n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    with in_torch():
+        res = fastattn.attention_with_kvcache(qa, caches["k_cache"], caches["v_cache"], ka, va,
+                                              **{n: a for n, a in caches.items()
+                                                 if n.endswith("_scale")}, **keywords)
+    out, lse = res if keywords.get("return_lse") else (res, None)
+    out_t = _tensor(torch, out, q.dtype)
+    return (out_t, torch.from_numpy(lse)) if lse is not None else out_t
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
