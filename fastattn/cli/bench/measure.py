@@ -32,7 +32,30 @@ REFERENCE_MAX_SAMPLES = 3
 REFERENCE_ONE_SAMPLE_S = 2.0
 
 
+def quantized_cache(fa, k, v):
+    """The q8_0 cache of k and v: keywords of ``attention_with_kvcache``."""
+    (kq, ks), (vq, vs) = fa.quantize_q8_0(k), fa.quantize_q8_0(v)
+    return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
+
+
+def _q8_0_entries(shape, fa, q, k, v, repeat):
+    # the q8_0 cache, and fastattn's own float16 cache of the same values (q in float16
+    # too, as the float16 rows have it), timed in the same rounds
+    out = np.empty((1, shape.hq, shape.lq, shape.dv), np.float32)
+    cache = quantized_cache(fa, k, v)
+    entries = {"fastattn": harness.Timed(functools.partial(
+        fa.attention_with_kvcache, q, **cache, cache_seqlens=np.array([shape.lk]),
+        causal=shape.causal, out=out), repeat)}
+    q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))
+    out16 = np.empty(out.shape, np.float16)
+    entries["fastattn-f16"] = harness.Timed(functools.partial(
+        fa.attention, q16, k16, v16, causal=shape.causal, out=out16), repeat)
+    return entries
+
+
 def _fastattn_entries(shape, fa, q, k, v, repeat):
+    if shape.quantized:
+        return _q8_0_entries(shape, fa, q, k, v, repeat)
     out = np.empty((1, shape.hq, shape.lq, shape.dv), q.dtype)
     entries = {"fastattn": harness.Timed(functools.partial(
         fa.attention, q, k, v, causal=shape.causal, out=out), repeat)}
@@ -69,6 +92,11 @@ def _entries(shape, libs, q, k, v, repeat, quick):
     fa, ref_mod, torch = libs
     entries = _fastattn_entries(shape, fa, q, k, v, repeat)
     skipped = {}
+    if shape.quantized:
+        # the reference runs once, in the check (over the dequantised cache)
+        skipped["reference"] = {"skipped": "q8_0: checked against the reference, not timed"}
+        skipped["torch"] = {"skipped": "torch has no q8_0 cache"}
+        return entries, skipped
     if quick and shape.name in QUICK_SKIP_REFERENCE:
         skipped["reference"] = {
             "skipped": "skipped with --quick (seconds per call); run without --quick"}
@@ -141,6 +169,24 @@ def check_outputs(shape, ref_mod, outputs, q, k, v):
     return check
 
 
+def check_q8_0(shape, fa, ref_mod, outputs, q, k, v):
+    """A q8_0 row against the float64 reference over its dequantised cache (the kernel's
+    own error, within the float32 tolerance) and over the float values it quantised (what
+    the cache costs), beside the float16 cache's error against the latter."""
+    check = check_outputs(shape, ref_mod, {n: o for n, o in outputs.items()
+                                           if n == "fastattn"}, q,
+                          *(fa.dequantize_q8_0(c[0], c[1]) for c in (
+                              fa.quantize_q8_0(k), fa.quantize_q8_0(v))))
+    (qs, ks, vs), (heads_q, rows) = reference_slice(shape, q, k, v)
+    want = np.asarray(ref_mod.attention(qs, ks, vs, causal=shape.causal), np.float64)
+    sel = np.s_[:, heads_q, shape.lq - rows:, :]
+    for name, key in (("fastattn", "vs_float_values_max_abs"),
+                      ("fastattn-f16", "f16_vs_float_values_max_abs")):
+        if name in outputs:
+            check[key] = _max_diff(outputs[name].astype(np.float64)[sel], want)[0]
+    return check
+
+
 def _library_results(entries, samples, work):
     flop, nbytes = work
     out = {}
@@ -179,7 +225,7 @@ def _speedups(libraries):
     """The other library's time over fastattn's, for each that ran."""
     fa = libraries.get("fastattn", {})
     return {f"speedup_vs_{other}": libraries[other]["median_s"] / fa["median_s"]
-            for other in ("reference", "torch", "fastattn-f32", "torch-f32")
+            for other in ("reference", "torch", "fastattn-f32", "fastattn-f16", "torch-f32")
             if "median_s" in fa and "median_s" in libraries.get(other, {})}
 
 
@@ -201,6 +247,9 @@ def measure_shape(shape, *, fa, ref_mod, torch, repeat, quick):
     samples = harness.alternate(entries)
     record_libraries(result, entries, samples, skipped, errors)
     outputs = {name: as_numpy(torch, res) for name, res in outputs.items()}
-    result["check"] = check_outputs(shape, ref_mod, outputs, q, k, v)
+    if shape.quantized:
+        result["check"] = check_q8_0(shape, fa, ref_mod, outputs, q, k, v)
+    else:
+        result["check"] = check_outputs(shape, ref_mod, outputs, q, k, v)
     record_load(result, load)
     return result

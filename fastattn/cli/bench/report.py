@@ -250,6 +250,35 @@ def format_half_table(report):
             + format_table(header, rows, align="ll"))
 
 
+def format_q8_0_table(report):
+    """The q8_0 shapes against fastattn's own float16 cache, or None when none ran."""
+    sym = symbols()
+    x = sym["x"]
+    rows = []
+    for r in report["results"]:
+        if r["dtype"] != "q8_0":
+            continue
+        libs, check = r["libraries"], r.get("check", {})
+        row = [r["name"]] + [format_time(libs[n]["median_s"], sym) if "median_s" in libs.get(
+            n, {}) else sym["dash"] for n in ("fastattn", "fastattn-f16")]
+        s = r.get("speedup_vs_fastattn-f16")
+        row.append(f"{s:.2f}{x}" if s is not None else sym["dash"])
+        row.append(format_peak(peak_fraction(r, report["machine"]["peaks"]))
+                   if report["machine"]["peaks"].get("read_gbs") else sym["dash"])
+        for key in ("vs_reference_max_abs", "vs_float_values_max_abs",
+                    "f16_vs_float_values_max_abs"):
+            row.append(f"{check[key]:.1e}" if key in check else sym["dash"])
+        rows.append(row)
+    if not rows:
+        return None
+    header = ["shape", "q8_0", "float16", f"{x} float16", "% read bw", "err (own values)",
+              "err (float values)", "f16 err (float values)"]
+    return ("q8_0 caches (attention_with_kvcache) against fastattn's float16 cache of the same "
+            f"values (same rounds; {x} = float16's time / q8_0's);\nerr = max|out - ref f64| "
+            "over the dequantised cache (own values) or over the float32 values quantised:\n"
+            + format_table(header, rows, align="l"))
+
+
 def _peaks_line(m):
     peaks = m["peaks"]
     parts = []

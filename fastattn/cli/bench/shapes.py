@@ -39,13 +39,20 @@ class Shape:
         # q, k, v stored in 16 bits (float16 or bfloat16), computed in float32.
         return self.dtype in ("float16", "bfloat16")
 
+    @property
+    def quantized(self):
+        # K and V in a q8_0 cache (attention_with_kvcache), q and the output in float32.
+        return self.dtype == "q8_0"
+
     def np_dtype(self):
-        """The NumPy dtype of the inputs (bfloat16 needs ml_dtypes: TypeError without)."""
+        """The NumPy dtype of the inputs (bfloat16 needs ml_dtypes: TypeError without); a
+        q8_0 shape's inputs are float32, quantised by the measurement."""
         from fastattn._args import storage_dtype
-        return storage_dtype(self.dtype)
+        return storage_dtype("float32" if self.quantized else self.dtype)
 
     def describe(self):
-        tag = {"float64": " f64", "float16": " f16", "bfloat16": " bf16"}.get(self.dtype, "")
+        tag = {"float64": " f64", "float16": " f16", "bfloat16": " bf16",
+               "q8_0": " q8_0"}.get(self.dtype, "")
         return (f"({self.hq},{self.hkv},{self.lq},{self.lk},{self.d})"
                 f"{' causal' if self.causal else ''}{tag}")
 
@@ -63,6 +70,8 @@ SHAPES = (
     Shape("decode-4k-f16", 32, 32, 1, 4096, 128, dtype="float16"),
     Shape("decode-4k-bf16", 32, 32, 1, 4096, 128, dtype="bfloat16"),
     Shape("decode-gqa-8k-f16", 32, 8, 1, 8192, 128, dtype="float16"),
+    Shape("decode-4k-q8_0", 32, 32, 1, 4096, 128, dtype="q8_0"),
+    Shape("decode-gqa-8k-q8_0", 32, 8, 1, 8192, 128, dtype="q8_0"),
     Shape("prefill-1k-f16", 12, 12, 1024, 1024, 64, dtype="float16"),
     Shape("prefill-1k-bf16", 12, 12, 1024, 1024, 64, dtype="bfloat16"),
     Shape("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, causal=True, dtype="bfloat16"),
@@ -113,10 +122,11 @@ def flops(shape, batch=1):
 
 def bytes_moved(shape, batch=1):
     """Bytes one call must read or write at least once: K, V, Q and the output."""
-    itemsize = 2 if shape.half else np.dtype(shape.dtype).itemsize
+    itemsize = 2 if shape.half else np.dtype(shape.np_dtype()).itemsize
+    kv_itemsize = 34 / 32 if shape.quantized else itemsize     # q8_0: 34 bytes per 32 values
     kv = batch * shape.hkv * shape.lk * (shape.d + shape.dv)
     qo = batch * shape.hq * shape.lq * (shape.d + shape.dv)
-    return (kv + qo) * itemsize
+    return int(kv * kv_itemsize + qo * itemsize)
 
 
 def backward_flops(shape):
@@ -154,8 +164,10 @@ def tolerance(dtype):
     # float32 kernels reorder sums (online softmax, blocking): ~1e-6 relative error is
     # normal, 1e-4 catches any real mistake. float64 is checked accordingly tighter; 16-bit
     # results are float32 results rounded once: two ulps of float16 (2**-10) or bfloat16
-    # (2**-7) leave room for the other library's rounding.
-    return {"float32": 1e-4, "float64": 1e-9, "float16": 2e-3, "bfloat16": 1.6e-2}[
+    # (2**-7) leave room for the other library's rounding.  A q8_0 shape is checked against
+    # the reference over its dequantised cache, which it computes in float32.
+    return {"float32": 1e-4, "float64": 1e-9, "float16": 2e-3, "bfloat16": 1.6e-2,
+            "q8_0": 1e-4}[
         str(dtype)]
 
 
