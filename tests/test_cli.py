@@ -284,6 +284,8 @@ def test_spec_shapes():
         ("decode-4k-f16", 32, 32, 1, 4096, 128, False, "float16"),
         ("decode-4k-bf16", 32, 32, 1, 4096, 128, False, "bfloat16"),
         ("decode-gqa-8k-f16", 32, 8, 1, 8192, 128, False, "float16"),
+        ("decode-4k-q8_0", 32, 32, 1, 4096, 128, False, "q8_0"),
+        ("decode-gqa-8k-q8_0", 32, 8, 1, 8192, 128, False, "q8_0"),
         ("prefill-1k-f16", 12, 12, 1024, 1024, 64, False, "float16"),
         ("prefill-1k-bf16", 12, 12, 1024, 1024, 64, False, "bfloat16"),
         ("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, True, "bfloat16"),
