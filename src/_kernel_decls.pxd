@@ -6,7 +6,7 @@
 # when stored in it, else widened block by block from their 16-bit storage type
 # (fa_half.h, the tile pipeline's _load_block).
 
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 
 ctypedef fused floating:
     float
@@ -210,6 +210,31 @@ cdef extern from "fa_kernels.h" nogil:
     int fa_cpu_supports(const char* isa)
 
 
+# bfloat16 dot products (fa_bf16dot.h): the avx512 build's, called only where
+# fa_cpu_has_bf16dot() (FA_HAVE_BF16DOT 0: stubs that are never called)
+cdef extern from "fa_kernels.h" nogil:
+    enum:
+        FA_HAVE_BF16DOT
+    int fa_cpu_has_bf16dot()
+    void fa_score_tile_bdp(const uint16_t** kr, const uint32_t* qt, Py_ssize_t ldqt,
+                           Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile4_bdp(const uint16_t** kr, const uint32_t* qt, Py_ssize_t ldqt,
+                            Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile1_bdp(const uint16_t** kr, const uint32_t* qt, Py_ssize_t ldqt,
+                            Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_pack_qt_pairs(const uint16_t* const* rows, Py_ssize_t D, uint32_t* qt,
+                          Py_ssize_t ldqt)
+    void fa_pack_p_pairs(const float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t nlanes,
+                         uint32_t* pp, Py_ssize_t ldp)
+    void fa_pack_v_pairs(const uint16_t* v, Py_ssize_t ldv, Py_ssize_t nj, Py_ssize_t Dv,
+                         uint32_t* vp)
+    void fa_pv_tile_bdp(const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
+                        const uint32_t* vp, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
+                        const float* alpha)
+    void fa_pv_tile1_bdp(const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
+                         const uint32_t* vp, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
+                         const float* alpha)
+
 # ---- fused-type wrappers (scores are S^T: s[j * FA_BQ + r]) ----
 
 cdef inline Py_ssize_t vec_lanes(floating* like) noexcept nogil:
@@ -239,6 +264,16 @@ cdef inline void score_tile(const char** krows, const floating* qt, Py_ssize_t D
         else:
             fa_score_tile1_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
 
+
+cdef inline void score_tile_bdp(const char** krows, const uint32_t* qt, Py_ssize_t D,
+                                float scale, float* s, int nvec, Py_ssize_t mk) noexcept nogil:
+    # score_tile's micro-tile with bfloat16 products (q in pairs, K rows bfloat16).
+    if nvec == 2 and mk == 4:
+        fa_score_tile4_bdp(<const uint16_t**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+    elif nvec == 2:
+        fa_score_tile_bdp(<const uint16_t**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+    else:
+        fa_score_tile1_bdp(<const uint16_t**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
 
 cdef inline void score_keyrows(Py_ssize_t nr, const char** krows, Py_ssize_t ldk, int nk,
                                const floating* qt, Py_ssize_t ldqt, Py_ssize_t D,

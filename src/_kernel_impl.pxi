@@ -51,6 +51,28 @@ CAUSAL_TOP_LEFT = FA_CAUSAL_TOP_LEFT
 BLOCK_Q = FA_BQ
 BLOCK_K = FA_BK
 
+# bfloat16 products for calls whose q, k and v are bfloat16 (fa_bf16dot.h): on where this
+# build has them and the CPU runs them, unless FASTATTN_BF16_DOT=0.  Head dims: D even,
+# Dv a multiple of two vectors; other calls multiply in float32.
+BF16_DOT_BUILT = bool(FA_HAVE_BF16DOT)
+BF16_DOT_CPU = bool(fa_cpu_has_bf16dot())
+cdef bint _bf16_dot = (BF16_DOT_BUILT and BF16_DOT_CPU
+                       and __import__("os").environ.get("FASTATTN_BF16_DOT", "1") != "0")
+
+
+def bf16_dot():
+    """Whether calls whose q, k and v are bfloat16 multiply in bfloat16 pairs."""
+    return _bf16_dot
+
+
+def set_bf16_dot(bint on):
+    """Turn the bfloat16 products on or off (on only where built and supported); returns
+    the previous setting."""
+    global _bf16_dot
+    old = _bf16_dot
+    _bf16_dot = on and BF16_DOT_BUILT and BF16_DOT_CPU
+    return old
+
 
 cdef struct Job:
     # One call's work items, as _forward hands them to the thread pool.
@@ -372,6 +394,8 @@ cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.nda
     P.q_len = NULL
     P.packed = False
     P.backward = False
+    P.bf16_dot = (_bf16_dot and P.q_kind == FA_STORE_BF16 and P.k_kind == FA_STORE_BF16
+                  and P.v_kind == FA_STORE_BF16 and P.D % 2 == 0 and P.Dv % (2 * FA_VL_F) == 0)
     return offs
 
 

@@ -63,12 +63,15 @@ cdef struct Problem:
     # A backward pass (_backward.pxi): its workspace regions are carved too, and the
     # finish-scores stage also leaves the softcap's slope.
     bint backward
+    # q, k and v bfloat16, multiplied in bfloat16 pairs (fa_bf16dot.h): every tile then
+    # runs the prefill's kernels, with K read in place and V packed in pairs of keys.
+    bint bf16_dot
 
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
     Py_ssize_t qt, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
-    Py_ssize_t kblk, vblk, orow, elems
+    Py_ssize_t kblk, vblk, orow, pp, elems
     # The backward pass's (see _carve_backward); slope is -1 without a softcap.
     Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, ones
     Py_ssize_t dkblk, dvblk, dqblk
@@ -83,6 +86,7 @@ cdef struct Tile:
     Py_ssize_t n6                 # rows in 6-row output tiles
     Py_ssize_t dv_pad, dv_main, dv_tail, ldqt
     bint decode                   # few rows: keys are the lanes of the score kernels
+    bint bf16_dot                 # products in bfloat16 pairs (Problem.bf16_dot)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -155,6 +159,7 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     w.kblk = o; o += FA_BK * D if P.k_kind != FA_STORE_NATIVE else 0   # a block of K, widened
     w.vblk = o; o += FA_BK * Dv if P.v_kind != FA_STORE_NATIVE else 0  # and of V
     w.orow = o; o += dv_pad if P.o_kind != FA_STORE_NATIVE else 0      # a row before rounding
+    w.pp = o; o += (FA_BK // 2) * FA_BQ if P.bf16_dot else 0           # P in bfloat16 pairs
     if P.backward:
         o = _carve_backward(w, P, VL, o)
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
@@ -270,7 +275,10 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.dv_pad = _round_up(P.Dv, t.NL)
     t.dv_main = (P.Dv // t.NL) * t.NL
     t.dv_tail = P.Dv - t.dv_main
-    t.decode = t.nrows <= FA_DECODE_ROWS
+    # bfloat16 products have one kernel per stage, so that a decode row keeps the bits of
+    # its prefill row.
+    t.decode = t.nrows <= FA_DECODE_ROWS and not P.bf16_dot
+    t.bf16_dot = floating is float and P.bf16_dot
     # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
     # step takes two keys per 8-lane vector (fa_softmax_pairs_f), the same bits.
     t.softmax_pairs = floating is float and FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
@@ -286,9 +294,10 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # broadcast single elements; bfloat16 V, whose shift would compete with the FMAs;
     # float16 V without F16C, whose integer widening would be repeated by every 6-row
     # tile; and both for double compute.
-    t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
-    t.widen_v = P.v_kind != FA_STORE_NATIVE and not (
-        floating is float and (t.decode or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C)))
+    t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float
+                                                     or t.bf16_dot)
+    t.widen_v = P.v_kind != FA_STORE_NATIVE and not (floating is float and (
+        t.decode or t.bf16_dot or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C)))
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
     # prefetches its own keys' V rows, spread over its steps.
@@ -336,6 +345,10 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             qrows[r % t.VL] = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
         if r % t.VL == t.VL - 1:
             c = r + 1 - t.VL
+            if t.bf16_dot:
+                # pairs of bfloat16 dimensions as they are stored (zrow: zeros)
+                fa_pack_qt_pairs(<const uint16_t* const*> qrows, D, <uint32_t*> (qt + c), ldqt)
+                continue
             if P.q_kind != FA_STORE_NATIVE:
                 # 16-bit rows widened first (exactly), then packed like stored ones
                 for u in range(t.VL):
@@ -349,7 +362,9 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
               and P.k_kind != FA_STORE_NATIVE and D % 8 == 0 and D <= FA_KT8_MAX_D)
     # The common case (no causal diagonal, window or per-sequence lengths in the tile) in
     # one flag, so that the per-block stages need not scan the rows.
-    t.same_keys = t.tile_lo < t.tile_hi
+    # (Blocks of bfloat16 products start at even keys, which may put a key before tile_lo
+    # into the first block: the finish stage must then hide it.)
+    t.same_keys = t.tile_lo < t.tile_hi and not (t.bf16_dot and t.tile_lo % 2)
     for r in range(t.nrows):
         if t.lo[r] != t.tile_lo or t.hi[r] != t.tile_hi:
             t.same_keys = False
@@ -392,7 +407,13 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         widen_rows(P.k_kind, t.kb + t.j0 * t.k_row, P.k_sj, t.nj, P.D, ws + w.kblk, P.D,
                    t.kb + t.j1 * t.k_row, nxt)
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
-    if not t.widen_v:
+    if t.bf16_dot:
+        # V in pairs of keys, the layout of the bfloat16 output tiles (fa_pack_v_pairs)
+        if floating is float:
+            fa_pack_v_pairs(<const uint16_t*> (t.vb + t.j0 * t.v_row), P.v_sj, t.nj, P.Dv,
+                            <uint32_t*> (ws + w.vblk))
+        t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
+    elif not t.widen_v:
         t.vblk, t.vblk_row, t.vblk_sj = t.vb + t.j0 * t.v_row, t.v_row, P.v_sj
         t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
     else:
@@ -434,7 +455,11 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
             if ja + mk > g_lo and ja < g_hi:
                 for u in range(mk):
                     t.krows[u] = kb + (jj + u) * k_row if ja + u < j1 else zrow
-                score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
+                if floating is float and t.bf16_dot:
+                    score_tile_bdp(t.krows, <const uint32_t*> (qt + c), D, scale,
+                                   s + jj * FA_BQ + c, nvec, mk)
+                else:
+                    score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
             jj += mk
 
 
@@ -691,6 +716,35 @@ cdef void _pv_prefill(const Tile* t, const Workspace* w, floating* ws) noexcept 
         rg += nr
 
 
+cdef void _pv_bf16(const Tile* t, const Workspace* w, float* ws) noexcept nogil:
+    # P rounded to bfloat16 in pairs of keys, then rows in 6-row output tiles and single
+    # rows, each over the pairs of keys any of its rows sees (the others add exact zeros).
+    cdef uint32_t* pp = <uint32_t*> (ws + w.pp)
+    cdef const uint32_t* vp = <const uint32_t*> t.vblk
+    cdef Py_ssize_t rg = 0, nr, ja, z, a, npairs, c, Dv = t.dv_main
+    fa_pack_p_pairs(ws + w.s, FA_BQ, t.nj, t.nlanes, pp, FA_BQ)
+    while rg < t.nrows:
+        nr = FA_MR_PV if rg < t.n6 else 1
+        if nr == FA_MR_PV:
+            ja, z = t.pv_lo[rg // FA_MR_PV], t.pv_hi[rg // FA_MR_PV]
+        else:
+            _keys_seen(t, rg, rg + 1, &ja, &z)
+        ja = min(max(t.j0, ja), t.j1)
+        z = min(max(ja, z), t.j1)
+        a = (ja - t.j0) // 2
+        npairs = (z - t.j0 + 1) // 2 - a
+        c = 0
+        while c < Dv:
+            if nr == FA_MR_PV:
+                fa_pv_tile_bdp(pp + a * FA_BQ + rg, FA_BQ, npairs, vp + a * Dv + c, Dv,
+                               ws + w.acc + rg * t.dv_pad + c, t.dv_pad, ws + w.alpha + rg)
+            else:
+                fa_pv_tile1_bdp(pp + a * FA_BQ + rg, FA_BQ, npairs, vp + a * Dv + c, Dv,
+                                ws + w.acc + rg * t.dv_pad + c, t.dv_pad, ws + w.alpha + rg)
+            c += t.NL
+        rg += nr
+
+
 cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
                      floating* ws) noexcept nogil:
     # A GQA group 4 rows at a time (each V vector loaded once for all 4; rows past nrows
@@ -732,7 +786,7 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
     cdef Py_ssize_t c_hi = min(t.tile_hi, kc * FA_KCHUNK + FA_KCHUNK), ib
     _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad)
     for ib in range(c_lo // FA_BK, (c_hi + FA_BK - 1) // FA_BK if c_lo < c_hi else 0):
-        t.j0 = max(ib * FA_BK, t.tile_lo)
+        t.j0 = max(ib * FA_BK, t.tile_lo - t.tile_lo % 2 if t.bf16_dot else t.tile_lo)
         t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
         t.nj = t.j1 - t.j0
         _load_block(P, t, w, ws)
@@ -746,6 +800,8 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
             _load_vtail(t, w, ws)
         if t.decode:
             _pv_decode(P, t, w, ws)
+        elif floating is float and t.bf16_dot:
+            _pv_bf16(t, w, ws)
         else:
             _pv_prefill(t, w, ws)
 
