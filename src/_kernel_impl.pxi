@@ -60,6 +60,17 @@ cdef bint _bf16_dot = (BF16_DOT_BUILT and BF16_DOT_CPU
                        and __import__("os").environ.get("FASTATTN_BF16_DOT", "1") != "0")
 
 
+cdef inline bint _bf16_dot_takes(Py_ssize_t D, Py_ssize_t Dv) noexcept nogil:
+    # Pairs of dimensions for the scores, whole 2-vector strips for the output tiles.
+    return _bf16_dot and D % 2 == 0 and Dv % (2 * FA_VL_F) == 0
+
+
+def bf16_dot_takes(Py_ssize_t D, Py_ssize_t Dv):
+    """Whether a call whose q, k and v are bfloat16, with head dims D and Dv, multiplies
+    in bfloat16 pairs."""
+    return _bf16_dot_takes(D, Dv)
+
+
 def bf16_dot():
     """Whether calls whose q, k and v are bfloat16 multiply in bfloat16 pairs."""
     return _bf16_dot
@@ -394,8 +405,8 @@ cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.nda
     P.q_len = NULL
     P.packed = False
     P.backward = False
-    P.bf16_dot = (_bf16_dot and P.q_kind == FA_STORE_BF16 and P.k_kind == FA_STORE_BF16
-                  and P.v_kind == FA_STORE_BF16 and P.D % 2 == 0 and P.Dv % (2 * FA_VL_F) == 0)
+    P.bf16_dot = (P.q_kind == FA_STORE_BF16 and P.k_kind == FA_STORE_BF16
+                  and P.v_kind == FA_STORE_BF16 and _bf16_dot_takes(P.D, P.Dv))
     return offs
 
 
