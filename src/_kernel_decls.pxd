@@ -6,7 +6,7 @@
 # when stored in it, else widened block by block from their 16-bit storage type
 # (fa_half.h, the tile pipeline's _load_block).
 
-from libc.stdint cimport uint16_t, uint32_t
+from libc.stdint cimport int8_t, int32_t, uint16_t, uint32_t
 
 ctypedef fused floating:
     float
@@ -32,6 +32,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_STORE_NATIVE
         FA_STORE_F16
         FA_STORE_BF16
+        FA_STORE_Q8_0
     const Py_ssize_t FA_VL_F
     const Py_ssize_t FA_VL_D
     const char* FA_COMPILER
@@ -194,6 +195,8 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     void fa_exp2_array_f8(const float* x, float* y, Py_ssize_t n)
     # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
+    void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
+    void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
                          Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,
                          Py_ssize_t pf_rows)
@@ -226,7 +229,7 @@ cdef extern from "fa_kernels.h" nogil:
                           Py_ssize_t ldqt)
     void fa_pack_p_pairs(const float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t nlanes,
                          uint32_t* pp, Py_ssize_t ldp)
-    void fa_pack_v_pairs(const uint16_t* v, Py_ssize_t ldv, Py_ssize_t nj, Py_ssize_t Dv,
+    void fa_pack_v_pairs(const uint16_t* const* rows, Py_ssize_t nj, Py_ssize_t Dv,
                          uint32_t* vp)
     void fa_pv_tile_bdp(const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
                         const uint32_t* vp, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
@@ -508,6 +511,15 @@ cdef inline floating load_elem(const char* row, Py_ssize_t c, int kind,
     if kind == FA_STORE_BF16:
         return fa_bf16_to_f32((<const uint16_t*> row)[c])
     return (<const floating*> row)[c]
+
+
+cdef inline void dequant_q8_0(const int8_t* x, const uint16_t* scale, Py_ssize_t n,
+                              floating* y) noexcept nogil:
+    # A q8_0 row of n values (a multiple of 32) in the compute type.
+    if floating is float:
+        fa_dequant_q8_0_f(x, scale, n, y)
+    else:
+        fa_dequant_q8_0_d(x, scale, n, y)
 
 
 cdef inline void widen_rows(int kind, const char* src, Py_ssize_t ld, Py_ssize_t nrows,

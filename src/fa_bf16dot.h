@@ -148,23 +148,23 @@ FA_BDP_NOINLINE void fa_pack_p_pairs(const float* s, ptrdiff_t lds, ptrdiff_t nj
 }
 
 /*
- * V in pairs of keys for the block's nj keys (bfloat16 rows ldv elements apart, Dv a
- * multiple of 32): vp[jp*Dv + c] = v[2jp][c] | v[2jp+1][c] << 16, a key nj (odd nj) as 0.
+ * V in pairs of keys for the block's nj keys (bfloat16 rows, Dv a multiple of 32):
+ * vp[jp*Dv + c] = rows[2jp][c] | rows[2jp+1][c] << 16, a key nj (odd nj) as 0.
  */
-FA_BDP_NOINLINE void fa_pack_v_pairs(const uint16_t* v, ptrdiff_t ldv, ptrdiff_t nj,
-                                     ptrdiff_t Dv, uint32_t* vp)
+FA_BDP_NOINLINE void fa_pack_v_pairs(const uint16_t* const* rows, ptrdiff_t nj, ptrdiff_t Dv,
+                                     uint32_t* vp)
 {
     const __m512i lo = _mm512_set_epi16(
         47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (ptrdiff_t jp = 0; jp < (nj + 1) / 2; jp++) {
-        const uint16_t* v0 = v + 2 * jp * ldv;
+        const uint16_t* v0 = rows[2 * jp];
         const int odd = 2 * jp + 1 < nj;
         uint32_t* dst = vp + jp * Dv;
         for (ptrdiff_t c = 0; c < Dv; c += 32) {
             const __m512i a = _mm512_loadu_si512((const void*) (v0 + c));
-            const __m512i b = odd ? _mm512_loadu_si512((const void*) (v0 + ldv + c))
+            const __m512i b = odd ? _mm512_loadu_si512((const void*) (rows[2 * jp + 1] + c))
                                   : _mm512_setzero_si512();
             _mm512_storeu_si512((void*) (dst + c), _mm512_permutex2var_epi16(a, lo, b));
             _mm512_storeu_si512((void*) (dst + c + 16), _mm512_permutex2var_epi16(a, hi, b));
