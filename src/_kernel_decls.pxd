@@ -195,6 +195,7 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     void fa_exp2_array_f8(const float* x, float* y, Py_ssize_t n)
     # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
+    void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
     void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
     void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,

@@ -481,12 +481,19 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
     # unless the bfloat16 products read them there, widened (or dequantised from q8_0)
     # into the workspace.
     cdef Py_ssize_t u, j, ko = P.k_boff[t.b], vo = P.v_boff[t.b]
+    cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
     cdef floating* kdst = ws + w.kblk
     cdef floating* vdst = ws + w.vblk
     for u in range(t.nj):
         j = t.j0 + u
         t.kptr[u] = P.k + _cache_row(P, t, P.k_pst, ko, P.k_sh, P.k_sj, j) * P.k_isz
         t.vptr[u] = P.v + _cache_row(P, t, P.v_pst, vo, P.v_sh, P.v_sj, j) * P.v_isz
+        if u < nxt:
+            # the next block's rows, which no hardware prefetcher follows across pages
+            fa_prefetch_l2(P.k + _cache_row(P, t, P.k_pst, ko, P.k_sh, P.k_sj, t.j1 + u)
+                           * P.k_isz, P.D * P.k_isz)
+            fa_prefetch_l2(P.v + _cache_row(P, t, P.v_pst, vo, P.v_sh, P.v_sj, t.j1 + u)
+                           * P.v_isz, P.Dv * P.v_isz)
         if t.bf16_dot:
             continue
         _gather_row(t.kptr[u], P.k_kind, P.k_scale, _cache_row(P, t, P.ks_pst, t.b * P.ks_pst,
