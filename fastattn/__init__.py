@@ -50,6 +50,8 @@ Both call paths::
 - ``src/``                    the kernel, compiled once per instruction set;
                               ``fastattn/_dispatch.py`` imports the best the CPU runs.
 - ``fastattn/_threads.py``    the thread count (``set_num_threads``, threadpoolctl).
+- ``fastattn/_precision.py``  bfloat16 products: when they run, and the opt-in for
+                              float32 calls (``set_float32_precision``).
 - ``fastattn/layers.py``, ``_kvcache.py``, ``positions.py``: self-attention,
                               ``MultiHeadAttention`` with a KV cache, positions.
 - ``fastattn/integrations/``  torch (differentiable operations), transformers, TabPFN,
@@ -65,6 +67,7 @@ from ._kvcache_attn import attention_with_kvcache
 from ._q8_0 import dequantize_q8_0, quantize_q8_0
 from ._merge import merge_attention
 from ._threads import get_num_threads, num_threads, set_num_threads
+from ._precision import float32_precision, get_float32_precision, set_float32_precision
 from . import reference
 from .layers import KVCache, MultiHeadAttention, self_attention
 from .positions import rope, sinusoidal_positions
@@ -79,6 +82,7 @@ __all__ = [
     "attention_backward", "attention_varlen_backward",
     "attention_with_kvcache", "quantize_q8_0", "dequantize_q8_0",
     "set_num_threads", "get_num_threads", "num_threads",
+    "set_float32_precision", "get_float32_precision", "float32_precision",
     "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
     "sinusoidal_positions", "rope",

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from . import _args, _threads, reference
+from . import _args, _precision, _threads, reference
 from ._dispatch import kernel as _kernel
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "softmax"]
@@ -165,7 +165,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
         raise TypeError("v must be an array of shape (..., Hkv, Lk, Dv), got None")
     if _LEAN_PATH and (window is None and mask is None and kv_lengths is None
                        and type(return_lse) is bool and softcap is None
-                       and alibi_slopes is None and q_lengths is None):
+                       and alibi_slopes is None and q_lengths is None
+                       and _precision.get_float32_precision() == "float32"):
         # The common case is recognised and run entirely in C (see src/_kernel_impl.pxi,
         # "The lean call path"); it returns None for anything it does not take.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
@@ -182,6 +183,7 @@ def _forward(p):
     """Run the kernel on a validated :class:`fastattn._args.Problem`."""
     cdt = p.compute_dtype
     q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = _precision.forward_inputs(q, k, v, cdt, p.D, p.Dv)
     full_shape = p.batch + (p.Hq, p.Lq, p.Dv)
     # Write straight into the caller's `out` when the kernel can.
     target = p.out
@@ -246,6 +248,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
                              sinks=sinks, return_lse=return_lse, out=out)
     cdt = p.compute_dtype
     q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = _precision.forward_inputs(q, k, v, cdt, p.D, p.Dv)
     direct = _writes_in_place(p.out, cdt, (q, k, v))
     rdt = p.result_dtype if _kernel_writes(p.result_dtype, cdt) else cdt
     res = p.out if direct else np.empty((p.Hq, p.total_q, p.Dv), dtype=rdt)

@@ -10,7 +10,7 @@ Delta: with ``lse`` including the sink, ``dsink = -sum_i exp(sink - lse_i) Delta
 """
 import numpy as np
 
-from . import _args, _threads
+from . import _args, _precision, _threads
 from ._api import _CAUSAL_CODES, _MASK_CODES, _kernel_mask, _kernel_ready
 from ._dispatch import kernel as _kernel
 
@@ -70,6 +70,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     lse, dlse = (None if a is None else np.ascontiguousarray(a.reshape(batch + (Hq, Lq)), cdt)
                  for a in (lse, dlse))
     q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = _precision.backward_inputs(q, k, v, cdt, p.D, p.Dv)
     dq = np.empty(batch + (Hq, Lq, p.D), cdt)
     dk = np.empty(batch + (p.Hkv, p.Lk, p.D), cdt)
     dv = np.empty(batch + (p.Hkv, p.Lk, p.Dv), cdt)
@@ -107,6 +108,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dout, out = (_kernel_ready(a, cdt) for a in (dout, out))
     lse, dlse = (None if a is None else np.ascontiguousarray(a, cdt) for a in (lse, dlse))
     q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = _precision.backward_inputs(q, k, v, cdt, p.D, p.Dv)
     dq = np.zeros((p.Hq, p.total_q, p.D), cdt)
     dk = np.zeros((p.Hkv, p.total_k, p.D), cdt)
     dv = np.zeros((p.Hkv, p.total_k, p.Dv), cdt)

@@ -572,6 +572,7 @@ def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.n
     P.sinks = <const double*> _data_or_null(sinks)
     P.q_len = <const Py_ssize_t*> _data_or_null(q_len)
     P.backward = True
+    P.bf16_dot = False
     cdef Py_ssize_t n = max(P.nbatch, 1)
     cdef cnp.ndarray boffs = np.empty(4 * n, dtype=np.intp)
     cdef Py_ssize_t* bo = <Py_ssize_t*> cnp.PyArray_DATA(boffs)
@@ -606,6 +607,7 @@ def backward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     cdef Py_ssize_t* offs = _fill_packed(&P, q, k, v, out, lse, cu_q, cu_k, causal, wl, wr,
                                          scale, softcap, alibi, sinks, lens, small)
     P.backward = True
+    P.bf16_dot = False
     cdef Py_ssize_t n = max(P.nbatch, 1), s
     cdef const Py_ssize_t* cq = <const Py_ssize_t*> cnp.PyArray_DATA(cu_q)
     cdef const Py_ssize_t* ck = <const Py_ssize_t*> cnp.PyArray_DATA(cu_k)

@@ -6,7 +6,7 @@
 # when stored in it, else widened block by block from their 16-bit storage type
 # (fa_half.h, the tile pipeline's _load_block).
 
-from libc.stdint cimport uint16_t
+from libc.stdint cimport int8_t, int32_t, uint16_t, uint32_t
 
 ctypedef fused floating:
     float
@@ -32,6 +32,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_STORE_NATIVE
         FA_STORE_F16
         FA_STORE_BF16
+        FA_STORE_Q8_0
     const Py_ssize_t FA_VL_F
     const Py_ssize_t FA_VL_D
     const char* FA_COMPILER
@@ -194,6 +195,9 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     void fa_exp2_array_f8(const float* x, float* y, Py_ssize_t n)
     # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
+    void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
+    void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
+    void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
                          Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,
                          Py_ssize_t pf_rows)
@@ -209,6 +213,31 @@ cdef extern from "fa_kernels.h" nogil:
     int fa_omp_max_threads()
     int fa_cpu_supports(const char* isa)
 
+
+# bfloat16 dot products (fa_bf16dot.h): the avx512 build's, called only where
+# fa_cpu_has_bf16dot() (FA_HAVE_BF16DOT 0: stubs that are never called)
+cdef extern from "fa_kernels.h" nogil:
+    enum:
+        FA_HAVE_BF16DOT
+    int fa_cpu_has_bf16dot()
+    void fa_score_tile_bdp(const uint16_t** kr, const uint32_t* qt, Py_ssize_t ldqt,
+                           Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile4_bdp(const uint16_t** kr, const uint32_t* qt, Py_ssize_t ldqt,
+                            Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile1_bdp(const uint16_t** kr, const uint32_t* qt, Py_ssize_t ldqt,
+                            Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_pack_qt_pairs(const uint16_t* const* rows, Py_ssize_t D, uint32_t* qt,
+                          Py_ssize_t ldqt)
+    void fa_pack_p_pairs(const float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t nlanes,
+                         uint32_t* pp, Py_ssize_t ldp)
+    void fa_pack_v_pairs(const uint16_t* const* rows, Py_ssize_t nj, Py_ssize_t Dv,
+                         uint32_t* vp)
+    void fa_pv_tile_bdp(const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
+                        const uint32_t* vp, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
+                        const float* alpha)
+    void fa_pv_tile1_bdp(const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
+                         const uint32_t* vp, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
+                         const float* alpha)
 
 # ---- fused-type wrappers (scores are S^T: s[j * FA_BQ + r]) ----
 
@@ -239,6 +268,16 @@ cdef inline void score_tile(const char** krows, const floating* qt, Py_ssize_t D
         else:
             fa_score_tile1_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
 
+
+cdef inline void score_tile_bdp(const char** krows, const uint32_t* qt, Py_ssize_t D,
+                                float scale, float* s, int nvec, Py_ssize_t mk) noexcept nogil:
+    # score_tile's micro-tile with bfloat16 products (q in pairs, K rows bfloat16).
+    if nvec == 2 and mk == 4:
+        fa_score_tile4_bdp(<const uint16_t**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+    elif nvec == 2:
+        fa_score_tile_bdp(<const uint16_t**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+    else:
+        fa_score_tile1_bdp(<const uint16_t**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
 
 cdef inline void score_keyrows(Py_ssize_t nr, const char** krows, Py_ssize_t ldk, int nk,
                                const floating* qt, Py_ssize_t ldqt, Py_ssize_t D,
@@ -473,6 +512,15 @@ cdef inline floating load_elem(const char* row, Py_ssize_t c, int kind,
     if kind == FA_STORE_BF16:
         return fa_bf16_to_f32((<const uint16_t*> row)[c])
     return (<const floating*> row)[c]
+
+
+cdef inline void dequant_q8_0(const int8_t* x, const uint16_t* scale, Py_ssize_t n,
+                              floating* y) noexcept nogil:
+    # A q8_0 row of n values (a multiple of 32) in the compute type.
+    if floating is float:
+        fa_dequant_q8_0_f(x, scale, n, y)
+    else:
+        fa_dequant_q8_0_d(x, scale, n, y)
 
 
 cdef inline void widen_rows(int kind, const char* src, Py_ssize_t ld, Py_ssize_t nrows,

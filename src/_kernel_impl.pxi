@@ -51,6 +51,39 @@ CAUSAL_TOP_LEFT = FA_CAUSAL_TOP_LEFT
 BLOCK_Q = FA_BQ
 BLOCK_K = FA_BK
 
+# bfloat16 products for calls whose q, k and v are bfloat16 (fa_bf16dot.h): on where this
+# build has them and the CPU runs them, unless FASTATTN_BF16_DOT=0.  Head dims: D even,
+# Dv a multiple of two vectors; other calls multiply in float32.
+BF16_DOT_BUILT = bool(FA_HAVE_BF16DOT)
+BF16_DOT_CPU = bool(fa_cpu_has_bf16dot())
+cdef bint _bf16_dot = (BF16_DOT_BUILT and BF16_DOT_CPU
+                       and __import__("os").environ.get("FASTATTN_BF16_DOT", "1") != "0")
+
+
+cdef inline bint _bf16_dot_takes(Py_ssize_t D, Py_ssize_t Dv) noexcept nogil:
+    # Pairs of dimensions for the scores, whole 2-vector strips for the output tiles.
+    return _bf16_dot and D % 2 == 0 and Dv % (2 * FA_VL_F) == 0
+
+
+def bf16_dot_takes(Py_ssize_t D, Py_ssize_t Dv):
+    """Whether a call whose q, k and v are bfloat16, with head dims D and Dv, multiplies
+    in bfloat16 pairs."""
+    return _bf16_dot_takes(D, Dv)
+
+
+def bf16_dot():
+    """Whether calls whose q, k and v are bfloat16 multiply in bfloat16 pairs."""
+    return _bf16_dot
+
+
+def set_bf16_dot(bint on):
+    """Turn the bfloat16 products on or off (on only where built and supported); returns
+    the previous setting."""
+    global _bf16_dot
+    old = _bf16_dot
+    _bf16_dot = on and BF16_DOT_BUILT and BF16_DOT_CPU
+    return old
+
 
 cdef struct Job:
     # One call's work items, as _forward hands them to the thread pool.
@@ -267,6 +300,8 @@ cdef void _fill_offsets(cnp.ndarray a, int n_core, int nb, const Py_ssize_t* bsh
 cdef inline int _store_kind(cnp.ndarray a):
     # How the kernel reads (or writes) an array's elements: the compute type itself, or one
     # of the 16-bit types (the front end passes nothing else).
+    if cnp.PyArray_ITEMSIZE(a) == 1:
+        return FA_STORE_Q8_0
     if cnp.PyArray_ITEMSIZE(a) != 2:
         return FA_STORE_NATIVE
     return FA_STORE_F16 if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT16 else FA_STORE_BF16
@@ -372,6 +407,12 @@ cdef Py_ssize_t* _fill_problem(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.nda
     P.q_len = NULL
     P.packed = False
     P.backward = False
+    P.block_table = NULL
+    P.bt_stride = P.page = P.k_pst = P.v_pst = 0
+    P.k_scale = P.v_scale = NULL
+    P.ks_pst = P.ks_sh = P.ks_sj = P.vs_pst = P.vs_sh = P.vs_sj = 0
+    P.bf16_dot = (P.q_kind == FA_STORE_BF16 and P.k_kind == FA_STORE_BF16
+                  and P.v_kind == FA_STORE_BF16 and _bf16_dot_takes(P.D, P.Dv))
     return offs
 
 
@@ -488,6 +529,60 @@ cdef Py_ssize_t* _fill_packed(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.ndar
     P.alibi = <const double*> _data_or_null(alibi)
     P.sinks = <const double*> _data_or_null(sinks)
     return offs
+
+
+def forward_kvcache(cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache, cnp.ndarray out,
+                    object lse, cnp.ndarray kv_len, object block_table, object k_scale,
+                    object v_scale, int causal, Py_ssize_t wl, Py_ssize_t wr, double scale,
+                    int n_threads, double softcap=0, object alibi=None, object sinks=None):
+    """Run the fused kernel over KV caches (called only by fastattn._kvcache_attn).
+
+    q (B, Hq, Lq, D) and out (B, Hq, Lq, Dv) as in forward; lse None or (B, Hq, Lq).  The
+    caches: (B, Hkv, Lmax, D / Dv), or with block_table (int32 (B, max_pages), rows
+    contiguous) pages (num_pages, Hkv, page, D / Dv), any strides with a contiguous last
+    axis; float32 (float64 with float64 q), float16, bfloat16, or int8 for q8_0 with
+    k_scale / v_scale: uint16 views of their float16 scales, shaped like the cache with
+    D / 32 in the last axis (contiguous).  kv_len: intp (B,), the keys each sequence
+    attends over.  No validation happens here.
+    """
+    cdef Problem P
+    cdef Py_ssize_t small[SMALL_OFFSETS]
+    cdef Py_ssize_t bshape[1]
+    cdef Py_ssize_t nb = cnp.PyArray_DIMS(q)[0], b
+    cdef cnp.ndarray bt, sc
+    cdef const Py_ssize_t* lens = <const Py_ssize_t*> cnp.PyArray_DATA(kv_len)
+    bshape[0] = nb
+    cdef Py_ssize_t* offs = _fill_problem(&P, q, k_cache, v_cache, out, lse, None, 0, 1,
+                                          bshape, lens, causal, wl, wr, scale, small)
+    try:
+        P.softcap = softcap
+        P.alibi = <const double*> _data_or_null(alibi)
+        P.sinks = <const double*> _data_or_null(sinks)
+        P.Lk = 0
+        for b in range(nb):
+            P.Lk = max(P.Lk, lens[b])
+        if block_table is not None:
+            bt = block_table
+            P.block_table = <const int32_t*> cnp.PyArray_DATA(bt)
+            P.bt_stride = cnp.PyArray_DIMS(bt)[1]
+            P.page = _dim(k_cache, -2)
+            P.k_pst = cnp.PyArray_STRIDES(k_cache)[0] // P.k_isz
+            P.v_pst = cnp.PyArray_STRIDES(v_cache)[0] // P.v_isz
+            for b in range(nb):   # unused: pages come from the block table
+                offs[max(nb, 1) + b] = offs[2 * max(nb, 1) + b] = 0
+        if k_scale is not None:
+            sc = k_scale
+            P.k_scale = <const uint16_t*> cnp.PyArray_DATA(sc)
+            P.ks_pst, P.ks_sh, P.ks_sj = (cnp.PyArray_STRIDES(sc)[0] // 2, _estride(sc, -3),
+                                          _estride(sc, -2))
+        if v_scale is not None:
+            sc = v_scale
+            P.v_scale = <const uint16_t*> cnp.PyArray_DATA(sc)
+            P.vs_pst, P.vs_sh, P.vs_sj = (cnp.PyArray_STRIDES(sc)[0] // 2, _estride(sc, -3),
+                                          _estride(sc, -2))
+        _run(&P, _computes_float(q, k_cache, v_cache), n_threads)
+    finally:
+        _free_offsets(offs, small)
 
 
 include "_backward.pxi"

@@ -63,12 +63,26 @@ cdef struct Problem:
     # A backward pass (_backward.pxi): its workspace regions are carved too, and the
     # finish-scores stage also leaves the softcap's slope.
     bint backward
+    # q, k and v bfloat16, multiplied in bfloat16 pairs (fa_bf16dot.h): every tile then
+    # runs the prefill's kernels, with K read in place and V packed in pairs of keys.
+    bint bf16_dot
+    # Serving caches.  Pages: key j of batch element b is row j % page of page
+    # block_table[b * bt_stride + j // page], pages k_pst (v_pst) elements apart (k_boff,
+    # v_boff unused); NULL: rows of batch element b from k_boff[b] as usual.  q8_0 K or V
+    # (kind FA_STORE_Q8_0, int8 values): one float16 scale per 32 values of a row, at
+    # k_scale addressed like K with the strides ks_pst (a page, or a batch element),
+    # ks_sh, ks_sj; likewise v_scale.
+    const int32_t* block_table
+    Py_ssize_t bt_stride, page, k_pst, v_pst
+    const uint16_t* k_scale
+    const uint16_t* v_scale
+    Py_ssize_t ks_pst, ks_sh, ks_sj, vs_pst, vs_sh, vs_sj
 
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
     Py_ssize_t qt, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
-    Py_ssize_t kblk, vblk, orow, elems
+    Py_ssize_t kblk, vblk, orow, pp, elems
     # The backward pass's (see _carve_backward); slope is -1 without a softcap.
     Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, ones
     Py_ssize_t dkblk, dvblk, dqblk
@@ -83,6 +97,8 @@ cdef struct Tile:
     Py_ssize_t n6                 # rows in 6-row output tiles
     Py_ssize_t dv_pad, dv_main, dv_tail, ldqt
     bint decode                   # few rows: keys are the lanes of the score kernels
+    bint bf16_dot                 # products in bfloat16 pairs (Problem.bf16_dot)
+    bint gather                   # K and V rows addressed one by one (_gathers)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -120,6 +136,9 @@ cdef struct Tile:
     Py_ssize_t pv_lo[FA_BQ]
     Py_ssize_t pv_hi[FA_BQ]
     const char* krows[32]         # key rows of one score call (FA_MR_K or FA_DEC_KEYS_F)
+    # Gathered blocks: the block's K and V rows (and their q8_0 scales) where they are stored.
+    const char* kptr[FA_BK]
+    const char* vptr[FA_BK]
     const char* vrows[32]         # decode: the V rows of krows, to prefetch
 
 
@@ -152,12 +171,20 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     w.nslope = o; o += FA_BQ                    # ALiBi per row: -slope log2 e
     w.diag = o; o += FA_BQ                      # and the row's diagonal
     w.zrow = o; o += max(D, Dv) + 1             # a zero key (or value) row for padding keys
-    w.kblk = o; o += FA_BK * D if P.k_kind != FA_STORE_NATIVE else 0   # a block of K, widened
-    w.vblk = o; o += FA_BK * Dv if P.v_kind != FA_STORE_NATIVE else 0  # and of V
+    w.kblk = o; o += FA_BK * D if _gathers(P) or P.k_kind != FA_STORE_NATIVE else 0  # a block of K, widened
+    w.vblk = o; o += FA_BK * Dv if _gathers(P) or P.v_kind != FA_STORE_NATIVE else 0  # and of V
     w.orow = o; o += dv_pad if P.o_kind != FA_STORE_NATIVE else 0      # a row before rounding
+    w.pp = o; o += (FA_BK // 2) * FA_BQ if P.bf16_dot else 0           # P in bfloat16 pairs
     if P.backward:
         o = _carve_backward(w, P, VL, o)
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
+
+
+cdef inline bint _gathers(const Problem* P) noexcept nogil:
+    # Whether K and V blocks are gathered row by row into the workspace: rows in pages, or
+    # q8_0 values dequantised.
+    return (P.block_table != NULL or P.k_kind == FA_STORE_Q8_0
+            or P.v_kind == FA_STORE_Q8_0)
 
 
 cdef Py_ssize_t _carve_backward(Workspace* w, const Problem* P, Py_ssize_t VL,
@@ -270,7 +297,10 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.dv_pad = _round_up(P.Dv, t.NL)
     t.dv_main = (P.Dv // t.NL) * t.NL
     t.dv_tail = P.Dv - t.dv_main
-    t.decode = t.nrows <= FA_DECODE_ROWS
+    # bfloat16 products have one kernel per stage, so that a decode row keeps the bits of
+    # its prefill row.
+    t.decode = t.nrows <= FA_DECODE_ROWS and not P.bf16_dot
+    t.bf16_dot = floating is float and P.bf16_dot
     # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
     # step takes two keys per 8-lane vector (fa_softmax_pairs_f), the same bits.
     t.softmax_pairs = floating is float and FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
@@ -286,13 +316,19 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # broadcast single elements; bfloat16 V, whose shift would compete with the FMAs;
     # float16 V without F16C, whose integer widening would be repeated by every 6-row
     # tile; and both for double compute.
-    t.widen_k = P.k_kind != FA_STORE_NATIVE and not (t.decode and floating is float)
-    t.widen_v = P.v_kind != FA_STORE_NATIVE and not (
-        floating is float and (t.decode or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C)))
+    # Rows in pages or in q8_0 are gathered (and widened) a block at a time, except the
+    # bfloat16 products', which read them through the block's row pointers.
+    t.gather = _gathers(P)
+    t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
+        t.decode and floating is float and not t.gather or t.bf16_dot)
+    t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
+        t.decode and not t.gather or t.bf16_dot
+        or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C and not t.gather)))
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
     # prefetches its own keys' V rows, spread over its steps.
-    t.pv_next_v = t.decode and floating is float and t.nrows == 1 and P.v_kind == FA_STORE_NATIVE
+    t.pv_next_v = (t.decode and floating is float and t.nrows == 1
+                   and P.v_kind == FA_STORE_NATIVE and not t.gather)
     t.first_blk = True
     t.scale_log2 = P.scale * LOG2E
     t.kv_len = P.kv_len[b]
@@ -336,6 +372,10 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             qrows[r % t.VL] = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
         if r % t.VL == t.VL - 1:
             c = r + 1 - t.VL
+            if t.bf16_dot:
+                # pairs of bfloat16 dimensions as they are stored (zrow: zeros)
+                fa_pack_qt_pairs(<const uint16_t* const*> qrows, D, <uint32_t*> (qt + c), ldqt)
+                continue
             if P.q_kind != FA_STORE_NATIVE:
                 # 16-bit rows widened first (exactly), then packed like stored ones
                 for u in range(t.VL):
@@ -345,11 +385,13 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             pack_qt(qrows, D, qt + c, ldqt)
     # 4-row score passes over 16-bit K (_keyrows_pass: rows c .. c+3 with more than 2 of
     # them left) take a whole call of keys in one kernel (fa_score_gqa4).
-    t.gqa4 = (floating is float and FA_HAVE_GQA4_16 and t.decode
+    t.gqa4 = (floating is float and FA_HAVE_GQA4_16 and t.decode and not t.widen_k
               and P.k_kind != FA_STORE_NATIVE and D % 8 == 0 and D <= FA_KT8_MAX_D)
     # The common case (no causal diagonal, window or per-sequence lengths in the tile) in
     # one flag, so that the per-block stages need not scan the rows.
-    t.same_keys = t.tile_lo < t.tile_hi
+    # (Blocks of bfloat16 products start at even keys, which may put a key before tile_lo
+    # into the first block: the finish stage must then hide it.)
+    t.same_keys = t.tile_lo < t.tile_hi and not (t.bf16_dot and t.tile_lo % 2)
     for r in range(t.nrows):
         if t.lo[r] != t.tile_lo or t.hi[r] != t.tile_hi:
             t.same_keys = False
@@ -380,25 +422,96 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
     # in 16 bits where a float kernel widens them in registers (see widen_k), they are
     # read in place.  Otherwise 16-bit rows are widened into the workspace while the
     # next block's rows are prefetched: one pass over the block serves every row of the
-    # tile.  Widening is exact (every float16 and bfloat16 value is a float32), so the
-    # kernels compute the same bits whichever way a value arrives.
+    # tile.  Rows in pages or in q8_0 are gathered into the workspace row by row (_gather).
+    # Widening and dequantising are exact (every float16, bfloat16 and q8_0 value is a
+    # float32), so the kernels compute the same bits whichever way a value arrives.
     cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
     t.kblk_kind = t.vblk_kind = FA_STORE_NATIVE
     t.vblk_esz = sizeof(floating)
-    if not t.widen_k:
+    if t.gather:
+        _gather(P, t, w, ws)
+    elif not t.widen_k:
         t.kblk, t.kblk_row, t.kblk_sj = t.kb + t.j0 * t.k_row, t.k_row, P.k_sj
         t.kblk_kind = P.k_kind
     else:
         widen_rows(P.k_kind, t.kb + t.j0 * t.k_row, P.k_sj, t.nj, P.D, ws + w.kblk, P.D,
                    t.kb + t.j1 * t.k_row, nxt)
+    if t.widen_k:
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
-    if not t.widen_v:
+    if t.bf16_dot:
+        # K read through row pointers; V in pairs of keys, the layout of the bfloat16
+        # output tiles (fa_pack_v_pairs)
+        if not t.gather:
+            _row_pointers(t.kptr, t.kb + t.j0 * t.k_row, t.k_row, t.nj)
+            _row_pointers(t.vptr, t.vb + t.j0 * t.v_row, t.v_row, t.nj)
+        if floating is float:
+            fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
+        t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
+    elif not t.widen_v:
         t.vblk, t.vblk_row, t.vblk_sj = t.vb + t.j0 * t.v_row, t.v_row, P.v_sj
         t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
     else:
-        widen_rows(P.v_kind, t.vb + t.j0 * t.v_row, P.v_sj, t.nj, P.Dv, ws + w.vblk, P.Dv,
-                   t.vb + t.j1 * t.v_row, nxt)
+        if not t.gather:
+            widen_rows(P.v_kind, t.vb + t.j0 * t.v_row, P.v_sj, t.nj, P.Dv, ws + w.vblk, P.Dv,
+                       t.vb + t.j1 * t.v_row, nxt)
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * sizeof(floating), P.Dv
+
+
+cdef inline void _row_pointers(const char** ptr, const char* first, Py_ssize_t row,
+                               Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t u
+    for u in range(n):
+        ptr[u] = first + u * row
+
+
+cdef inline Py_ssize_t _cache_row(const Problem* P, const Tile* t, Py_ssize_t pst,
+                                  Py_ssize_t boff, Py_ssize_t sh, Py_ssize_t sj,
+                                  Py_ssize_t j) noexcept nogil:
+    # Element offset of row j of kv head g of batch element b in a cache (K, V or their
+    # scales) with page stride pst, or batch offset boff without pages.
+    cdef Py_ssize_t page
+    if P.block_table == NULL:
+        return boff + t.g * sh + j * sj
+    page = P.block_table[t.b * P.bt_stride + j // P.page]
+    return page * pst + t.g * sh + (j % P.page) * sj
+
+
+cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) noexcept nogil:
+    # The block's K and V rows looked up one by one (pages), into kptr and vptr, and,
+    # unless the bfloat16 products read them there, widened (or dequantised from q8_0)
+    # into the workspace.
+    cdef Py_ssize_t u, j, ko = P.k_boff[t.b], vo = P.v_boff[t.b]
+    cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
+    cdef floating* kdst = ws + w.kblk
+    cdef floating* vdst = ws + w.vblk
+    for u in range(t.nj):
+        j = t.j0 + u
+        t.kptr[u] = P.k + _cache_row(P, t, P.k_pst, ko, P.k_sh, P.k_sj, j) * P.k_isz
+        t.vptr[u] = P.v + _cache_row(P, t, P.v_pst, vo, P.v_sh, P.v_sj, j) * P.v_isz
+        if u < nxt:
+            # the next block's rows, which no hardware prefetcher follows across pages
+            fa_prefetch_l2(P.k + _cache_row(P, t, P.k_pst, ko, P.k_sh, P.k_sj, t.j1 + u)
+                           * P.k_isz, P.D * P.k_isz)
+            fa_prefetch_l2(P.v + _cache_row(P, t, P.v_pst, vo, P.v_sh, P.v_sj, t.j1 + u)
+                           * P.v_isz, P.Dv * P.v_isz)
+        if t.bf16_dot:
+            continue
+        _gather_row(t.kptr[u], P.k_kind, P.k_scale, _cache_row(P, t, P.ks_pst, t.b * P.ks_pst,
+                    P.ks_sh, P.ks_sj, j), P.D, kdst + u * P.D)
+        _gather_row(t.vptr[u], P.v_kind, P.v_scale, _cache_row(P, t, P.vs_pst, t.b * P.vs_pst,
+                    P.vs_sh, P.vs_sj, j), P.Dv, vdst + u * P.Dv)
+
+
+cdef inline void _gather_row(const char* src, int kind, const uint16_t* scale, Py_ssize_t sc,
+                             Py_ssize_t n, floating* dst) noexcept nogil:
+    # One row of n values stored as `kind` in the compute type; sc: the offset of its
+    # q8_0 scales.
+    if kind == FA_STORE_NATIVE:
+        memcpy(dst, src, n * sizeof(floating))
+    elif kind == FA_STORE_Q8_0:
+        dequant_q8_0(<const int8_t*> src, scale + sc, n, dst)
+    else:
+        widen_rows(kind, src, 0, 1, n, dst, n, NULL, 0)
 
 
 # ---------------------------------------------------------------------------- scores
@@ -434,7 +547,13 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
             if ja + mk > g_lo and ja < g_hi:
                 for u in range(mk):
                     t.krows[u] = kb + (jj + u) * k_row if ja + u < j1 else zrow
-                score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
+                if floating is float and t.bf16_dot:
+                    for u in range(mk):
+                        t.krows[u] = t.kptr[jj + u] if ja + u < j1 else zrow
+                    score_tile_bdp(t.krows, <const uint32_t*> (qt + c), D, scale,
+                                   s + jj * FA_BQ + c, nvec, mk)
+                else:
+                    score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
             jj += mk
 
 
@@ -691,6 +810,35 @@ cdef void _pv_prefill(const Tile* t, const Workspace* w, floating* ws) noexcept 
         rg += nr
 
 
+cdef void _pv_bf16(const Tile* t, const Workspace* w, float* ws) noexcept nogil:
+    # P rounded to bfloat16 in pairs of keys, then rows in 6-row output tiles and single
+    # rows, each over the pairs of keys any of its rows sees (the others add exact zeros).
+    cdef uint32_t* pp = <uint32_t*> (ws + w.pp)
+    cdef const uint32_t* vp = <const uint32_t*> t.vblk
+    cdef Py_ssize_t rg = 0, nr, ja, z, a, npairs, c, Dv = t.dv_main
+    fa_pack_p_pairs(ws + w.s, FA_BQ, t.nj, t.nlanes, pp, FA_BQ)
+    while rg < t.nrows:
+        nr = FA_MR_PV if rg < t.n6 else 1
+        if nr == FA_MR_PV:
+            ja, z = t.pv_lo[rg // FA_MR_PV], t.pv_hi[rg // FA_MR_PV]
+        else:
+            _keys_seen(t, rg, rg + 1, &ja, &z)
+        ja = min(max(t.j0, ja), t.j1)
+        z = min(max(ja, z), t.j1)
+        a = (ja - t.j0) // 2
+        npairs = (z - t.j0 + 1) // 2 - a
+        c = 0
+        while c < Dv:
+            if nr == FA_MR_PV:
+                fa_pv_tile_bdp(pp + a * FA_BQ + rg, FA_BQ, npairs, vp + a * Dv + c, Dv,
+                               ws + w.acc + rg * t.dv_pad + c, t.dv_pad, ws + w.alpha + rg)
+            else:
+                fa_pv_tile1_bdp(pp + a * FA_BQ + rg, FA_BQ, npairs, vp + a * Dv + c, Dv,
+                                ws + w.acc + rg * t.dv_pad + c, t.dv_pad, ws + w.alpha + rg)
+            c += t.NL
+        rg += nr
+
+
 cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
                      floating* ws) noexcept nogil:
     # A GQA group 4 rows at a time (each V vector loaded once for all 4; rows past nrows
@@ -732,7 +880,7 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
     cdef Py_ssize_t c_hi = min(t.tile_hi, kc * FA_KCHUNK + FA_KCHUNK), ib
     _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad)
     for ib in range(c_lo // FA_BK, (c_hi + FA_BK - 1) // FA_BK if c_lo < c_hi else 0):
-        t.j0 = max(ib * FA_BK, t.tile_lo)
+        t.j0 = max(ib * FA_BK, t.tile_lo - t.tile_lo % 2 if t.bf16_dot else t.tile_lo)
         t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
         t.nj = t.j1 - t.j0
         _load_block(P, t, w, ws)
@@ -746,6 +894,8 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
             _load_vtail(t, w, ws)
         if t.decode:
             _pv_decode(P, t, w, ws)
+        elif floating is float and t.bf16_dot:
+            _pv_bf16(t, w, ws)
         else:
             _pv_prefill(t, w, ws)
 

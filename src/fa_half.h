@@ -22,6 +22,8 @@
 #define FA_STORE_NATIVE 0
 #define FA_STORE_F16 1
 #define FA_STORE_BF16 2
+/* K or V only: llama.cpp's q8_0, int8 values with one float16 scale per 32 of a row. */
+#define FA_STORE_Q8_0 3
 
 /* Whether float16 widens in one instruction (F16C), or in the portable integer sequence. */
 #if defined(__F16C__)
@@ -218,5 +220,18 @@ static void fa_widen_rows_##SUF(int kind, const uint16_t* src, ptrdiff_t ld, ptr
         fa_widen_##SUF(kind, src + j * ld, n, dst + j * ldd);                                 \
     }                                                                                         \
 }
+
+/* A q8_0 row of n values (n a multiple of 32) in the compute type: value c is
+ * x[c] * scale[c / 32], exact in float32 (an 8-bit integer times a float16). */
+#define FA_DEQUANT_Q8_0(SUF, T)                                                               \
+static void fa_dequant_q8_0_##SUF(const int8_t* x, const uint16_t* scale, ptrdiff_t n, T* y)  \
+{                                                                                             \
+    for (ptrdiff_t b = 0; b < n / 32; b++) {                                                  \
+        const T d = (T) fa_f16_to_f32(scale[b]);                                              \
+        for (int c = 0; c < 32; c++) y[32 * b + c] = (T) x[32 * b + c] * d;                   \
+    }                                                                                         \
+}
+FA_DEQUANT_Q8_0(f, float)
+FA_DEQUANT_Q8_0(d, double)
 
 #endif /* FA_HALF_H */

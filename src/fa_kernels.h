@@ -668,4 +668,6 @@ static inline int fa_cpu_supports(const char* isa)
 #endif
 }
 
+#include "fa_bf16dot.h"
+
 #endif /* FA_KERNELS_H */

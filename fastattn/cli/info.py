@@ -172,6 +172,10 @@ def _kernel_facts(kernel, info):
         info["thread_pool"] = str(kernel.pool_info()["backend"])
     except Exception:
         pass
+    try:
+        info["bf16_products"] = _bf16_products(kernel)
+    except Exception:
+        pass
     # Remaining facts (vector width, block sizes, ...) are shown as they come.
     info["build"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v))
                      for k, v in build.items()}
@@ -205,6 +209,24 @@ def _team_role(info):
     return f"{TEAMS.get(team, team)} (FASTATTN_POOL={choice})"
 
 
+def _bf16_products(kernel):
+    """Whether calls whose q, k and v are bfloat16 multiply in bfloat16, and why not."""
+    import os
+
+    from fastattn import _precision
+    if kernel.bf16_dot():
+        state = "yes (AVX512-BF16 vdpbf16ps)"
+    elif not kernel.BF16_DOT_BUILT:
+        state = "no (this variant has no bfloat16 products: float32 products)"
+    elif not kernel.BF16_DOT_CPU:
+        state = "no (this CPU has no AVX512-BF16: float32 products)"
+    else:
+        state = "no (turned off: float32 products)"
+    switch = os.environ.get("FASTATTN_BF16_DOT")
+    state += f"; FASTATTN_BF16_DOT={switch}" if switch is not None else ""
+    return state + f"; float32 calls: {_precision.get_float32_precision()} products"
+
+
 def format_info(info):
     def show(v):
         if isinstance(v, bool):
@@ -226,6 +248,8 @@ def format_info(info):
         ("OpenMP team runs", _team_role(info)),
         ("SIMD variant", info["isa"]),
         ("variants this CPU runs", info["available_variants"]),
+        ("bfloat16 products", info.get("bf16_products", UNKNOWN)),
+        ("AMX tiles", "not used (no AMX code in this build)"),
     ]
     rows += [(k.replace("_", " "), v) for k, v in info.get("build", {}).items()]
     rows += [(k.replace("_", " "), info[k]) for k in

@@ -2,8 +2,8 @@
 
 Only imported from inside the integrations' functions, after torch is: nothing here
 imports torch at module level.  The integrations' calls are made from inside torch
-programs, so they run marked as such (``fastattn._threads.in_torch``): on torch's OpenMP
-threads when they are fastattn's too.
+programs, so they run marked as such (:class:`from_torch`): on torch's OpenMP threads when
+they are fastattn's too, and with torch's float32 matmul precision.
 """
 import functools
 
@@ -11,6 +11,7 @@ import numpy as np
 
 import fastattn
 
+from .._precision import float32_precision
 from .._threads import in_torch
 
 
@@ -67,13 +68,35 @@ def arrays(torch, *tensors):
     return tuple(t.float().numpy() for t in tensors)
 
 
+class from_torch:
+    """Within the block, this thread's fastattn calls are made from inside torch: on
+    torch's OpenMP team (:class:`fastattn._threads.in_torch`), and with torch's float32
+    matmul precision ("medium": float32 calls multiply in bfloat16, see
+    :func:`fastattn.set_float32_precision`)."""
+
+    __slots__ = ("threads", "precision")
+
+    def __init__(self, torch):
+        medium = torch.get_float32_matmul_precision() == "medium"
+        self.threads = in_torch()
+        self.precision = float32_precision("bfloat16" if medium else "float32")
+
+    def __enter__(self):
+        self.threads.__enter__()
+        self.precision.__enter__()
+
+    def __exit__(self, *exc):
+        self.precision.__exit__()
+        self.threads.__exit__()
+
+
 def attend_heads_last(torch, q, k, v, out_dtype, **keywords):
     """``fastattn.attention`` of the arrays ``q``, ``k``, ``v`` (batch, heads, rows, D),
     as a call from inside torch, into a new tensor laid out (batch, rows, heads, Dv) -- the
     layout models read -- of ``out_dtype``."""
     B, Hq, Lq, _ = q.shape
     out = np.empty((max(B, k.shape[0], v.shape[0]), Lq, Hq, v.shape[-1]), q.dtype)
-    with in_torch():
+    with from_torch(torch):
         fastattn.attention(q, k, v, out=out.transpose(0, 2, 1, 3), **keywords)
     t = tensor(torch, out)
     return t if t.dtype == out_dtype else t.to(out_dtype)

@@ -30,7 +30,6 @@ import numpy as np
 import fastattn
 
 from . import _torch
-from .._threads import in_torch
 
 __all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention"]
 
@@ -216,7 +215,7 @@ def _forward(torch, q, k, v, sinks, keywords, return_lse):
     unless ``return_lse``)."""
     qa, ka, va = _arrays(torch, q, k, v)
     sinks_a = None if sinks is None else sinks.detach().double().numpy()
-    with in_torch():
+    with _torch.from_torch(torch):
         res = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=return_lse, **keywords)
     out, lse = res if return_lse else (res, None)
     return _tensor(torch, out, q.dtype), None if lse is None else torch.from_numpy(lse)
@@ -243,7 +242,7 @@ def _function():
             if dout is None:
                 dout = torch.zeros_like(out)
             arrays = _arrays(torch, dout, q, k, v, out)
-            with in_torch():
+            with _torch.from_torch(torch):
                 grads = fastattn.attention_backward(
                     *arrays, lse.numpy(),
                     dlse=None if dlse is None else dlse.detach().numpy(),

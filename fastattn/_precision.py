@@ -1,0 +1,128 @@
+"""The products of float32 calls: exact float32 (the default) or bfloat16, opt-in.
+
+Calls whose q, k and v are all bfloat16 multiply in bfloat16 pairs where the CPU has
+bfloat16 dot products (AVX512-BF16) and the head dims suit the kernel; see
+:func:`bf16_products`.  Float32 calls do so only when asked, like torch's
+``set_float32_matmul_precision("medium")``: q, k and v are then rounded to bfloat16 (to
+nearest even) and run through the same kernel, with a float32 result.  The backward of
+such a call computes with the rounded q, k and v, so its gradients are those of the
+function the forward computed.  Where the CPU lacks the bfloat16 products, float32 calls
+stay exact whatever the setting: rounding would cost accuracy and buy no speed.
+
+The setting is process-wide (:func:`set_float32_precision`); :class:`float32_precision`
+overrides it for the calling thread within a ``with`` block, which is how the torch
+integrations follow torch's own setting.
+"""
+import threading
+
+import numpy as np
+
+from ._dispatch import kernel
+
+__all__ = ["set_float32_precision", "get_float32_precision", "float32_precision"]
+
+PRECISIONS = ("float32", "bfloat16")
+_global = "float32"
+_local = threading.local()
+
+
+def _check(precision):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def set_float32_precision(precision):
+    """Set how float32 calls multiply: ``"float32"`` (exact, the default) or
+    ``"bfloat16"`` (q, k, v rounded to bfloat16 and multiplied in bfloat16 pairs, softmax
+    and sums in float32; only where the CPU has bfloat16 dot products).  Returns the
+    previous setting.
+
+    Examples
+    --------
+    >>> old = fastattn.set_float32_precision("bfloat16")
+    >>> fastattn.get_float32_precision()
+    'bfloat16'
+    >>> fastattn.set_float32_precision(old)
+    'bfloat16'
+    """
+    global _global
+    old, _global = _global, _check(precision)
+    return old
+
+
+def get_float32_precision():
+    """The precision of float32 calls made by this thread now (see
+    :func:`set_float32_precision`)."""
+    return getattr(_local, "override", None) or _global
+
+
+class float32_precision:
+    """Within the block, this thread's float32 calls use ``precision`` (see
+    :func:`set_float32_precision`), whatever the process-wide setting.
+
+    >>> with fastattn.float32_precision("bfloat16"):
+    ...     fastattn.get_float32_precision()
+    'bfloat16'
+    """
+
+    __slots__ = ("precision", "previous")
+
+    def __init__(self, precision):
+        self.precision = _check(precision)
+
+    def __enter__(self):
+        self.previous = getattr(_local, "override", None)
+        _local.override = self.precision
+        return self
+
+    def __exit__(self, *exc):
+        _local.override = self.previous
+
+
+def bf16_products(D, Dv):
+    """Whether a call whose q, k and v are bfloat16, with head dims D and Dv, multiplies
+    in bfloat16 (the kernel's own rule)."""
+    return kernel.bf16_dot_takes(D, Dv)
+
+
+def rounds_float32(D, Dv):
+    """Whether a float32 call with head dims D and Dv is run in bfloat16 now."""
+    return get_float32_precision() == "bfloat16" and kernel.bf16_dot_takes(D, Dv)
+
+
+def bfloat16_bits(a):
+    """The bfloat16 bits (uint16) of ``a`` rounded to nearest even, as the kernel reads a
+    bfloat16 array; NaN stays NaN.  ``a``: an array the kernel can read (float32, or 16-bit)."""
+    a = np.asarray(a, dtype=np.float32)
+    u = a.view(np.uint32)
+    bits = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        bits[nan] = (u[nan] >> 16).astype(np.uint16) | np.uint16(0x40)
+    return bits
+
+
+def bfloat16_values(a):
+    """``a`` (float32) with each value rounded to bfloat16, as float32."""
+    return (bfloat16_bits(a).astype(np.uint32) << 16).view(np.float32)
+
+
+def forward_inputs(q, k, v, cdt, D, Dv):
+    """The forward kernel's q, k, v: as they are, or float32 calls' rounded to bfloat16
+    bits when they run in bfloat16 now."""
+    if cdt != np.float32 or not rounds_float32(D, Dv):
+        return q, k, v
+    return tuple(a if _is_bfloat16(a) else bfloat16_bits(a) for a in (q, k, v))
+
+
+def backward_inputs(q, k, v, cdt, D, Dv):
+    """The backward kernel's q, k, v: those the forward multiplied (float32 calls' rounded
+    to bfloat16 values when they run in bfloat16 now)."""
+    if cdt != np.float32 or not rounds_float32(D, Dv):
+        return q, k, v
+    return tuple(a if a.itemsize == 2 else bfloat16_values(a) for a in (q, k, v))
+
+
+def _is_bfloat16(a):
+    return a.dtype.itemsize == 2 and a.dtype != np.float16
