@@ -23,7 +23,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _api, _args
+from . import _api, _args, _threads
+from ._dispatch import kernel as _kernel
 from ._q8_0 import BLOCK, check_block_dim, check_q8_0_pair, dequantize_q8_0, quantize_q8_0
 
 __all__ = ["attention_with_kvcache"]
@@ -93,10 +94,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     """
     c = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, v_scale,
                     rotary_cos, rotary_sin, rotary_interleaved)
-    _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, return_lse, out)
+    p = _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, return_lse,
+                         out)
     q_rot, new_rows = _rotated(c)
     stored = _stored_rows(c, new_rows)
     _append(c, stored)
+    if _kernel_reads(c, p):
+        return _attend(c, q_rot, p)
     keys, values = _gather_keys(c)
     return _api.attention(q_rot, keys, values, kv_lengths=c.seen, scale=scale,
                           causal=causal, window=window, softcap=softcap,
@@ -339,10 +343,11 @@ def _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, ret
     dt = _value_dtype(c)
     keys = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.D))
     values = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.Dv))
-    _args.Problem(c.q, keys, values, scale=scale, causal=causal, window=window,
-                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                  return_lse=return_lse, out=out)
+    p = _args.Problem(c.q, keys, values, scale=scale, causal=causal, window=window,
+                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                      return_lse=return_lse, out=out)
     c.rotate_q_per_row = _args.check_causal(causal) != "none" or window is not None
+    return p
 
 
 # --------------------------------------------------------------------------- rotary
@@ -421,14 +426,46 @@ def _append(c, stored):
 
 # --------------------------------------------------------------------------- attending
 
+def _kernel_reads(c, p):
+    """Whether the kernel reads the caches where they are: always, except for float64
+    arithmetic over a cache of another dtype (the kernel computes in the caches' own
+    float64 only) and caches whose rows are not contiguous."""
+    if p.compute_dtype == np.float64 and c.k_cache.dtype != np.float64:
+        return False
+    return all(_api._kernel_layout(a) for a in (c.k_cache, c.v_cache))
+
+
+def _attend(c, q, p):
+    """One kernel call over the caches in place: pages looked up in the block table and
+    q8_0 rows dequantised as each key block is loaded, with the bits of
+    :func:`fastattn.attention` over each sequence's own (dequantised) keys."""
+    cdt = p.compute_dtype
+    q = _api._kernel_ready(q, cdt)
+    scales = [None if s is None else np.ascontiguousarray(s).view(np.uint16)
+              for s in (c.k_scale, c.v_scale)]
+    # the checked table: the pages each sequence uses, 0 past them (never read)
+    block_table = None if c.page is None else np.ascontiguousarray(c.pages, dtype=np.int32)
+    shape = (c.B, c.Hq, c.Lq, c.Dv)
+    direct = _api._writes_in_place(p.out, cdt, (q, c.k_cache, c.v_cache))
+    rdt = p.result_dtype if _api._kernel_writes(p.result_dtype, cdt) else cdt
+    res = p.out if direct else np.empty(shape, dtype=rdt)
+    lse = np.empty(shape[:3], dtype=cdt) if p.return_lse else None
+    _kernel.forward_kvcache(q, c.k_cache, c.v_cache, res, lse, c.seen.astype(np.intp),
+                            block_table, *scales, _api._CAUSAL_CODES[p.causal], p.wl, p.wr,
+                            p.scale, _threads.get_num_threads(), p.softcap or 0.0, p.alibi,
+                            p.sinks)
+    res = _api._result(p.out, res, p.result_dtype, direct)
+    return (res, lse) if p.return_lse else res
+
+
 def _gather_keys(c):
     """Each sequence's first ``cache_seqlens[b] + Lnew`` keys and values as arrays
-    ``(B, Hkv, Lk, D)`` that :func:`fastattn.attention` reads with ``kv_lengths``.
+    ``(B, Hkv, Lk, D)`` that :func:`fastattn.attention` reads with ``kv_lengths``, for the
+    calls the kernel does not read in place (:func:`_kernel_reads`).
 
     A contiguous float cache is passed as it is (a view).  Pages are copied into one
     contiguous array per sequence, and q8_0 rows dequantised to float32 (exactly); the
-    rows beyond a sequence's keys are zeros.  The kernel path that reads pages and q8_0
-    blocks where a key row is loaded replaces this copy, with the same bits.
+    rows beyond a sequence's keys are zeros.
     """
     lk = int(c.seen.max(initial=0))
     if c.page is None and not c.q8_0:

@@ -464,52 +464,78 @@ cdef inline void _row_pointers(const char** ptr, const char* first, Py_ssize_t r
         ptr[u] = first + u * row
 
 
-cdef inline Py_ssize_t _cache_row(const Problem* P, const Tile* t, Py_ssize_t pst,
-                                  Py_ssize_t boff, Py_ssize_t sh, Py_ssize_t sj,
-                                  Py_ssize_t j) noexcept nogil:
-    # Element offset of row j of kv head g of batch element b in a cache (K, V or their
-    # scales) with page stride pst, or batch offset boff without pages.
-    cdef Py_ssize_t page
+cdef struct CacheRows:
+    # Walks the rows of kv head g of batch element b in a cache, key after key: the element
+    # offsets of K, V and their scales for key j (one division per page, not per row).
+    Py_ssize_t j, page_left, k, v, ks, vs
+
+
+cdef inline void _cache_seek(const Problem* P, const Tile* t, CacheRows* c,
+                             Py_ssize_t j) noexcept nogil:
+    # Point c at key j.
+    cdef Py_ssize_t page, i
+    c.j = j
     if P.block_table == NULL:
-        return boff + t.g * sh + j * sj
+        c.page_left = -1                         # no pages: rows are evenly spaced
+        c.k = P.k_boff[t.b] + t.g * P.k_sh + j * P.k_sj
+        c.v = P.v_boff[t.b] + t.g * P.v_sh + j * P.v_sj
+        c.ks = t.b * P.ks_pst + t.g * P.ks_sh + j * P.ks_sj
+        c.vs = t.b * P.vs_pst + t.g * P.vs_sh + j * P.vs_sj
+        return
     page = P.block_table[t.b * P.bt_stride + j // P.page]
-    return page * pst + t.g * sh + (j % P.page) * sj
+    i = j % P.page
+    c.page_left = P.page - i
+    c.k = page * P.k_pst + t.g * P.k_sh + i * P.k_sj
+    c.v = page * P.v_pst + t.g * P.v_sh + i * P.v_sj
+    c.ks = page * P.ks_pst + t.g * P.ks_sh + i * P.ks_sj
+    c.vs = page * P.vs_pst + t.g * P.vs_sh + i * P.vs_sj
+
+
+cdef inline void _cache_next(const Problem* P, const Tile* t, CacheRows* c) noexcept nogil:
+    # Point c at the next key.
+    c.page_left -= 1
+    if c.page_left == 0:
+        _cache_seek(P, t, c, c.j + 1)
+        return
+    c.j += 1
+    c.k += P.k_sj
+    c.v += P.v_sj
+    c.ks += P.ks_sj
+    c.vs += P.vs_sj
 
 
 cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) noexcept nogil:
     # The block's K and V rows looked up one by one (pages), into kptr and vptr, and,
     # unless the bfloat16 products read them there, widened (or dequantised from q8_0)
-    # into the workspace.
-    cdef Py_ssize_t u, j, ko = P.k_boff[t.b], vo = P.v_boff[t.b]
-    cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
+    # into the workspace; meanwhile the next block's rows are requested into L2, since
+    # no hardware prefetcher follows rows across pages.
+    cdef Py_ssize_t u, nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
     cdef floating* kdst = ws + w.kblk
     cdef floating* vdst = ws + w.vblk
+    cdef CacheRows c, n
+    _cache_seek(P, t, &c, t.j0)
+    if nxt:
+        _cache_seek(P, t, &n, t.j1)
     for u in range(t.nj):
-        j = t.j0 + u
-        t.kptr[u] = P.k + _cache_row(P, t, P.k_pst, ko, P.k_sh, P.k_sj, j) * P.k_isz
-        t.vptr[u] = P.v + _cache_row(P, t, P.v_pst, vo, P.v_sh, P.v_sj, j) * P.v_isz
+        t.kptr[u] = P.k + c.k * P.k_isz
+        t.vptr[u] = P.v + c.v * P.v_isz
         if u < nxt:
-            # the next block's rows, which no hardware prefetcher follows across pages
-            fa_prefetch_l2(P.k + _cache_row(P, t, P.k_pst, ko, P.k_sh, P.k_sj, t.j1 + u)
-                           * P.k_isz, P.D * P.k_isz)
-            fa_prefetch_l2(P.v + _cache_row(P, t, P.v_pst, vo, P.v_sh, P.v_sj, t.j1 + u)
-                           * P.v_isz, P.Dv * P.v_isz)
-        if t.bf16_dot:
-            continue
-        _gather_row(t.kptr[u], P.k_kind, P.k_scale, _cache_row(P, t, P.ks_pst, t.b * P.ks_pst,
-                    P.ks_sh, P.ks_sj, j), P.D, kdst + u * P.D)
-        _gather_row(t.vptr[u], P.v_kind, P.v_scale, _cache_row(P, t, P.vs_pst, t.b * P.vs_pst,
-                    P.vs_sh, P.vs_sj, j), P.Dv, vdst + u * P.Dv)
+            fa_prefetch_l2(P.k + n.k * P.k_isz, P.D * P.k_isz)
+            fa_prefetch_l2(P.v + n.v * P.v_isz, P.Dv * P.v_isz)
+            _cache_next(P, t, &n)
+        if not t.bf16_dot:
+            _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, P.D, kdst + u * P.D)
+            _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, vdst + u * P.Dv)
+        _cache_next(P, t, &c)
 
 
-cdef inline void _gather_row(const char* src, int kind, const uint16_t* scale, Py_ssize_t sc,
-                             Py_ssize_t n, floating* dst) noexcept nogil:
-    # One row of n values stored as `kind` in the compute type; sc: the offset of its
-    # q8_0 scales.
+cdef inline void _gather_row(const char* src, int kind, const uint16_t* scale, Py_ssize_t n,
+                             floating* dst) noexcept nogil:
+    # One row of n values stored as `kind` in the compute type (scale: its q8_0 scales).
     if kind == FA_STORE_NATIVE:
         memcpy(dst, src, n * sizeof(floating))
     elif kind == FA_STORE_Q8_0:
-        dequant_q8_0(<const int8_t*> src, scale + sc, n, dst)
+        dequant_q8_0(<const int8_t*> src, scale, n, dst)
     else:
         widen_rows(kind, src, 0, 1, n, dst, n, NULL, 0)
 

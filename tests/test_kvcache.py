@@ -825,3 +825,27 @@ def test_torch_call_refuses_gradients(rng):
     q = torch.randn(1, 1, 1, 32, requires_grad=True)
     with pytest.raises(RuntimeError, match="no_grad"):
         attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([2]))
+
+
+def test_paged_q8_0_cache_is_read_in_place():
+    # The kernel reads pages and q8_0 rows where they are: a call allocates about its
+    # output and the small arrays of its arguments, never a copy of the keys (a float32
+    # copy of this cache's keys and values would take 4 MiB).
+    import tracemalloc
+    rng = np.random.default_rng(3)
+    B, Hkv, D, page, pages_per_seq = 2, 4, 64, 16, 64
+    pool = rng.standard_normal((B * pages_per_seq, Hkv, page, D), dtype=np.float32)
+    k_cache, k_scale = fastattn.quantize_q8_0(pool)
+    v_cache, v_scale = fastattn.quantize_q8_0(pool[::-1].copy())
+    block_table = np.arange(B * pages_per_seq, dtype=np.int32).reshape(B, pages_per_seq)
+    q = rng.standard_normal((B, 8, 1, D), dtype=np.float32)
+    call = dict(cache_seqlens=[1000, 700], block_table=block_table, k_scale=k_scale,
+                v_scale=v_scale, causal=True)
+    fastattn.attention_with_kvcache(q, k_cache, v_cache, **call)      # warm caches
+    tracemalloc.start()
+    try:
+        fastattn.attention_with_kvcache(q, k_cache, v_cache, **call)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024, f"{peak} bytes allocated by a decode step"

@@ -125,7 +125,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **keywords):
         caches[name] = _torch.view(torch, t.detach())
     keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
     qa, ka, va = (_constant(torch, n, t) for n, t in (("q", q), ("k", k), ("v", v)))
-    with in_torch():
+    with _torch.from_torch(torch):
         res = fastattn.attention_with_kvcache(qa, caches["k_cache"], caches["v_cache"], ka, va,
                                               **{n: a for n, a in caches.items()
                                                  if n.endswith("_scale")}, **keywords)
