@@ -64,26 +64,22 @@ FA_BDP_INLINE __m512i fa_bcast_pair(const uint16_t* p)
 FA_BDP_INLINE __m512i fa_load_u32x16(const uint32_t* p)
 { return _mm512_loadu_si512((const void*) p); }
 
-/* One chunk's sums into the scores, as fa_chunk_out_f. */
-FA_BDP_INLINE void fa_bdp_chunk_out(float* p, __m512 a, int first, int last, __m512 sc)
-{
-    if (!first) a = _mm512_add_ps(_mm512_loadu_ps(p), a);
-    _mm512_storeu_ps(p, last ? _mm512_mul_ps(a, sc) : a);
-}
-
 /*
  * Score micro-tiles: FA_MR_K (6) keys x 2 vectors of query rows, and the 1-vector and
  * 4-key forms with per lane the identical chains.  kr: bfloat16 key rows (any stride).
+ * The chunks' running sums stay in registers (AVX-512 has 32): the same additions, in
+ * the same order, as fa_chunk_out's through memory.
  */
 #define FA_BDP_SCORE_TILE(NAME, NK, NV)                                                    \
 FA_BDP_NOINLINE void NAME(const uint16_t* const* kr, const uint32_t* qt, ptrdiff_t ldqt,   \
                           ptrdiff_t D, float scale, float* s, ptrdiff_t lds)               \
 {                                                                                          \
-    const __m512 sc = _mm512_set1_ps(scale);                                               \
+    __m512 sum[NK][NV];                                                                    \
+    for (int u = 0; u < NK; u++)                                                           \
+        for (int v = 0; v < NV; v++) sum[u][v] = _mm512_setzero_ps();                      \
     ptrdiff_t d0 = 0;                                                                      \
     do {                                                                                   \
         const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;                      \
-        const int first = d0 == 0, last = d1 == D;                                         \
         __m512 a[NK][NV];                                                                  \
         for (int u = 0; u < NK; u++)                                                       \
             for (int v = 0; v < NV; v++) a[u][v] = _mm512_setzero_ps();                    \
@@ -97,9 +93,13 @@ FA_BDP_NOINLINE void NAME(const uint16_t* const* kr, const uint32_t* qt, ptrdiff
         }                                                                                  \
         for (int u = 0; u < NK; u++)                                                       \
             for (int v = 0; v < NV; v++)                                                   \
-                fa_bdp_chunk_out(s + u * lds + 16 * v, a[u][v], first, last, sc);          \
+                sum[u][v] = d0 == 0 ? a[u][v] : _mm512_add_ps(sum[u][v], a[u][v]);         \
         d0 = d1;                                                                           \
     } while (d0 < D);                                                                      \
+    const __m512 sc = _mm512_set1_ps(scale);                                               \
+    for (int u = 0; u < NK; u++)                                                           \
+        for (int v = 0; v < NV; v++)                                                       \
+            _mm512_storeu_ps(s + u * lds + 16 * v, _mm512_mul_ps(sum[u][v], sc));          \
 }
 FA_BDP_SCORE_TILE(fa_score_tile_bdp, 6, 2)
 FA_BDP_SCORE_TILE(fa_score_tile4_bdp, 4, 2)
@@ -205,15 +205,27 @@ FA_BDP_PV_TILE(fa_pv_tile1_bdp, 1)
 
 #else  /* no AVX512-BF16 code in this build: the pipeline never calls these */
 
-#define FA_BDP_STUB(...) ((void)0)
-#define fa_score_tile_bdp FA_BDP_STUB
-#define fa_score_tile4_bdp FA_BDP_STUB
-#define fa_score_tile1_bdp FA_BDP_STUB
-#define fa_pack_qt_pairs FA_BDP_STUB
-#define fa_pack_p_pairs FA_BDP_STUB
-#define fa_pack_v_pairs FA_BDP_STUB
-#define fa_pv_tile_bdp FA_BDP_STUB
-#define fa_pv_tile1_bdp FA_BDP_STUB
+#define FA_BDP_STUB static inline __attribute__((unused)) void
+FA_BDP_STUB fa_score_tile_bdp(const uint16_t* const* kr, const uint32_t* qt, ptrdiff_t ldqt,
+                              ptrdiff_t D, float scale, float* s, ptrdiff_t lds)
+{ (void)kr; (void)qt; (void)ldqt; (void)D; (void)scale; (void)s; (void)lds; }
+#define fa_score_tile4_bdp fa_score_tile_bdp
+#define fa_score_tile1_bdp fa_score_tile_bdp
+FA_BDP_STUB fa_pack_qt_pairs(const uint16_t* const* rows, ptrdiff_t D, uint32_t* qt,
+                             ptrdiff_t ldqt)
+{ (void)rows; (void)D; (void)qt; (void)ldqt; }
+FA_BDP_STUB fa_pack_p_pairs(const float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t nlanes,
+                            uint32_t* pp, ptrdiff_t ldp)
+{ (void)s; (void)lds; (void)nj; (void)nlanes; (void)pp; (void)ldp; }
+FA_BDP_STUB fa_pack_v_pairs(const uint16_t* const* rows, ptrdiff_t nj, ptrdiff_t Dv,
+                            uint32_t* vp)
+{ (void)rows; (void)nj; (void)Dv; (void)vp; }
+FA_BDP_STUB fa_pv_tile_bdp(const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,
+                           const uint32_t* vp, ptrdiff_t ldv, float* acc, ptrdiff_t ldacc,
+                           const float* alpha)
+{ (void)pp; (void)ldp; (void)npairs; (void)vp; (void)ldv; (void)acc; (void)ldacc; (void)alpha; }
+#define fa_pv_tile1_bdp fa_pv_tile_bdp
+#undef FA_BDP_STUB
 
 #endif /* FA_HAVE_BF16DOT */
 #endif /* FA_BF16DOT_H */
