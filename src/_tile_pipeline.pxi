@@ -99,6 +99,7 @@ cdef struct Tile:
     bint decode                   # few rows: keys are the lanes of the score kernels
     bint bf16_dot                 # products in bfloat16 pairs (Problem.bf16_dot)
     bint gather                   # K and V rows addressed one by one (_gathers)
+    bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -327,6 +328,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
     # prefetches its own keys' V rows, spread over its steps.
+    # Gathered V is widened after the scores are done with the widened K: one block of
+    # either in L1 at a time (a block of K of 128 dims takes all 32 KiB of it).
+    t.defer_v = t.gather and t.widen_v and not P.backward
     t.pv_next_v = (t.decode and floating is float and t.nrows == 1
                    and P.v_kind == FA_STORE_NATIVE and not t.gather)
     t.first_blk = True
@@ -525,7 +529,20 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
             _cache_next(P, t, &n)
         if not t.bf16_dot:
             _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, P.D, kdst + u * P.D)
-            _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, vdst + u * P.Dv)
+            if not t.defer_v:
+                _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, vdst + u * P.Dv)
+        _cache_next(P, t, &c)
+
+
+cdef void _gather_v(const Problem* P, Tile* t, const Workspace* w,
+                    floating* ws) noexcept nogil:
+    # The block's V rows widened (or dequantised) into the workspace, when _gather left
+    # them for after the softmax (defer_v).
+    cdef Py_ssize_t u
+    cdef CacheRows c
+    _cache_seek(P, t, &c, t.j0)
+    for u in range(t.nj):
+        _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, ws + w.vblk + u * P.Dv)
         _cache_next(P, t, &c)
 
 
@@ -916,6 +933,8 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
             _scores_prefill(P, t, w, ws)
         _finish_scores(P, t, w, ws)
         _softmax(t, w, ws)
+        if t.defer_v:
+            _gather_v(P, t, w, ws)
         if t.dv_tail:
             _load_vtail(t, w, ws)
         if t.decode:

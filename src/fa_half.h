@@ -223,15 +223,49 @@ static void fa_widen_rows_##SUF(int kind, const uint16_t* src, ptrdiff_t ld, ptr
 
 /* A q8_0 row of n values (n a multiple of 32) in the compute type: value c is
  * x[c] * scale[c / 32], exact in float32 (an 8-bit integer times a float16). */
-#define FA_DEQUANT_Q8_0(SUF, T)                                                               \
-static void fa_dequant_q8_0_##SUF(const int8_t* x, const uint16_t* scale, ptrdiff_t n, T* y)  \
-{                                                                                             \
-    for (ptrdiff_t b = 0; b < n / 32; b++) {                                                  \
-        const T d = (T) fa_f16_to_f32(scale[b]);                                              \
-        for (int c = 0; c < 32; c++) y[32 * b + c] = (T) x[32 * b + c] * d;                   \
-    }                                                                                         \
+#if defined(__AVX512F__)
+static void fa_dequant_q8_0_f(const int8_t* __restrict x, const uint16_t* __restrict scale,
+                              ptrdiff_t n, float* __restrict y)
+{
+    for (ptrdiff_t b = 0; b < n / 32; b++) {
+        const __m512 d = _mm512_set1_ps(fa_f16_to_f32(scale[b]));
+        for (int h = 0; h < 2; h++) {
+            const __m128i v = _mm_loadu_si128((const __m128i*) (x + 32 * b + 16 * h));
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+            _mm512_storeu_ps(y + 32 * b + 16 * h, _mm512_mul_ps(f, d));
+        }
+    }
 }
-FA_DEQUANT_Q8_0(f, float)
-FA_DEQUANT_Q8_0(d, double)
+#elif defined(__AVX2__)
+static void fa_dequant_q8_0_f(const int8_t* __restrict x, const uint16_t* __restrict scale,
+                              ptrdiff_t n, float* __restrict y)
+{
+    for (ptrdiff_t b = 0; b < n / 32; b++) {
+        const __m256 d = _mm256_set1_ps(fa_f16_to_f32(scale[b]));
+        for (int h = 0; h < 4; h++) {
+            const __m128i v = _mm_loadl_epi64((const __m128i*) (x + 32 * b + 8 * h));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+            _mm256_storeu_ps(y + 32 * b + 8 * h, _mm256_mul_ps(f, d));
+        }
+    }
+}
+#else
+static void fa_dequant_q8_0_f(const int8_t* __restrict x, const uint16_t* __restrict scale,
+                              ptrdiff_t n, float* __restrict y)
+{
+    for (ptrdiff_t b = 0; b < n / 32; b++) {
+        const float d = fa_f16_to_f32(scale[b]);
+        for (int c = 0; c < 32; c++) y[32 * b + c] = (float) x[32 * b + c] * d;
+    }
+}
+#endif
+static void fa_dequant_q8_0_d(const int8_t* __restrict x, const uint16_t* __restrict scale,
+                              ptrdiff_t n, double* __restrict y)
+{
+    for (ptrdiff_t b = 0; b < n / 32; b++) {
+        const double d = fa_f16_to_f32(scale[b]);
+        for (int c = 0; c < 32; c++) y[32 * b + c] = (double) x[32 * b + c] * d;
+    }
+}
 
 #endif /* FA_HALF_H */
