@@ -96,7 +96,8 @@ def print_table(title, rows):
         for D in dims:
             if D in cells:
                 worst, what, n, miss = cells[D]
-                line += f"{f'{worst:.2f}{what and ' ' + what} ({miss}/{n})':>18}"
+                cell = f"{worst:.2f}{' ' + what if what else ''} ({miss}/{n})"
+                line += f"{cell:>18}"
             else:
                 line += f"{'-':>18}"
         print(line)
