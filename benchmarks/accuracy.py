@@ -46,12 +46,15 @@ def plain_cases(full):
         yield variant, D, case
 
 
-def grid(shapes, kinds_variants, full, dims=fr.HEAD_DIMS):
-    """Every head dim of ``dims`` on every pair with --full, else ``shapes``' own."""
-    for (Lq, Lk), own in shapes.items():
-        for D in (dims if full else own):
-            for kind, variant in kinds_variants:
-                yield variant, D, (Lq, Lk, D, kind, variant)
+def grid(test_cases, shapes, kinds_variants, full, dims=fr.HEAD_DIMS):
+    """(variant, D, case): the test's own cases, or with --full every head dim of ``dims``
+    on every pair of ``shapes`` for every (kind, variant)."""
+    cases = test_cases
+    if full:
+        cases = [(Lq, Lk, D, kind, variant) for (Lq, Lk) in shapes for D in dims
+                 for kind, variant in kinds_variants]
+    for case in cases:
+        yield case[4], case[2], case
 
 
 def run_forward(errors_fn, cases, seeds, rows, misses):
@@ -124,15 +127,13 @@ def main():
             run_forward(lambda t, *c, seed: fr.flash_rule_errors(t, *c, seed=seed),
                         plain_cases(args.full), args.seeds, rows, misses)
         elif section == "variants":
-            run_forward(fr.variant_errors, grid(fr.VARIANT_SHAPES, variants, args.full),
+            run_forward(fr.variant_errors, grid(fr.VARIANT_CASES, fr.VARIANT_SHAPES, variants, args.full),
                         args.seeds, rows, misses)
         elif section == "varlen":
-            run_forward(fr.varlen_errors, grid(fr.VARLEN_SHAPES, varlen, args.full),
+            run_forward(fr.varlen_errors, grid(fr.VARLEN_CASES, fr.VARLEN_SHAPES, varlen, args.full),
                         args.seeds, rows, misses)
         else:
-            cases = ([c for c in grid({s: FULL_DIMS for s in fr.GRAD_SHAPES}, grads, True,
-                                      FULL_DIMS)] if args.full else
-                     [(c[4], c[2], c) for c in fr.GRAD_CASES])
+            cases = grid(fr.GRAD_CASES, fr.GRAD_SHAPES, grads, args.full, FULL_DIMS)
             run_backward(cases, args.seeds, rows, misses)
         print_table(f"{section} ({'forward' if section != 'backward' else 'dq, dk, dv'})",
                     rows)
