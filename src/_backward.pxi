@@ -138,9 +138,10 @@ cdef void _bwd_setup(const Problem* P, Tile* t, const Workspace* w, Py_ssize_t b
 
 cdef void _bwd_rows(const Problem* P, const Grads* G, Tile* t, const Workspace* w,
                     floating* ws, bint q_rows) noexcept nogil:
-    # Per row of the block: lse2 = lse log2 e and Delta, dO as zero-padded rows and packed
-    # as dO^T, and (q_rows) Q as zero-padded rows.  Rows without a gradient get dO = Q = 0,
-    # Delta = 0 and lse2 = +inf (so P = 0): whatever dout holds there has no effect.
+    # Per row of the block: lse2 = lse log2 e (less the cap shift, as the scores carry it)
+    # and Delta, dO as zero-padded rows and packed as dO^T, and (q_rows) Q as zero-padded
+    # rows.  Rows without a gradient get dO = Q = 0, Delta = 0 and lse2 = +inf (so P = 0):
+    # whatever dout holds there has no effect.
     cdef Py_ssize_t dv_pad = _round_up(P.Dv, t.NL), d_pad = _round_up(P.D, t.NL)
     cdef Py_ssize_t r, h, i, li = 0, u
     cdef floating lse = 0
@@ -153,7 +154,7 @@ cdef void _bwd_rows(const Problem* P, const Grads* G, Tile* t, const Workspace* 
         if r < t.nrows:
             _row_position(P, t, r, &h, &i)
         if r < t.nrows and t.lo[r] < t.hi[r] and _row_lse(P, t.b, h, i, t.q_len, &li, &lse):
-            ws[w.lse2 + r] = <floating> (lse * LOG2E)
+            ws[w.lse2 + r] = <floating> (lse * LOG2E - _cap_shift(P))
             ws[w.delta + r] = (<const floating*> G.delta)[li]
             _load_row(G.dout + (G.do_boff[t.b] + h * G.do_sh + i * G.do_si) * G.do_isz,
                       G.do_kind, P.Dv, dst, dv_pad)

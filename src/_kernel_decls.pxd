@@ -363,7 +363,8 @@ cdef inline void hide_keys(floating* s, Py_ssize_t nk, int nvec) noexcept nogil:
 
 
 cdef inline void softcap(floating* s, Py_ssize_t nk, int nvec, double c) noexcept nogil:
-    # s <- c tanh(s / c) on nk keys of 1 or 2 whole vectors of rows.
+    # s <- c (tanh(s / c) - 1), the capped score less c (see fa_softcap_f), on nk keys
+    # of 1 or 2 whole vectors of rows.
     if floating is float:
         fa_softcap_f(s, FA_BQ, nk, nvec, <float> c)
     else:
@@ -587,7 +588,8 @@ cdef inline floating bwd_dot(const floating* a, const floating* b, Py_ssize_t n)
 
 cdef inline void softcap_slope(const floating* s, floating* g, Py_ssize_t nk, int nvec,
                                double c) noexcept nogil:
-    # g <- 1 - (s / c)^2 on nk keys of 1 or 2 whole vectors of capped scores.
+    # g <- 1 - tanh^2 on nk keys of 1 or 2 whole vectors of capped scores (as softcap
+    # leaves them).
     if floating is float:
         fa_softcap_slope_f(s, g, FA_BQ, nk, nvec, <float> c)
     else:

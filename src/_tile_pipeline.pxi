@@ -724,6 +724,13 @@ cdef inline void _modify_scores(const Problem* P, const Tile* t, const Workspace
         alibi(s, g_lo, g_hi - g_lo, ws + w.nslope + c, ws + w.diag + c, nvec)
 
 
+cdef inline double _cap_shift(const Problem* P) noexcept nogil:
+    # What the finished scores (base 2) lack: softcap keeps capped scores less the cap c,
+    # so that those near the cap keep their low bits (see fa_softcap_f); the softmax is
+    # the same, and lse, the sinks and the backward's P add c back.
+    return P.softcap * LOG2E if P.softcap > 0 else 0
+
+
 cdef inline void _finish_row(const Problem* P, const Tile* t, floating* sr, Py_ssize_t r,
                              Py_ssize_t g_lo, Py_ssize_t g_hi) noexcept nogil:
     # Row r's scores sr[(j - j0) * FA_BQ], keys [g_lo, g_hi) of the block: the modifiers on
@@ -1021,7 +1028,7 @@ cdef inline void _write_row(const Problem* P, const Tile* t, floating* orow,
             orow[c] = 0
     if P.lse != NULL:
         (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = (
-            M * LN2 + log(L) if L != 0 else -INFINITY)
+            (M + _cap_shift(P)) * LN2 + log(L) if L != 0 else -INFINITY)
 
 
 cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow,
@@ -1030,7 +1037,7 @@ cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow
     # A row whose softmax denominator has one more logit, the head's sink, without a value:
     # out = ACC 2^M / (L 2^M + 2^sink2), lse = log of that denominator (natural log);
     # a row that saw no key gets zeros and lse = sink.
-    cdef double sink2 = sink * LOG2E, mx, a, den, f
+    cdef double sink2 = sink * LOG2E - _cap_shift(P), mx, a, den, f
     cdef Py_ssize_t c
     cdef double lse = sink
     if L == 0:
@@ -1044,7 +1051,7 @@ cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow
         f = a / den
         for c in range(P.Dv):
             orow[c] = <floating> (ACC[c] * f)
-        lse = mx * LN2 + log(den)
+        lse = (mx + _cap_shift(P)) * LN2 + log(den)
     if P.lse != NULL:
         (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = <floating> lse
 

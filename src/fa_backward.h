@@ -4,7 +4,7 @@
  * forward's score and output micro-tiles; what is new is here:
  *
  *   fa_bwd_ds        P = 2^(S - lse), dS = P (dP - Delta) [times the softcap's slope]
- *   fa_softcap_slope 1 - (s / c)^2 of capped scores s: d(capped) / d(raw)
+ *   fa_softcap_slope 1 - tanh^2 of capped scores: d(capped) / d(raw)
  *   fa_bwd_dot       a row's Delta: dout . out in a fixed order
  *   fa_bwd_transpose a block of S^T (query rows as lanes) to rows of keys, for the
  *                    products that reduce over query rows (dV, dK)
@@ -62,15 +62,18 @@ static T fa_bwd_dot_##SUF(const T* a, const T* b, ptrdiff_t n)                  
     return sum;                                                                               \
 }                                                                                             \
                                                                                               \
-/* g <- 1 - (s / c)^2 for nk keys of nvec vectors of capped scores s = c tanh(x / c). */     \
+/* g <- 1 - tanh^2 = -u (2 + u) for nk keys of nvec vectors of capped scores stored as    \
+ * s = c u, u = tanh(x / c) - 1 (see fa_softcap_f): near the cap, where the scores that     \
+ * weigh are, u is small and kept to a few units in its last place, where 1 - tanh^2 from    \
+ * tanh itself would cancel. */                                                               \
 static void fa_softcap_slope_##SUF(const T* s, T* g, ptrdiff_t lds, ptrdiff_t nk, int nvec,  \
                                    T c)                                                       \
 {                                                                                             \
-    const V inv = BCAST((T)1 / c), one = BCAST(1);                                            \
+    const V inv = BCAST((T)1 / c), two = BCAST(2);                                            \
     for (ptrdiff_t j = 0; j < nk; j++)                                                        \
         for (int t = 0; t < nvec; t++) {                                                      \
             const V u = LOAD(s + j * lds + t * VL) * inv;                                     \
-            STORE(g + j * lds + t * VL, one - u * u);                                         \
+            STORE(g + j * lds + t * VL, -u * (two + u));                                      \
         }                                                                                     \
 }                                                                                             \
                                                                                               \

@@ -500,12 +500,9 @@ FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdi
  * Each works on nk keys of nvec whole vectors of rows, per lane only, so a row gets the
  * same bits in a decode tile as in a prefill tile. */
 
-/* tanh for float vectors: for |x| < 0.4 the odd Taylor series to x^13 (truncation below
- * 4e-9 relative), else (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) <= 0.45, which has no
- * cancellation.  Accuracy is measured by tests/test_exp.py. */
-FA_INLINE fa_vf fa_tanh_f(fa_vf x)
+/* The odd series of tanh(ax) for 0 <= ax < 0.4. */
+FA_INLINE fa_vf fa_tanh_series_f(fa_vf ax)
 {
-    const fa_vf ax = fa_select_f(x < 0, -x, x);
     const fa_vf z = ax * ax;
     fa_vf p = fa_bcast_f(21844.0f / 6081075.0f);
     p = p * z + fa_bcast_f(-1382.0f / 155925.0f);
@@ -513,7 +510,16 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
     p = p * z + fa_bcast_f(-17.0f / 315.0f);
     p = p * z + fa_bcast_f(2.0f / 15.0f);
     p = p * z + fa_bcast_f(-1.0f / 3.0f);
-    const fa_vf small = ax + ax * (z * p);
+    return ax + ax * (z * p);
+}
+
+/* tanh for float vectors: for |x| < 0.4 the odd Taylor series to x^13 (truncation below
+ * 4e-9 relative), else (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) <= 0.45, which has no
+ * cancellation.  Accuracy is measured by tests/test_exp.py. */
+FA_INLINE fa_vf fa_tanh_f(fa_vf x)
+{
+    const fa_vf ax = fa_select_f(x < 0, -x, x);
+    const fa_vf small = fa_tanh_series_f(ax);
     const fa_vfi is_small = ax < fa_bcast_f(0.4f);
     fa_vf r = small;
     /* Capped scores are mostly well inside the cap (|s / softcap| < 0.4): the exp and the
@@ -536,23 +542,56 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
     return fa_select_f(x < 0, -r, r);
 }
 
-/* Softcapping, s <- c tanh(s / c), with c = softcap * log2 e for base-2 scores; s / c is a
- * product with 1 / c, computed once per call, as a vector division costs several times a
- * multiply. */
+/* tanh(x) - 1 for float vectors, with a small relative error also where tanh(x) is near
+ * 1: for |x| < 0.4 the series of fa_tanh_f, then minus 1 (no cancellation: tanh(x) - 1 <=
+ * -0.6); else -2e / (1 + e) for x > 0 and -2 / (1 + e) for x < 0, with e = 2^(-2|x| log2 e)
+ * <= 0.45 (tanh(x) = (1 - e) / (1 + e) for x > 0).  Capped scores are kept as
+ * c (tanh(x / c) - 1), see fa_softcap_f. */
+FA_INLINE fa_vf fa_tanh_minus1_f(fa_vf x)
+{
+    const fa_vf one = fa_bcast_f(1.0f), two = fa_bcast_f(2.0f);
+    const fa_vf ax = fa_select_f(x < 0, -x, x);
+    const fa_vfi is_small = ax < fa_bcast_f(0.4f);
+    const fa_vf small = fa_tanh_series_f(ax);
+    fa_vf r = fa_select_f(x < 0, -small, small) - one;
+    if (!fa_all_f(is_small)) {
+        /* The exponent is rounded before the exp, as in fa_tanh_f. */
+        fa_vf x2 = ax * fa_bcast_f(-2.0f * 1.44269504088896341f);
+#if defined(__AVX__)
+        __asm__("" : "+v"(x2));
+#else
+        __asm__("" : "+m"(x2));
+#endif
+        const fa_vf e = fa_exp2_f(x2);
+        const fa_vf num = fa_select_f(x < 0, two, two * e);
+        r = fa_select_f(is_small, r, -(num / (one + e)));
+    }
+    return r;
+}
+
+/* Softcapping, s <- c tanh(s / c), with c = softcap * log2 e for base-2 scores, stored
+ * shifted by -c: s <- c (tanh(s / c) - 1).  The scores that weigh in a capped softmax are
+ * the ones near the cap, where c tanh(s / c) is a large number close to c and rounds to a
+ * unit of ~8e-6 (in [64, 128) for softcap 50); shifted, they are small numbers that keep
+ * their low bits, and the softmax does not change under a shift of all scores.  What
+ * reads the finished scores as values (lse, sinks, the backward's P) adds c back (see
+ * _cap_shift).  s / c is a product with 1 / c, computed once per call, as a vector
+ * division costs several times a multiply. */
 static void fa_softcap_f(float* s, ptrdiff_t lds, ptrdiff_t nk, int nvec, float c)
 {
     const fa_vf vc = fa_bcast_f(c), inv = fa_bcast_f(1.0f / c);
     for (ptrdiff_t j = 0; j < nk; j++)
         for (int t = 0; t < nvec; t++) {
             float* p = s + j * lds + t * FA_VL_F;
-            fa_store_f(p, vc * fa_tanh_f(fa_load_f(p) * inv));
+            fa_store_f(p, vc * fa_tanh_minus1_f(fa_load_f(p) * inv));
         }
 }
-/* float64 scores take libm's tanh, lane by lane. */
+/* float64 scores take libm's exp, lane by lane: tanh(y) - 1 = -2 / (1 + e^(2y)). */
 static void fa_softcap_d(double* s, ptrdiff_t lds, ptrdiff_t nk, int nvec, double c)
 {
     for (ptrdiff_t j = 0; j < nk; j++)
-        for (ptrdiff_t r = 0; r < nvec * FA_VL_D; r++) s[j * lds + r] = c * tanh(s[j * lds + r] / c);
+        for (ptrdiff_t r = 0; r < nvec * FA_VL_D; r++)
+            s[j * lds + r] = c * (-2.0 / (1.0 + exp(2.0 * (s[j * lds + r] / c))));
 }
 
 /* ALiBi: s[j] += nslope * |diag - j| for keys j = j0 .. j0 + nk - 1, per lane: nslope is
