@@ -37,6 +37,22 @@ PREFILL = (12, 1024, 64)          # heads, L, D
 DECODE = (32, 4096, 128)          # heads, cached keys, D
 
 
+def cluster_workers(client, n=2, timeout=120):
+    """The addresses of n running workers, sorted, once the cluster has them.
+
+    Asked of the scheduler (``client.nthreads()``), never read from
+    ``client.scheduler_info()``: that returns the client's cached copy of the scheduler's
+    identity, which a periodic refresh replaces with one that lists no workers, so on a
+    busy machine it comes back empty now and then.  Right after a restart the scheduler
+    itself lists no workers until they reconnect: hence the wait."""
+    client.wait_for_workers(n, timeout=timeout)
+    workers = sorted(client.nthreads())
+    if len(workers) < n:
+        raise RuntimeError(f"the cluster must have {n} workers running; the scheduler "
+                           f"lists {len(workers)}: {workers}")
+    return workers[:n]
+
+
 def make_qkv(seed):
     H, L, D = PREFILL
     return np.random.default_rng(seed).standard_normal((3, 1, H, L, D), dtype=np.float32)
@@ -50,7 +66,7 @@ def prefill_rounds(client, calls, rounds, group=4):
     H, L, D = PREFILL
     # Calls i .. i + group - 1 are generated on one worker, the next group on the other
     # (a balanced load, no input crossing between workers), q, k and v by one task.
-    workers = sorted(client.scheduler_info()["workers"])[:2]
+    workers = cluster_workers(client)
     blocks = [client.submit(make_qkv, i, workers=[workers[i // group % 2]], pure=False)
               for i in range(calls)]
     wait(blocks)
@@ -99,9 +115,9 @@ def prefill_rounds(client, calls, rounds, group=4):
               f"{min(rs):.3f}..{max(rs):.3f}  (target >= 0.85)")
 
 
-def make_shard(seed, shard, n_shards):
+def make_shard(seed, shard, n_shards, shape=DECODE):
     """Shard ``shard`` of the cache (keys shard*n/n_shards ...), built where it lives."""
-    H, Lk, D = DECODE
+    H, Lk, D = shape
     rng = np.random.default_rng([seed, shard])
     n = Lk // n_shards
     return rng.standard_normal((2, 1, H, n, D), dtype=np.float32)   # k and v
@@ -112,19 +128,22 @@ def attend_shard(q, kv, first):
     return fastattn.attention(q, kv[0], kv[1], return_lse=True)
 
 
-def decode_step(client, steps):
+def decode_step(client, steps, shape=DECODE):
+    """Print the decode step's errors, bytes and latency; return its errors (max relative
+    error of the client's merge and of the dask graph against one call over the whole
+    cache, and of each of the three against the float64 reference)."""
     import dask
     import dask.array as da
     from distributed import wait
 
-    H, Lk, D = DECODE
-    workers = sorted(client.scheduler_info()["workers"])[:2]
-    shards = [client.submit(make_shard, 0, s, 2, workers=[w], pure=False)
+    H, Lk, D = shape
+    workers = cluster_workers(client)
+    shards = [client.submit(make_shard, 0, s, 2, shape, workers=[w], pure=False)
               for s, w in enumerate(workers)]
     wait(shards)
     holders = client.who_has(shards)
     assert [list(holders[f.key]) for f in shards] == [[w] for w in workers], holders
-    k, v = np.concatenate([make_shard(0, s, 2) for s in range(2)], axis=-2)
+    k, v = np.concatenate([make_shard(0, s, 2, shape) for s in range(2)], axis=-2)
     q = np.random.default_rng(1).standard_normal((1, H, 1, D), dtype=np.float32)
 
     def client_merges():
@@ -140,9 +159,10 @@ def decode_step(client, steps):
     exact = reference.attention(*(a.astype(np.float64) for a in (q, k, v)))
     error = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max())  # noqa: E731
     merged, parts = client_merges()
-    graph = fa_dask.attention(q, kd, vd).compute()
+    graph = client.compute(fa_dask.attention(q, kd, vd)).result()
     held = 2 * H * (Lk // 2) * D * 4
-    print(f"\ndecode-4k step over 2 shards ({held / 2**20:.0f} MiB of k and v on each worker)")
+    print(f"\ndecode step ({H} heads, {Lk} cached keys, D {D}) over 2 shards "
+          f"({held / 2**20:.1f} MiB of k and v on each worker)")
     print(f"  client merges: max rel error vs one call {error(merged, one):.2e}; vs float64 "
           f"{error(merged, exact):.2e} (one call vs float64 {error(one, exact):.2e})")
     print(f"  dask graph:    max rel error vs one call {error(graph, one):.2e}")
@@ -165,6 +185,9 @@ def decode_step(client, steps):
     print(f"  latency per step: cluster {1e3 * statistics.median(times):.2f} ms (median of "
           f"{steps}; {1e3 * min(times):.2f}..{1e3 * max(times):.2f}), one process "
           f"{1e3 * statistics.median(local):.2f} ms")
+    return {"merged": error(merged, one), "graph": error(graph, one),
+            "merged_vs_float64": error(merged, exact), "graph_vs_float64": error(graph, exact),
+            "one_vs_float64": error(one, exact)}
 
 
 def merge_overhead(rounds):
@@ -225,7 +248,7 @@ def main(argv=None):
         tune_workers()
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        threads = client.run(fastattn.get_num_threads)
+        threads = client.run(fastattn.get_num_threads, workers=cluster_workers(client))
         print(f"workers: {len(threads)}, fastattn threads per worker: "
               f"{sorted(set(threads.values()))}, "
               + ("Dask's defaults" if args.dask_defaults else

@@ -41,7 +41,9 @@ def client():
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                        dashboard_address=":0", silence_logs=logging.ERROR)
     with cluster, distributed.Client(cluster) as c:
+        c.wait_for_workers(2, timeout=60)
         facts = c.run(_worker_facts)
+        assert len(facts) == 2, f"the cluster must have 2 workers: {facts}"
         # The workers must run the fastattn under test, or "bitwise equal" means nothing.
         assert {f["file"] for f in facts.values()} == {fastattn.__file__}, facts
         yield c
@@ -172,6 +174,32 @@ def test_decode_over_a_sharded_cache(client, rng):
     assert error(out, one) <= 2e-6
 
 
+def _benchmark(name):
+    """A script of benchmarks/ as a module, left out of sys.modules, so that the functions
+    it sends to the workers travel by value (the workers cannot import it by name)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_decode_step_right_after_a_restart(client):
+    """benchmarks/dask_scaling.py's decode step (tiny shapes) while the workers come back
+    from a restart and the scheduler lists none yet: the step waits for its 2 workers,
+    builds one shard on each, and merges the two partial results."""
+    bench = _benchmark("dask_scaling")
+    client.restart(wait_for_workers=False)
+    errors = bench.decode_step(client, steps=2, shape=(4, 64, 16))
+    # float32's own error: the merge is as close to the float64 result as one call is.
+    for name in ("merged", "graph"):
+        assert errors[name] <= 2e-6, errors
+        assert errors[f"{name}_vs_float64"] <= 2 * errors["one_vs_float64"] + 1e-7, errors
+
+
 def test_docstring_example():
     import doctest
 
@@ -227,7 +255,9 @@ def test_worker_killed_mid_computation(client):
                for _ in range(3))
     expected = fastattn.attention(*dask.compute(q, k, v), causal=True)
     out = fa_dask.attention(q, k, v, causal=True)
+    client.wait_for_workers(2, timeout=60)      # an earlier test may have restarted them
     pids = {addr: f["pid"] for addr, f in client.run(_worker_facts).items()}
+    assert len(pids) == 2, f"the cluster must have 2 workers: {pids}"
     victim = sorted(pids)[0]
     future = client.compute(out)
     deadline = time.monotonic() + 30
