@@ -45,7 +45,7 @@ def _grads(q, k, v, kw, rng, with_dlse=True):
     dout = rng.standard_normal(out.shape).astype(out.dtype)
     dlse = rng.standard_normal(lse.shape).astype(lse.dtype) if with_dlse else None
     got = fastattn.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **kw)
-    want = reference.attention_backward(dout, q, k, v, dlse=dlse, **kw)
+    want = reference.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **kw)
     return got, want
 
 
@@ -289,6 +289,31 @@ def test_hidden_rows_and_keys_get_finite_zeros():
     again = fastattn.attention_backward(clean, q, k, v, out, lse, dlse=dlse, **kw)
     for g, h in zip((dq, dk, dv), again):
         assert np.array_equal(g, h)
+
+
+# --------------------------------------------------------------------------- the oracle's call
+
+def test_the_oracle_takes_the_same_call():
+    # reference.attention_backward has fastattn.attention_backward's signature: out and
+    # lse are taken (optional), checked by the same rules, and not read.
+    import inspect
+    fast = inspect.signature(fastattn.attention_backward).parameters
+    oracle = inspect.signature(reference.attention_backward).parameters
+    assert [(n, p.kind) for n, p in fast.items()] == [(n, p.kind) for n, p in oracle.items()]
+    rng = np.random.default_rng(10)
+    q, k, v = _inputs(rng, 2, 2, 1, 7, 9, 8, 4)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True)
+    dout = rng.standard_normal(out.shape)
+    with_results = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for g, w in zip(with_results, reference.attention_backward(dout, q, k, v, causal=True)):
+        assert np.array_equal(g, w)
+    for f in (fastattn.attention_backward, reference.attention_backward):
+        with pytest.raises(ValueError, match="lse must have the shape"):
+            f(dout, q, k, v, out, lse[..., 1:], causal=True)
+        with pytest.raises(TypeError, match="out must have the dtype"):
+            f(dout, q, k, v, out.astype(np.float32), lse, causal=True)
+    with pytest.raises(TypeError, match="together"):
+        reference.attention_backward(dout, q, k, v, out, causal=True)
 
 
 # --------------------------------------------------------------------------- NaN
