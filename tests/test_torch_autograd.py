@@ -198,10 +198,8 @@ def test_mixed_dtypes_are_computed_in_the_promoted_dtype(op):
         q, k64, v64).detach().numpy(), rtol=0, atol=1e-13)
 
 
-def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
-    # benchmarks/train_tiny_gpt.py, a few steps of a small model: the two runs' losses
-    # agree step for step (float32 rounding only) and fall.
-    import argparse
+def _tiny_gpt():
+    """benchmarks/train_tiny_gpt.py as a module."""
     import importlib.util
     import os
 
@@ -209,6 +207,27 @@ def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
     spec = importlib.util.spec_from_file_location("train_tiny_gpt", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_the_tiny_gpt_example_without_matplotlib_stops_before_training(monkeypatch, capsys):
+    example = _tiny_gpt()
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)   # not installed
+
+    def train(a):
+        raise AssertionError("trained before finding matplotlib missing")
+    monkeypatch.setattr(example, "train", train)
+    assert example.main(["--plot", "losses.png", "--steps", "2"]) == 3
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+
+
+def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
+    # benchmarks/train_tiny_gpt.py, a few steps of a small model: the two runs' losses
+    # agree step for step (float32 rounding only) and fall.
+    import argparse
+
+    example = _tiny_gpt()
     a = argparse.Namespace(steps=12, batch=4, block=32, d_model=32, heads=2, layers=2)
     losses, _ = example.train(a)
     ref, got = np.array(losses["torch SDPA"]), np.array(losses["fastattn"])
