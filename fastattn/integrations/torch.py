@@ -194,7 +194,8 @@ def _forward(torch, q, k, v, sinks, keywords, return_lse):
     with in_torch():
         res = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=return_lse, **keywords)
     out, lse = res if return_lse else (res, None)
-    return _tensor(torch, out, _result_dtype(torch, q, k, v)), None if lse is None else torch.from_numpy(lse)
+    out = _tensor(torch, out, _result_dtype(torch, q, k, v))
+    return out, None if lse is None else torch.from_numpy(lse)
 
 
 @functools.lru_cache(maxsize=None)
