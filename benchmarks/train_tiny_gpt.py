@@ -6,7 +6,8 @@ The two runs start from the same weights and see the same batches; their steps a
 (one step of each in turn), so both meet the same phases of the machine.  The script
 prints both loss curves' agreement, the median step time of each and their ratio, and
 the share of a step that attention takes (its forward and backward, timed alone at the
-model's shape).  ``--plot`` draws the two loss curves (needs matplotlib).
+model's shape).  ``--plot`` draws the two loss curves (needs matplotlib; without it the
+script exits with status 3 before training).
 
 The text is the Zen of Python, which every Python carries: nothing is downloaded.
 """
@@ -130,9 +131,17 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--plot", metavar="FILE.png")
     a = p.parse_args(argv)
-    if a.plot:
-        import matplotlib
-        matplotlib.use("Agg")
+    plt = None
+    if a.plot:   # checked before training, so that a missing matplotlib costs nothing
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("train_tiny_gpt.py: --plot needs matplotlib, which is not installed; "
+                  "nothing was run.\nInstall it with:  pip install matplotlib   (or run "
+                  "without --plot)", file=sys.stderr)
+            return 3
 
     losses, times = train(a)
     t_torch = statistics.median(times["torch SDPA"][5:])
@@ -152,8 +161,7 @@ def main(argv=None):
         step_time = t_torch if name == "torch SDPA" else t_fa
         print(f"attention forward+backward ({name}): {att[name] * 1e3:.1f} ms per step, "
               f"{100 * att[name] / step_time:.0f}% of the step")
-    if a.plot:
-        import matplotlib.pyplot as plt
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for name in SDPAS:
             ax.plot(losses[name], label=name, lw=1.2, ls="-" if name == "fastattn" else "--")

@@ -333,13 +333,17 @@ def _sum_to(g, shape):
     return g.sum(axis=axes, keepdims=True) if axes else g
 
 
-def attention_backward(dout, q, k, v, *, scale=None, causal=False, window=None, mask=None,
-                       kv_lengths=None, softcap=None, alibi_slopes=None, sinks=None,
-                       q_lengths=None, dlse=None):
+def attention_backward(dout, q, k, v, out=None, lse=None, *, scale=None, causal=False,
+                       window=None, mask=None, kv_lengths=None, q_lengths=None, softcap=None,
+                       alibi_slopes=None, sinks=None, dlse=None):
     """Gradients of :func:`attention` with respect to q, k, v (and sinks), by the book.
 
-    ``dout`` and ``dlse`` (optional) are the gradients of a loss with respect to ``out``
-    and ``lse``; the forward is recomputed here, in float64, materialising the scores::
+    The signature of :func:`fastattn.attention_backward`.  ``dout`` and ``dlse``
+    (optional) are the gradients of a loss with respect to ``out`` and ``lse``.  ``out``
+    and ``lse``, the forward's results, are optional here: when given (both), they are
+    checked by the same rules as there (shape and dtype) but not read, since the oracle
+    recomputes the forward in float64, materialising the scores, rather than depend on
+    the kernel's rounding::
 
         dV = P^T dO                  dP = dO V^T
         Delta_i = rowsum(dO_i * out_i) - dlse_i
@@ -354,6 +358,12 @@ def attention_backward(dout, q, k, v, *, scale=None, causal=False, window=None, 
     a = _problem(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
                  kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
                  alibi_slopes=alibi_slopes, sinks=sinks)
+    if out is not None or lse is not None:
+        if out is None or lse is None:
+            raise TypeError("out and lse are given together, as attention(..., "
+                            "return_lse=True) returns them, or not at all")
+        _args.check_forward_result(a.result_shape(a.Dv), a.result_dtype, a.compute_dtype,
+                                   dout, out, lse, dlse)
     P, lse = probabilities(a, np.dtype(np.float64), _visible(a))
     exists = (np.arange(a.Lq) < a.q_len[..., None])[..., None, :]    # (..., 1, Lq)
     dO = np.asarray(dout, dtype=np.float64).reshape(P.shape[:-1] + (a.Dv,))

@@ -77,12 +77,13 @@ cdef inline void _load_row(const char* src, int kind, Py_ssize_t n, floating* ds
 cdef inline bint _row_lse(const Problem* P, Py_ssize_t b, Py_ssize_t h, Py_ssize_t i,
                           Py_ssize_t q_len, Py_ssize_t* li, floating* lse) noexcept nogil:
     # Whether row (h, i) of batch element b has a gradient: a real row (i < q_len) that
-    # saw something (lse > -inf); li: its element of lse, delta and dlse.
+    # saw something (lse != -inf); li: its element of lse, delta and dlse.  A NaN lse (a
+    # NaN among the row's scores) counts as a row, so that the NaN reaches its gradients.
     if i >= q_len:
         return False
     li[0] = P.lse_boff[b] + h * P.lse_sh + i * P.lse_si
     lse[0] = (<const floating*> P.lse)[li[0]]
-    return lse[0] > -INFINITY
+    return lse[0] != -INFINITY
 
 
 cdef void _delta_rows(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t h,

@@ -45,7 +45,7 @@ def _grads(q, k, v, kw, rng, with_dlse=True):
     dout = rng.standard_normal(out.shape).astype(out.dtype)
     dlse = rng.standard_normal(lse.shape).astype(lse.dtype) if with_dlse else None
     got = fastattn.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **kw)
-    want = reference.attention_backward(dout, q, k, v, dlse=dlse, **kw)
+    want = reference.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **kw)
     return got, want
 
 
@@ -289,3 +289,74 @@ def test_hidden_rows_and_keys_get_finite_zeros():
     again = fastattn.attention_backward(clean, q, k, v, out, lse, dlse=dlse, **kw)
     for g, h in zip((dq, dk, dv), again):
         assert np.array_equal(g, h)
+
+
+# --------------------------------------------------------------------------- the oracle's call
+
+def test_the_oracle_takes_the_same_call():
+    # reference.attention_backward has fastattn.attention_backward's signature: out and
+    # lse are taken (optional), checked by the same rules, and not read.
+    import inspect
+    fast = inspect.signature(fastattn.attention_backward).parameters
+    oracle = inspect.signature(reference.attention_backward).parameters
+    assert [(n, p.kind) for n, p in fast.items()] == [(n, p.kind) for n, p in oracle.items()]
+    rng = np.random.default_rng(10)
+    q, k, v = _inputs(rng, 2, 2, 1, 7, 9, 8, 4)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True)
+    dout = rng.standard_normal(out.shape)
+    with_results = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for g, w in zip(with_results, reference.attention_backward(dout, q, k, v, causal=True)):
+        assert np.array_equal(g, w)
+    for f in (fastattn.attention_backward, reference.attention_backward):
+        with pytest.raises(ValueError, match="lse must have the shape"):
+            f(dout, q, k, v, out, lse[..., 1:], causal=True)
+        with pytest.raises(TypeError, match="out must have the dtype"):
+            f(dout, q, k, v, out.astype(np.float32), lse, causal=True)
+    with pytest.raises(TypeError, match="together"):
+        reference.attention_backward(dout, q, k, v, out, causal=True)
+
+
+# --------------------------------------------------------------------------- NaN
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("where", ["k", "q", "v"])
+def test_a_nan_reaches_the_gradients_as_in_the_oracle(where, dtype):
+    # A NaN in one element of q, k or v of a causal call: the rows whose out holds a NaN
+    # get NaN dq in every column (Delta is NaN), and dq, dk, dv are NaN exactly where the oracle's are (one
+    # tile of rows and keys: the kernel's products, like the oracle's dense ones, carry
+    # 0 * NaN from a hidden key of the tile into a column).  Elsewhere the two agree.
+    rng = np.random.default_rng(8)
+    q, k, v = _inputs(rng, 1, 2, 1, 6, 6, 8, 8, dtype)
+    {"q": q, "k": k, "v": v}[where][0, 0, 1, 3] = np.nan
+    kw = dict(causal=True)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = fastattn.attention_backward(dout, q, k, v, out, lse, **kw)
+    want = reference.attention_backward(dout, q, k, v, **kw)
+
+    nan_rows = np.isnan(out).any(-1)
+    assert nan_rows.any()
+    assert np.isnan(got[0][nan_rows]).all()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        finite = ~np.isnan(w)   # gradients of size 1 or so: float32 rounding
+        np.testing.assert_allclose(g[finite], w[finite], rtol=0, atol=1e-5)
+
+
+def test_a_nan_key_gives_nan_gradients_as_torch_does():
+    # torch autograd through its SDPA agrees on every row whose out is NaN, and on dk, dv.
+    torch = import_optional("torch")
+    rng = np.random.default_rng(9)
+    q, k, v = _inputs(rng, 1, 1, 1, 4, 4, 8, 8)
+    k[0, 0, 1, 3] = np.nan
+    out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    t = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    o = torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)
+    tq, tk, tv = (g.numpy() for g in torch.autograd.grad(o, t, torch.tensor(dout)))
+    rows = np.isnan(o.detach().numpy()).any(-1)
+    np.testing.assert_array_equal(rows, np.isnan(out).any(-1))
+    assert np.isnan(dq[rows]).all() and np.isnan(tq[rows]).all()
+    np.testing.assert_array_equal(np.isnan(dk), np.isnan(tk))
+    np.testing.assert_array_equal(np.isnan(dv), np.isnan(tv))

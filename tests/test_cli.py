@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -642,6 +643,38 @@ def test_help_lists_the_exit_statuses(capsys):
             assert f"\n  {status}  " in out
 
 
+def _help_statuses(command, capsys):
+    assert main([command, "--help"]) == 0
+    statuses = {}
+    for line in capsys.readouterr().out.split("exit status:")[1].splitlines():
+        m = re.match(r"  (\d)  (.*)", line)
+        if m:
+            status = int(m.group(1))
+            statuses[status] = m.group(2)
+        elif line.strip():
+            statuses[status] += " " + line.strip()
+    return statuses
+
+
+def test_info_and_demo_help_list_only_what_they_can_return(capsys):
+    # info and demo check nothing: their 1 is only a closed stdout; their 3 only their
+    # own environment failure.
+    info_statuses = _help_statuses("info", capsys)
+    demo_statuses = _help_statuses("demo", capsys)
+    for statuses in (info_statuses, demo_statuses):
+        assert set(statuses) == {0, 1, 2, 3}
+        assert "correctness" not in statuses[1] and "went away" in statuses[1]
+    assert "matplotlib" not in info_statuses[3] and "installed one" in info_statuses[3]
+    assert "matplotlib" in demo_statuses[3] and "imported" not in demo_statuses[3]
+    assert "correctness" in _help_statuses("bench", capsys)[1]
+
+
+def test_version_prints_the_version_and_exits_0():
+    proc = run_cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(fastattn.__version__)
+
+
 def test_the_library_never_imports_the_command_line():
     # Run in a fresh interpreter: every library module imported, no fastattn.cli module.
     code = ("import sys, fastattn, fastattn.reference, fastattn.layers, fastattn.positions, "
@@ -927,3 +960,16 @@ def test_contention_without_torch_leaves_out_the_torch_scenarios(monkeypatch):
 
     monkeypatch.setattr(contention, "import_torch", lambda: None)
     assert contention.available_scenarios() == ("blas", "processes", "neighbour")
+
+
+def test_backward_table_says_what_each_error_is_measured_against():
+    r = {"machine": {"peaks": {}}, "results": [{
+        "name": "small", "shape": "(8,8,128,128,64)", "dtype": "float32", "libraries": {},
+        "check": {"ok": True, "vs_torch_max_rel": 1.25e-7, "vs_reference_max_rel": 3.5e-7}}]}
+    text = report.format_backward_table(r)
+    sym = common.symbols()
+    header, _, row = text.splitlines()[:3]
+    assert f"{sym['delta']} vs torch" in header and f"{sym['delta']} vs f64" in header
+    assert "1.2e-07" in row and "3.5e-07" in row     # each error in its own column
+    note = " ".join(text.splitlines()[3:])
+    assert "torch's" in note and "float64 oracle" in note

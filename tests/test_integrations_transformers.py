@@ -346,6 +346,35 @@ def test_deferred_to_sdpa(calls, case):
             fa_tf.attention_forward(Layer(2), *tensors, None, **kw)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_output_attentions_runs_as_eager_and_returns_its_weights(calls, padded):
+    # sdpa cannot return the weights either: the call goes to the model's eager function,
+    # with one warning, and the weights and logits are eager's own.
+    torch.manual_seed(0)
+    config = llama_config()
+    eager = transformers.LlamaForCausalLM._from_config(
+        copy.deepcopy(config), attn_implementation="eager").eval()
+    fa = transformers.LlamaForCausalLM._from_config(
+        copy.deepcopy(config), attn_implementation="fastattn").eval()
+    fa.load_state_dict(eager.state_dict())
+    ids, mask = ids_and_left_padding(pads=(0, 5, 11) if padded else (0, 0, 0))
+    kw = dict(attention_mask=mask) if padded else {}
+    fa_tf._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fa(ids, output_attentions=True, **kw)
+    assert [str(w.message) for w in caught if "eager" in str(w.message)] and len(caught) == 1
+    want = eager(ids, output_attentions=True, **kw)
+    assert len(got.attentions) == config.num_hidden_layers
+    for a, b in zip(got.attentions, want.attentions):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert torch.equal(got.logits, want.logits)
+    assert not calls   # fastattn was not called: eager computed the weights
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        fa_tf.attention_forward(fa.model.layers[0].self_attn, *qkv(1, 4, 2, 5, 5, 16), None,
+                                output_attentions=True, fallback=None)
+
+
 def test_training_gradients_match_sdpa_with_nothing_deferred():
     # A random Llama in train mode, left padding, fallback=None: every attention call runs
     # on fastattn's forward and backward, and the parameter gradients are sdpa's.

@@ -22,8 +22,26 @@ def test_readme_examples_run(capsys):
 def test_readme_starts_with_the_two_set_up_commands():
     lines = [line for line in README.read_text().splitlines() if line.strip()]
     assert lines[0] == "# fastattn"
-    assert lines[1].strip() == "python -m pip install -e . && python -m fastattn bench"
-    assert lines[2].strip() == 'python -m pip install -e ".[test]" && python -m pytest'
+    # A virtual environment's python: Debian has python3 on PATH and no python.
+    assert lines[1].strip() == ("python3 -m venv .venv && .venv/bin/python -m pip install -e . "
+                                "&& .venv/bin/python -m fastattn bench")
+    assert lines[2].strip() == ('.venv/bin/python -m pip install -e ".[test]" && '
+                                '.venv/bin/python -m pytest')
+    # CI runs the test command verbatim, in the venv it makes.
+    ci_run = README.parent / ".ci" / "run"
+    if ci_run.is_file():
+        assert lines[2].strip() in ci_run.read_text()
+
+
+def test_readme_offers_the_extra_that_installs_what_the_tests_skip_without():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    names = {re.split(r"[<>=\[]", r)[0] for r in extras["full"]}
+    assert {"fastattn", "torch", "ml_dtypes", "threadpoolctl", "dask", "matplotlib",
+            "numpydoc"} <= names
+    assert "fastattn[test]" in extras["full"]
+    assert '".[full]"' in README.read_text()
 
 
 def test_readme_links_point_to_files_in_the_repository():

@@ -135,15 +135,71 @@ def test_what_it_refuses():
     with pytest.raises(TypeError, match="out"):
         fa_torch.attention(q, k, v, out=torch.empty(1, 2, 3, 4))
     out = fa_torch.attention(q, k, v)
-    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):  # no double backward through fastattn's backward
-        torch.autograd.grad(g.sum(), q)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
 
 
-def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
-    # benchmarks/train_tiny_gpt.py, a few steps of a small model: the two runs' losses
-    # agree step for step (float32 rounding only) and fall.
-    import argparse
+def _softmax_attention(q, k, v):
+    """Plain softmax attention in torch: differentiable twice."""
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("op", ["sdpa", "attention"])
+def test_a_gradient_penalty_is_refused_not_wrong(op):
+    # loss = sum(out) + |d sum(out) / dq|^2 needs the second derivative; fastattn's
+    # backward is not differentiable, so the create_graph=True backward raises instead of
+    # handing back a constant gradient (which gave a q.grad off by most of its size).
+    fn = {"sdpa": fa_torch.scaled_dot_product_attention, "attention": fa_torch.attention}[op]
+    (q,) = _leaves((1, 2, 6, 4))
+    want_g = torch.autograd.grad(_softmax_attention(q, q, q).sum(), q, create_graph=True)[0]
+    assert want_g.requires_grad  # the reference is differentiable: the case is real
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(fn(q, q, q).sum(), q, create_graph=True)
+    # The first derivative alone is still torch's.
+    (g,) = torch.autograd.grad(fn(q, q, q).sum(), q)
+    _close([g], [want_g.detach()])
+
+
+def test_attention_refuses_a_mask_that_requires_grad():
+    # A float mask is a constant to fastattn: a mask that requires a gradient is refused,
+    # as scaled_dot_product_attention does, rather than left with no gradient.
+    (q,) = _leaves((1, 2, 5, 4))
+    m = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="mask"):
+        fa_torch.attention(q, q, q, mask=m)
+    slopes = torch.rand(2, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        fa_torch.attention(q, q, q, alibi_slopes=slopes)
+    # Detached, or without grad mode, the mask is taken (as torch's SDPA computes it).
+    out = fa_torch.attention(q, q, q, mask=m.detach())
+    _close([out], [F.scaled_dot_product_attention(q, q, q, attn_mask=m.detach())])
+    with torch.no_grad():
+        fa_torch.attention(q.detach(), q.detach(), q.detach(), mask=m)
+
+
+@pytest.mark.parametrize("op", ["sdpa", "attention"])
+def test_mixed_dtypes_are_computed_in_the_promoted_dtype(op):
+    # float64 q with float32 k, v: computed in float64, as fastattn.attention does, so the
+    # result is the float64 one (of the float32 values) to float64 rounding, and each
+    # gradient comes in its input's dtype.
+    fn = {"sdpa": fa_torch.scaled_dot_product_attention, "attention": fa_torch.attention}[op]
+    q, k, v = _leaves((2, 3, 7, 8), (2, 3, 9, 8), (2, 3, 9, 5))
+    k32, v32 = (t.detach().float().requires_grad_(True) for t in (k, v))
+    k64, v64 = (t.detach().double().requires_grad_(True) for t in (k32, v32))
+    out, grads = _grads(fn, [q, k32, v32])
+    want_out, want = _grads(fn, [q, k64, v64])
+    assert out.dtype == torch.float64 and [g.dtype for g in grads] == [
+        torch.float64, torch.float32, torch.float32]
+    _close([out], [want_out], tol=1e-13)
+    _close([grads[0]], [want[0]], tol=1e-13)
+    _close(grads[1:], [g.float() for g in want[1:]], tol=1e-7)  # one float32 rounding
+    np.testing.assert_allclose(out.detach().numpy(), F.scaled_dot_product_attention(
+        q, k64, v64).detach().numpy(), rtol=0, atol=1e-13)
+
+
+def _tiny_gpt():
+    """benchmarks/train_tiny_gpt.py as a module."""
     import importlib.util
     import os
 
@@ -151,6 +207,27 @@ def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
     spec = importlib.util.spec_from_file_location("train_tiny_gpt", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_the_tiny_gpt_example_without_matplotlib_stops_before_training(monkeypatch, capsys):
+    example = _tiny_gpt()
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)   # not installed
+
+    def train(a):
+        raise AssertionError("trained before finding matplotlib missing")
+    monkeypatch.setattr(example, "train", train)
+    assert example.main(["--plot", "losses.png", "--steps", "2"]) == 3
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+
+
+def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
+    # benchmarks/train_tiny_gpt.py, a few steps of a small model: the two runs' losses
+    # agree step for step (float32 rounding only) and fall.
+    import argparse
+
+    example = _tiny_gpt()
     a = argparse.Namespace(steps=12, batch=4, block=32, d_model=32, heads=2, layers=2)
     losses, _ = example.train(a)
     ref, got = np.array(losses["torch SDPA"]), np.array(losses["fastattn"])

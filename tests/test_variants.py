@@ -210,7 +210,7 @@ def check_backward(rng, isa):
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     dout = rng.standard_normal(out.shape)
     got = fastattn.attention_backward(dout, q, k, v, out, lse, **kw)
-    for g, w in zip(got, ref.attention_backward(dout, q, k, v, **kw)):
+    for g, w in zip(got, ref.attention_backward(dout, q, k, v, out, lse, **kw)):
         assert np.abs(g - w).max() <= 1e-12 * np.abs(w).max()
     q, k, v, out, dout = (a.astype(np.float32) for a in (q, k, v, out, dout))
     lse = lse.astype(np.float32)

@@ -3,21 +3,38 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 
 OK = 0
 FAILED = 1        # a benchmark's correctness check failed or fastattn raised; or stdout closed
 USAGE = 2         # bad command line (argparse's own status for it too)
 ENVIRONMENT = 3   # something the command needs is missing or not what it seems
 
-EPILOG = """\
-exit status:
-  0  success
-  1  a benchmark's correctness check failed or fastattn raised an error, or the reader
-     of the output went away (as with `| head`)
-  2  bad command line
-  3  the environment: fastattn cannot be imported, the imported fastattn is not the
-     installed one (info), or --plot without matplotlib (checked before anything runs)
-"""
+# What every command can return: main() turns a closed stdout into FAILED, argparse a bad
+# command line into USAGE.
+GONE = "the reader of the output went away (as with `| head`)"
+COMMON_STATUSES = {OK: "success", FAILED: GONE, USAGE: "bad command line"}
+
+
+def epilog(statuses):
+    """The ``--help`` text listing the exit statuses ``{status: meaning}``, in order."""
+    lines = ["exit status:"]
+    for status, meaning in sorted(statuses.items()):
+        wrapped = textwrap.wrap(meaning, 82)
+        lines.append(f"  {status}  {wrapped[0]}")
+        lines += ["     " + w for w in wrapped[1:]]
+    return "\n".join(lines) + "\n"
+
+
+# The top-level parser's: every command's statuses together.
+EPILOG = epilog({
+    **COMMON_STATUSES,
+    FAILED: f"a benchmark's correctness check failed or fastattn raised an error (bench), "
+            f"or {GONE}",
+    ENVIRONMENT: "the environment: fastattn cannot be imported, the imported fastattn is not "
+                 "the installed one (info), or --plot without matplotlib (checked before "
+                 "anything runs)",
+})
 
 
 def symbols():

@@ -24,9 +24,11 @@ import textwrap
 
 import numpy as np
 
-from .common import ENVIRONMENT, OK, pyplot
+from .common import COMMON_STATUSES, ENVIRONMENT, OK, pyplot
 
 HELP = "classic self-attention examples with their attention weights"
+EXIT_STATUSES = {**COMMON_STATUSES,
+                 ENVIRONMENT: "--plot without matplotlib (checked before anything runs)"}
 
 # Six tokens, embedding dimension 3.
 CAT_TOKENS = ["A", "cat", "sat", "on", "the", "mat"]

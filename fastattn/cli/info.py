@@ -23,9 +23,12 @@ import textwrap
 
 import numpy as np
 
-from .common import ENVIRONMENT, OK
+from .common import COMMON_STATUSES, ENVIRONMENT, OK
 
 HELP = "version, compiler, SIMD variant, threads and thread pool"
+EXIT_STATUSES = {**COMMON_STATUSES,
+                 ENVIRONMENT: "fastattn cannot be imported, or the imported fastattn is not "
+                              "the installed one"}
 UNKNOWN = "unknown"
 POOLS = {"pthreads": "fastattn's own pool of POSIX threads",
          "openmp": "OpenMP threads on a dynamic schedule",

@@ -8,7 +8,7 @@ import os
 import sys
 
 from . import bench, demo, info
-from .common import EPILOG, FAILED, USAGE
+from .common import EPILOG, FAILED, USAGE, epilog
 
 COMMANDS = {"bench": bench, "info": info, "demo": demo}
 
@@ -25,13 +25,23 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog=_prog(), description="fastattn: fused scaled-dot-product attention for NumPy.",
         epilog=EPILOG, formatter_class=raw)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(
             name, help=module.HELP,
             description=module.__doc__.split("\n\n")[0].replace("``", ""),
-            epilog=EPILOG, formatter_class=raw))
+            epilog=epilog(module.EXIT_STATUSES), formatter_class=raw))
     return parser
+
+
+def _version():
+    """fastattn's version, or why there is none (the command line runs without it)."""
+    try:
+        import fastattn
+    except ImportError as exc:
+        return f"(fastattn cannot be imported: {exc})"
+    return fastattn.__version__
 
 
 def _run(argv):

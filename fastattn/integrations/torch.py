@@ -17,9 +17,15 @@ which recomputes the probabilities from it tile by tile.  Gradients flow to q, k
 constants.  Tensors are handed to fastattn as NumPy views of the same memory wherever the
 dtype allows (float32, float64, float16, and bfloat16 with ``ml_dtypes`` installed).
 
+Mixed dtypes follow :func:`fastattn.attention`: the call is computed in the promoted
+dtype (``torch.promote_types``; a float64 ``q`` with float32 ``k``, ``v`` is computed in
+float64) and ``out`` comes in it; each gradient comes in its input's dtype.  (torch's own
+SDPA refuses mixed dtypes.)
+
 What these functions do not take, they refuse with an error rather than guess: tensors
-not on the CPU, ``dropout_p > 0``, a float ``attn_mask`` that requires gradients, and a
-second backward (double backward) through them.
+not on the CPU, ``dropout_p > 0``, a mask (or any other keyword tensor) that requires
+gradients, and a second derivative: a backward with ``create_graph=True`` through them
+raises ``NotImplementedError``, since fastattn's backward is not itself differentiable.
 
 torch is imported when a function is first called, never by importing this module.
 """
@@ -69,6 +75,8 @@ def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
     if "out" in keywords:
         raise TypeError("out is not taken by the torch operation (autograd owns its results)")
     _check_tensors(torch, q=q, k=k, v=v)
+    for name, value in keywords.items():
+        _refuse_grad(torch, name, value)
     keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
     if sinks is not None and not torch.is_tensor(sinks):
         sinks = torch.as_tensor(np.asarray(sinks, dtype=np.float64))
@@ -145,9 +153,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``enable_gqa`` lets ``Hq`` be a multiple of ``Hkv``.  Differentiable in query, key and
     value.  A row that sees no key gives zeros (as torch's CPU path does).
 
-    Raises ``NotImplementedError`` for ``dropout_p > 0`` and for a float ``attn_mask`` that
-    requires gradients; ``ValueError`` for ``attn_mask`` with ``is_causal=True`` and for
-    ``Hq != Hkv`` without ``enable_gqa``, as torch does.
+    Raises ``NotImplementedError`` for ``dropout_p > 0``, for a float ``attn_mask`` that
+    requires gradients and for a backward with ``create_graph=True``; ``ValueError`` for
+    ``attn_mask`` with ``is_causal=True`` and for ``Hq != Hkv`` without ``enable_gqa``, as
+    torch does.  Unlike torch's, mixed dtypes are computed in the promoted dtype.
 
     Examples
     --------
@@ -167,9 +176,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass enable_gqa=True "
             f"for grouped-query attention (query.shape={tuple(query.shape)}, "
             f"key.shape={tuple(key.shape)})")
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError("fastattn treats attn_mask as a constant: it computes no "
-                                  "gradient for a mask that requires one")
+    _refuse_grad(torch, "attn_mask", attn_mask)
     return attention(query, key, value, scale=scale, mask=attn_mask,
                      causal="top-left" if is_causal else False)
 
@@ -187,6 +194,15 @@ def _check_tensors(torch, **tensors):
             raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
 
 
+def _refuse_grad(torch, name, value):
+    """Refuse a keyword tensor that would need a gradient: masks, slopes and lengths are
+    constants to fastattn, and a silently missing gradient is a wrong one."""
+    if torch.is_tensor(value) and value.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"fastattn treats {name} as a constant: it computes no gradient for a {name} "
+            f"that requires one (detach it, or compute it with torch)")
+
+
 def _constant(torch, name, value):
     """A keyword's value as fastattn takes it: tensors as NumPy arrays (detached)."""
     if not torch.is_tensor(value):
@@ -200,8 +216,22 @@ def _constant(torch, name, value):
 
 
 def _arrays(torch, *tensors):
-    """NumPy views of detached CPU tensors (see ``_torch.arrays``)."""
-    return _torch.arrays(torch, *(t.detach() if t.requires_grad else t for t in tensors))
+    """NumPy views of detached CPU tensors, each in its own dtype, so that fastattn
+    promotes a mix of dtypes as :func:`fastattn.attention` does (bfloat16 is upcast to a
+    float32 copy when ``ml_dtypes`` is missing: the same compute dtype)."""
+    arrays = []
+    for t in tensors:
+        t = t.detach() if t.requires_grad else t
+        if t.dtype == torch.bfloat16 and _torch.bfloat16_dtype() is None:
+            t = t.float()
+        arrays.append(_torch.view(torch, t))
+    return tuple(arrays)
+
+
+def _result_dtype(torch, *tensors):
+    """The dtype of ``out``: the inputs' own when they agree, else their promotion (with
+    16-bit dtypes mixed, float32), as :func:`fastattn.attention`'s result."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
 def _tensor(torch, a, dtype):
@@ -218,7 +248,8 @@ def _forward(torch, q, k, v, sinks, keywords, return_lse):
     with _torch.from_torch(torch):
         res = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=return_lse, **keywords)
     out, lse = res if return_lse else (res, None)
-    return _tensor(torch, out, q.dtype), None if lse is None else torch.from_numpy(lse)
+    out = _tensor(torch, out, _result_dtype(torch, q, k, v))
+    return out, None if lse is None else torch.from_numpy(lse)
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,8 +267,14 @@ def _function():
             return out_t, lse_t
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
         def backward(ctx, dout, dlse):
+            # Grad mode is on inside a backward exactly when it runs with create_graph=True:
+            # the gradients would then have to be differentiable, and fastattn's are not.
+            if torch.is_grad_enabled():
+                raise NotImplementedError(
+                    "fastattn's attention has no double backward: its gradients are not "
+                    "differentiable, so a backward through it with create_graph=True (a "
+                    "gradient penalty, a Hessian-vector product) is refused")
             q, k, v, out, lse, sinks = ctx.saved_tensors
             if dout is None:
                 dout = torch.zeros_like(out)

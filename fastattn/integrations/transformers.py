@@ -15,6 +15,7 @@ one forward pass share.
 """
 import functools
 import inspect
+import sys
 import warnings
 
 from .. import _api
@@ -44,7 +45,9 @@ def register(name="fastattn", *, fallback="sdpa"):
         What to do with a call fastattn cannot run but PyTorch's SDPA can: CUDA (or other
         non-CPU) tensors, dropout in training, a T5-style ``position_bias``, a paged
         cache.  ``"sdpa"`` (default) hands the call to transformers' ``sdpa`` function,
-        with one ``RuntimeWarning`` per reason; ``None`` raises ``NotImplementedError``.
+        with one ``RuntimeWarning`` per reason, and a call with ``output_attentions=True``
+        to the model's ``eager`` function, which returns the attention weights (sdpa
+        cannot); ``None`` raises ``NotImplementedError``.
 
     Returns
     -------
@@ -73,7 +76,8 @@ def register(name="fastattn", *, fallback="sdpa"):
     - **Training.** When autograd records the call (grad mode on and an input that
       requires grad), it runs as :func:`fastattn.integrations.torch.attention`, whose
       backward is :func:`fastattn.attention_backward`; the result is then a new tensor.
-    - The attention weights are not returned (``None``), as with ``sdpa``.
+    - The attention weights are not returned (``None``), as with ``sdpa``; with
+      ``output_attentions=True`` the call runs as ``eager`` (see ``fallback``).
 
     Examples
     --------
@@ -160,10 +164,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise NotImplementedError(
                 f"fastattn cannot run this attention call: {reason}.  Register with "
                 "fallback='sdpa' to hand such calls to PyTorch's SDPA")
+        to = "eager" if reason == _WEIGHTS else "sdpa"
         if reason not in _warned:
             _warned.add(reason)
-            warnings.warn(f"fastattn hands this call (and later ones like it) to 'sdpa': "
+            warnings.warn(f"fastattn hands this call (and later ones like it) to '{to}': "
                           f"{reason}", RuntimeWarning, stacklevel=2)
+        if to == "eager":
+            return _eager(torch, module, query, key, value, attention_mask, dropout, scaling,
+                          is_causal, kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
@@ -204,6 +212,37 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 # --------------------------------------------------------------------------- helpers
 
+# The reason that only an implementation returning the weights can serve.
+_WEIGHTS = "output_attentions=True (the weights are computed by 'eager')"
+
+
+def _eager(torch, module, query, key, value, attention_mask, dropout, scaling, is_causal,
+           kwargs):
+    """The call by the model's own ``eager_attention_forward`` (defined beside its attention
+    layer), which returns the attention weights.  Eager adds its mask to the scores, so the
+    boolean mask of the registered (sdpa) mask function becomes an additive one, and no
+    mask becomes sdpa's causal rule written out."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise NotImplementedError(
+            f"fastattn cannot return attention weights, and {type(module).__name__}'s module "
+            "has no eager_attention_forward to hand the call to; use "
+            "attn_implementation='eager'")
+    Lq, Lk = query.shape[-2], key.shape[-2]
+    if attention_mask is None:
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        if is_causal and Lq > 1:   # top-left, as sdpa aligns it
+            attention_mask = torch.ones(Lq, Lk, dtype=torch.bool, device=query.device).tril()
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype,
+                                     device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                 **kwargs)
+
 @functools.lru_cache(maxsize=None)
 def _takes(keyword):
     """Whether this build's ``fastattn.attention`` accepts ``keyword``."""
@@ -223,7 +262,7 @@ def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):
     if kwargs.get("cache") is not None:
         return "a paged cache (continuous batching)"
     if kwargs.get("output_attentions"):
-        return "output_attentions=True"
+        return _WEIGHTS
     known = _torch.float_dtypes(torch)
     if not (query.dtype in known and key.dtype in known and value.dtype in known):
         return f"dtype {sorted(map(str, {query.dtype, key.dtype, value.dtype}))}"

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import sys
 
-from ..common import ENVIRONMENT, USAGE, pyplot
+from ..common import COMMON_STATUSES, ENVIRONMENT, FAILED, GONE, USAGE, pyplot
 from .backward import ORACLE_MAX_SCORES, QUICK_ORACLE_MAX_SCORES
 from .shapes import BACKWARD_SHAPES, BACKWARD_SHAPES_BY_NAME, QUICK_SKIP_REFERENCE, SHAPES, \
     SHAPES_BY_NAME, parse_shapes
 
 HELP = "time fastattn against the NumPy reference (float64) and PyTorch"
+EXIT_STATUSES = {**COMMON_STATUSES,
+                 FAILED: f"a correctness check failed or fastattn raised an error, or {GONE}",
+                 ENVIRONMENT: "fastattn cannot be imported, or --plot without matplotlib "
+                              "(checked before anything runs)"}
 
 
 def add_arguments(parser):

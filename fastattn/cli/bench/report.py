@@ -33,8 +33,10 @@ REFERENCE_NOTE = ("ref f64 = fastattn.reference.attention: NumPy in float64, bui
 BACKWARD_NOTE = ("fastattn = fastattn.attention_backward from the forward's out and lse; "
                  "torch = torch.autograd.grad through scaled_dot_product_attention (its "
                  "forward untimed); a backward counts as 2.5 forwards' FLOPs; {x} torch = torch's "
-                 "time / fastattn's (over 1: fastattn is faster); max|g| = the largest "
-                 "gradient")
+                 "time / fastattn's (over 1: fastattn is faster); {d} vs torch, {d} vs f64 = "
+                 "max|g - g_other| / max|g_other| over dq, dk, dv, where g is fastattn's "
+                 "gradient and g_other torch's, or the float64 oracle's "
+                 "(fastattn.reference.attention_backward)")
 
 
 def peak_basis(result):
@@ -143,24 +145,28 @@ def _other_cells(r, other, sym):
     return ["n/a", sym["dash"]]
 
 
-def _check_cells(r, diff_keys, sym):
-    """The largest difference found, the check's verdict and the background load."""
+def _check_cells(r, diff_keys, sym, separate=False):
+    """The largest difference found (or, ``separate``, one per key), the check's verdict
+    and the background load."""
     c = r.get("check", {})
-    diffs = [c[key] for key in diff_keys if key in c]
+    if separate:
+        cells = [f"{c[key]:.1e}" if key in c else sym["dash"] for key in diff_keys]
+    else:
+        diffs = [c[key] for key in diff_keys if key in c]
+        cells = [f"{max(diffs):.1e}" if diffs else sym["dash"]]
     # CPU share taken by other processes (or the hypervisor) while this row ran.
     bg = _background(r)
-    return [f"{max(diffs):.1e}" if diffs else sym["dash"], "ok" if c.get("ok") else "FAIL",
-            _percent(bg) if bg is not None else "?"]
+    return cells + ["ok" if c.get("ok") else "FAIL", _percent(bg) if bg is not None else "?"]
 
 
 def _shape_row(r, peaks, sym, others=("reference", "torch"),
-               diff_keys=("vs_torch_max_abs", "vs_reference_max_abs")):
+               diff_keys=("vs_torch_max_abs", "vs_reference_max_abs"), separate=False):
     shape = SHAPES_BY_NAME.get(r["name"])
     described = r.get("shape") or (shape.describe() if shape else "?")
     row = [r["name"], described] + _fastattn_cells(r, peaks, sym)
     for other in others:
         row += _other_cells(r, other, sym)
-    return row + _check_cells(r, diff_keys, sym)
+    return row + _check_cells(r, diff_keys, sym, separate)
 
 
 def format_shapes_table(report):
@@ -180,12 +186,13 @@ def format_backward_table(report):
     sym = symbols()
     x = sym["x"]
     header = ["shape", "(Hq,Hkv,Lq,Lk,D)", "fastattn", "throughput", "% of measured",
-              "torch", f"{x} torch", f"max|{sym['delta']}|/max|g|", "check", "bg load"]
+              "torch", f"{x} torch", f"{sym['delta']} vs torch", f"{sym['delta']} vs f64",
+              "check", "bg load"]
     rows = [_shape_row(r, report["machine"]["peaks"], sym, ("torch",),
-                       ("vs_torch_max_rel", "vs_reference_max_rel"))
+                       ("vs_torch_max_rel", "vs_reference_max_rel"), separate=True)
             for r in report["results"]]
     return (format_table(header, rows, align="ll") + "\n"
-            + textwrap.fill(BACKWARD_NOTE.format(x=x), 100))
+            + textwrap.fill(BACKWARD_NOTE.format(x=x, d=sym["delta"]), 100))
 
 
 def _accuracy_cells(check, library, sym):
