@@ -132,7 +132,8 @@ cdef void _bwd_setup(const Problem* P, Tile* t, const Workspace* w, Py_ssize_t b
     t.decode = False
     t.ldqt = FA_BQ
     t.widen_k = P.k_kind != FA_STORE_NATIVE
-    t.widen_v = P.v_kind != FA_STORE_NATIVE
+    # (bfloat16 products read V's rows in place for dP)
+    t.widen_v = P.v_kind != FA_STORE_NATIVE and not t.bf16_dot
     t.pv_next_v = False
     _setup_rows(P, t, w, ws)
 
@@ -167,8 +168,17 @@ cdef void _bwd_rows(const Problem* P, const Grads* G, Tile* t, const Workspace* 
             if q_rows:
                 memset(ws + w.qrows + r * d_pad, 0, d_pad * sizeof(floating))
         rows[r % t.VL] = <const char*> dst
+        if t.bf16_dot:
+            # dO^T in pairs of bfloat16 dims, from dout as stored (zeros without a gradient)
+            rows[r % t.VL] = <const char*> (ws + w.zrow)
+            if ws[w.lse2 + r] != INFINITY:
+                rows[r % t.VL] = G.dout + (G.do_boff[t.b] + h * G.do_sh + i * G.do_si) * G.do_isz
         if r % t.VL == t.VL - 1:
-            pack_qt(rows, P.Dv, ws + w.dot + r + 1 - t.VL, FA_BQ)
+            if floating is float and t.bf16_dot:
+                fa_pack_qt_pairs(<const uint16_t* const*> rows, P.Dv,
+                                 <uint32_t*> (ws + w.dot + r + 1 - t.VL), FA_BQ)
+            else:
+                pack_qt(rows, P.Dv, ws + w.dot + r + 1 - t.VL, FA_BQ)
 
 
 # ---------------------------------------------------------------------------- key block
@@ -184,7 +194,7 @@ cdef void _bwd_block(const Problem* P, Tile* t, const Workspace* w,
     _load_block(P, t, w, ws)
     _scores_prefill(P, t, w, ws)
     _finish_scores(P, t, w, ws)
-    _score_lanes(t, w, ws, t.vblk, t.vblk_row, ws + w.dot, P.Dv, 1, ws + w.dp)
+    _score_lanes(t, w, ws, t.vblk, t.vblk_row, t.vptr, ws + w.dot, P.Dv, 1, ws + w.dp)
     for ig in range((t.nlanes + t.NL - 1) // t.NL):
         c = ig * t.NL
         nvec = <int> (min(t.NL, t.nlanes - c) // t.VL)
@@ -574,11 +584,12 @@ def backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, cnp.n
     P.sinks = <const double*> _data_or_null(sinks)
     P.q_len = <const Py_ssize_t*> _data_or_null(q_len)
     P.backward = True
-    P.bf16_dot = False
     cdef Py_ssize_t n = max(P.nbatch, 1)
     cdef cnp.ndarray boffs = np.empty(4 * n, dtype=np.intp)
     cdef Py_ssize_t* bo = <Py_ssize_t*> cnp.PyArray_DATA(boffs)
     _fill_grads(&G, dout, delta, dlse, dq, dk, dv)
+    # S and dP in bfloat16 pairs when the forward's were, and dO is bfloat16 too
+    P.bf16_dot = P.bf16_dot and G.do_kind == FA_STORE_BF16
     _fill_offsets(dout, 3, nb, bshape, P.nbatch, bo)
     _fill_offsets(dq, 3, nb, bshape, P.nbatch, bo + n)
     _fill_offsets(dk, 3, nb, bshape, P.nbatch, bo + 2 * n)
@@ -609,13 +620,14 @@ def backward_packed(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     cdef Py_ssize_t* offs = _fill_packed(&P, q, k, v, out, lse, cu_q, cu_k, causal, wl, wr,
                                          scale, softcap, alibi, sinks, lens, small)
     P.backward = True
-    P.bf16_dot = False
     cdef Py_ssize_t n = max(P.nbatch, 1), s
     cdef const Py_ssize_t* cq = <const Py_ssize_t*> cnp.PyArray_DATA(cu_q)
     cdef const Py_ssize_t* ck = <const Py_ssize_t*> cnp.PyArray_DATA(cu_k)
     cdef cnp.ndarray boffs = np.empty(4 * n, dtype=np.intp)
     cdef Py_ssize_t* bo = <Py_ssize_t*> cnp.PyArray_DATA(boffs)
     _fill_grads(&G, dout, delta, dlse, dq, dk, dv)
+    # S and dP in bfloat16 pairs when the forward's were, and dO is bfloat16 too
+    P.bf16_dot = P.bf16_dot and G.do_kind == FA_STORE_BF16
     for s in range(P.nbatch):
         bo[s] = cq[s] * G.do_si
         bo[n + s] = cq[s] * G.dq_si

@@ -448,7 +448,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         if not t.gather:
             _row_pointers(t.kptr, t.kb + t.j0 * t.k_row, t.k_row, t.nj)
             _row_pointers(t.vptr, t.vb + t.j0 * t.v_row, t.v_row, t.nj)
-        if floating is float:
+        if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
     elif not t.widen_v:
@@ -562,15 +562,16 @@ cdef inline void _gather_row(const char* src, int kind, const uint16_t* scale, P
 cdef void _scores_prefill(const Problem* P, Tile* t, const Workspace* w,
                           floating* ws) noexcept nogil:
     # S^T of the block (see _score_lanes).
-    _score_lanes(t, w, ws, t.kblk, t.kblk_row, ws + w.qt, P.D, <floating> t.scale_log2,
+    _score_lanes(t, w, ws, t.kblk, t.kblk_row, t.kptr, ws + w.qt, P.D, <floating> t.scale_log2,
                  ws + w.s)
 
 
 cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb,
-                       Py_ssize_t k_row, const floating* qt, Py_ssize_t D, floating scale,
-                       floating* s) noexcept nogil:
+                       Py_ssize_t k_row, const char** kptr, const floating* qt, Py_ssize_t D,
+                       floating scale, floating* s) noexcept nogil:
     # s = scale kb qt for the block's keys (rows of kb, k_row bytes apart, in the compute
-    # type) against the tile's rows packed in qt (D x FA_BQ), one lane group (2 vectors of
+    # type; with bfloat16 products the rows kptr as stored, and qt in pairs of dims)
+    # against the tile's rows packed in qt (D x FA_BQ), one lane group (2 vectors of
     # rows, or 1 for the last) at a time, in micro-tiles of FA_MR_K (6) keys; the last 4 or
     # fewer keys of a block in a 4-key tile (64 = 10 x 6 + 4: no scores computed for
     # padding keys).  Micro-tiles no row of the group can see are not computed
@@ -592,7 +593,7 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
                     t.krows[u] = kb + (jj + u) * k_row if ja + u < j1 else zrow
                 if floating is float and t.bf16_dot:
                     for u in range(mk):
-                        t.krows[u] = t.kptr[jj + u] if ja + u < j1 else zrow
+                        t.krows[u] = kptr[jj + u] if ja + u < j1 else zrow
                     score_tile_bdp(t.krows, <const uint32_t*> (qt + c), D, scale,
                                    s + jj * FA_BQ + c, nvec, mk)
                 else:

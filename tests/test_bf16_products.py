@@ -218,3 +218,35 @@ def test_environment_switch_turns_the_products_off():
     supported = kernel.BF16_DOT_BUILT and kernel.BF16_DOT_CPU
     assert res.stdout.split() == ["False", "False", str(supported)]
     assert bfloat16_bits(np.float32([1.0]))[0] == 0x3F80
+
+
+@needs_bf16_dot
+def test_backward_of_bfloat16_calls():
+    # S and dP multiply in bfloat16 pairs when q, k, v and dout are bfloat16: the
+    # gradients keep their bits across threads and batch, and stay within bfloat16
+    # accuracy of the float64 gradients of the same values.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = ml_dtypes.bfloat16
+    q, k, v = (a.astype(bf) for a in qkv((2, 4, 150, 64), (2, 2, 200, 64), seed=17))
+    dout = np.random.default_rng(18).standard_normal(q.shape).astype(bf)
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    with fastattn.num_threads(1):
+        one = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    with fastattn.num_threads(2):
+        two = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    single = fastattn.attention_backward(dout[1:], q[1:], k[1:], v[1:], out[1:], lse[1:],
+                                         causal=True)
+    for a, b, c in zip(one, two, single):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a[1:], c)
+    wide = [a.astype(np.float64) for a in (dout, q, k, v)]
+    want = reference.attention_backward(*wide, causal=True)
+    old = kernel.set_bf16_dot(False)
+    try:
+        exact = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    finally:
+        kernel.set_bf16_dot(old)
+    for g, e, w in zip(two, exact, want):
+        scale = np.abs(w).max()
+        assert np.abs(g - w).max() < 2**-7 * scale
+        assert np.abs(g - w).max() < 4 * np.abs(e - w).max() + 2**-12 * scale
