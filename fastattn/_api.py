@@ -1,7 +1,7 @@
 """The public kernels: argument validation and dispatch to the compiled code.
 
 Everything a caller can get wrong is checked here, before any work starts and before
-``out`` is touched; the compiled kernel (src/_kernel_impl.pxi) never re-validates.  The
+``out`` is touched; the compiled kernel (src/_entry_points.pxi) never re-validates.  The
 front end also decides the compute dtype and makes the last axis of q/k/v contiguous when
 it is not (the only copies it makes besides dtype casts; fastattn/_glue.py), and the kernel
 turns NumPy broadcasting of the batch dimensions into one element offset per flattened
@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from . import _args, _glue, _threads, reference
+from . import _args, _glue, _threads
 from ._glue import kernel as _kernel
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "softmax"]
@@ -108,7 +108,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     if _LEAN_PATH and (window is None and mask is None and kv_lengths is None
                        and type(return_lse) is bool and softcap is None
                        and alibi_slopes is None and q_lengths is None):
-        # The common case is recognised and run entirely in C (see src/_kernel_impl.pxi,
+        # The common case is recognised and run entirely in C (see src/_lean_gate.pxi,
         # "The lean call path"); it returns None for anything it does not take.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
                                      _threads.get_num_threads, sinks)
@@ -211,14 +211,62 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     p = _args.Problem(q, k, None, scale=scale, causal=causal, window=window, mask=mask,
                       kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
                       alibi_slopes=alibi_slopes, sinks=sinks)
-    # The reference's score stage, in the compute dtype, with the kernel's visibility.
-    lo, hi = _kernel.key_intervals(p)
-    j = np.arange(p.Lk)
-    visible = ((j >= lo[..., None]) & (j < hi[..., None])).reshape(p.batch + (1, p.Lq, p.Lk))
-    w, _ = reference.probabilities(reference.with_batch_axes(p), p.compute_dtype, visible)
+    # exp(S - lse): the finished scores against the kernel's own lse, whose denominator
+    # holds the sink too; hidden keys and rows that see nothing get 0.
+    lse = _kernel_lse(p)[..., None]
+    scores, visible = _finished_scores(p)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(visible, np.exp(scores - np.where(np.isneginf(lse), 0, lse)), 0)
     if p.squeeze_heads:
         w = w[0]
     return w.astype(p.result_dtype, copy=False)
+
+
+def _kernel_lse(p):
+    """The kernel's ``lse`` ``(..., Hq, Lq)`` of the call that Problem ``p`` (without
+    values) describes: a forward call with one zero value column, which the lse does not
+    read."""
+    cdt = p.compute_dtype
+    q, k = (_glue.kernel_ready(a, cdt) for a in (p.q, p.k))
+    v = np.broadcast_to(np.zeros((), cdt), k.shape[:-1] + (1,))
+    out = np.empty(p.batch + (p.Hq, p.Lq, 1), cdt)
+    lse = np.empty(p.batch + (p.Hq, p.Lq), cdt)
+    _kernel.forward(p, q=q, k=k, v=v, out=out, lse=lse, mask=_glue.kernel_mask(p),
+                    n_threads=_threads.get_num_threads())
+    return lse
+
+
+def _finished_scores(p):
+    """The scores ``(..., Hq, Lq, Lk)`` of Problem ``p`` in its compute dtype, finished in
+    the kernel's order (``scale * q . k``, softcap, ALiBi, float mask), and which of them
+    are visible: the kernel's rule (key_intervals), the bool mask, and a float mask's
+    -inf."""
+    cdt = p.compute_dtype
+    group = p.Hq // p.Hkv
+    q = p.q.astype(cdt).reshape(p.q.shape[:-3] + (p.Hkv, group, p.Lq, p.D))
+    k = p.k.astype(cdt)[..., :, None, :, :]
+    with np.errstate(all="ignore"):  # some BLAS kernels raise spurious FP warnings
+        s = cdt.type(p.scale) * (q @ np.swapaxes(k, -1, -2))
+    full = p.batch + (p.Hq, p.Lq, p.Lk)
+    s = np.broadcast_to(s.reshape(s.shape[:-4] + (p.Hq, p.Lq, p.Lk)), full)
+    if p.softcap is not None:
+        cap = cdt.type(p.softcap)
+        with np.errstate(over="ignore"):
+            s = cap * np.tanh(s / cap)
+    if p.alibi is not None:
+        offset = (p.kv_len_flat() - p.q_len_flat()).reshape(p.batch + (1, 1, 1))
+        distance = np.abs(np.arange(p.Lq)[:, None] + offset - np.arange(p.Lk))
+        s = s - (p.alibi.reshape(p.batch + (p.Hq, 1, 1)) * distance).astype(cdt)
+    lo, hi = _kernel.key_intervals(p)
+    j = np.arange(p.Lk)
+    visible = ((j >= lo[..., None]) & (j < hi[..., None])).reshape(p.batch + (1, p.Lq, p.Lk))
+    if p.mask_kind == "bool":
+        visible = visible & p.mask
+    elif p.mask_kind == "add":
+        with np.errstate(invalid="ignore"):
+            s = s + p.mask.astype(cdt)
+    visible = np.broadcast_to(visible, full) & (s != -np.inf)
+    return s, visible
 
 
 def softmax(x, axis=-1):
