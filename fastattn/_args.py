@@ -15,6 +15,8 @@ otherwise returns the argument normalised to the form a kernel wants.
 rule                           owner (returns)
 =============================  =========================================================
 array-like in, byte order      ``as_array`` (an ndarray in native byte order)
+a layer's input or weight      ``check_array`` (``as_array`` of a legal dtype)
+a size or count                ``check_index`` (an int ``>= minimum``)
 one array's dtype              ``check_dtype`` (real numbers: bool, integers, floats)
 dtypes of q, k, v (or any x)   ``dtypes`` (``(compute_dtype, result_dtype)``)
 bfloat16                       ``is_bfloat16`` / ``is_16bit``
@@ -74,7 +76,7 @@ from types import SimpleNamespace
 import numpy as np
 
 __all__ = [
-    "as_array", "is_bfloat16", "is_16bit", "check_dtype", "dtypes", "check_lengths",
+    "as_array", "check_array", "check_index", "is_bfloat16", "is_16bit", "check_dtype", "dtypes", "check_lengths",
     "check_shapes", "Shapes",
     "check_scale", "check_causal", "check_window", "check_flag", "check_mask",
     "check_softcap", "check_alibi_slopes", "check_sinks", "check_q_lengths",
@@ -295,6 +297,19 @@ def check_flag(value, name):
     return bool(value)
 
 
+def check_index(value, name, minimum):
+    """``value`` as a Python int ``>= minimum`` (sizes and counts of the layers, positions
+    and KV cache: ``d_model``, ``n_heads``, ``capacity``, ...); NumPy integers count, floats
+    do not."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 # --------------------------------------------------------------------------- arrays
 
 def as_array(x, name):
@@ -310,6 +325,14 @@ def as_array(x, name):
     if not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))
     return x
+
+
+def check_array(a, name):
+    """``a`` as an array (:func:`as_array`) of a dtype the kernels take
+    (:func:`check_dtype`): the inputs and weights of the layers."""
+    a = as_array(a, name)
+    check_dtype(a, name)
+    return a
 
 
 def _per_head(values, name, batch_shape, Hq, allow_minus_inf):
