@@ -212,11 +212,20 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
                       kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
                       alibi_slopes=alibi_slopes, sinks=sinks)
     # exp(S - lse): the finished scores against the kernel's own lse, whose denominator
-    # holds the sink too; hidden keys and rows that see nothing get 0.
+    # holds the sink too; hidden keys and rows that see nothing get 0.  The kernel's lse
+    # rounds differently from S here (it sums in base 2), so each row is divided by its
+    # own sum, sink included: a common factor, which makes the rows sum to 1 (less the
+    # sink's share) to rounding.
     lse = _kernel_lse(p)[..., None]
+    lse = np.where(np.isneginf(lse), 0, lse)
     scores, visible = _finished_scores(p)
     with np.errstate(invalid="ignore", over="ignore"):
-        w = np.where(visible, np.exp(scores - np.where(np.isneginf(lse), 0, lse)), 0)
+        e = np.where(visible, np.exp(scores - lse), 0)
+        total = e.sum(axis=-1, keepdims=True)
+        if p.sinks is not None:
+            sink = p.sinks.reshape(p.batch + (p.Hq, 1, 1)).astype(p.compute_dtype)
+            total = total + np.exp(sink - lse)
+        w = e / np.where(total == 0, 1, total)
     if p.squeeze_heads:
         w = w[0]
     return w.astype(p.result_dtype, copy=False)
