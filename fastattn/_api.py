@@ -5,8 +5,9 @@ Everything a caller can get wrong is checked here, before any work starts and be
 front end also decides the compute dtype and makes the last axis of q/k/v contiguous when
 it is not (the only copies it makes besides dtype casts; fastattn/_glue.py), and the kernel
 turns NumPy broadcasting of the batch dimensions into one element offset per flattened
-batch element, so broadcast inputs are read in place.  float16 and bfloat16 inputs are never cast: the kernel reads them in
-place and widens them itself, and writes a 16-bit result directly.
+batch element, so broadcast inputs are read in place.  float16 and bfloat16 inputs are
+never cast: the kernel reads them in place and widens them itself, and writes a 16-bit
+result directly.
 """
 import os
 

@@ -76,7 +76,8 @@ from types import SimpleNamespace
 import numpy as np
 
 __all__ = [
-    "as_array", "check_array", "check_index", "is_bfloat16", "is_16bit", "check_dtype", "dtypes", "check_lengths",
+    "as_array", "check_array", "check_index", "is_bfloat16", "is_16bit", "check_dtype",
+    "dtypes", "check_lengths",
     "check_shapes", "Shapes",
     "check_scale", "check_causal", "check_window", "check_flag", "check_mask",
     "check_softcap", "check_alibi_slopes", "check_sinks", "check_q_lengths",

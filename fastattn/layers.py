@@ -234,7 +234,8 @@ class MultiHeadAttention:
                  rope_base=10000.0, window=None, softcap=None, sinks=False, kv_dtype=None):
         d_model = _args.check_index(d_model, "d_model", 1)
         n_heads = _args.check_index(n_heads, "n_heads", 1)
-        n_kv_heads = n_heads if n_kv_heads is None else _args.check_index(n_kv_heads, "n_kv_heads", 1)
+        n_kv_heads = (n_heads if n_kv_heads is None
+                      else _args.check_index(n_kv_heads, "n_kv_heads", 1))
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide n_heads ({n_heads})")
         if d_head is None:

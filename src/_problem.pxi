@@ -202,6 +202,8 @@ cdef int _batch_shape(object p, Py_ssize_t* bshape) except -1:
         bshape[0] = p.n_seq
         return 1
     nb = len(p.batch)
+    if nb > 32:   # the offsets' odometer (_fill_offsets) has 32 axes
+        raise ValueError(f"fastattn: at most 32 batch dimensions, got {nb}")
     for d in range(nb):
         bshape[d] = p.batch[d]
     return nb
@@ -229,15 +231,19 @@ cdef Py_ssize_t* _fill_problem(Problem* P, object p, cnp.ndarray q, cnp.ndarray 
     # Returns the block of batch offsets (the caller frees it with _free_offsets).
     cdef Py_ssize_t bshape[32]
     cdef int nb = _batch_shape(p, bshape)
-    cdef Py_ssize_t* offs
-    if p.packed:
-        offs = _fill_layout(P, q, k, v, out, lse, None, nb, bshape, NULL, small)
-        _pack_sequences(P, p.cu_q, p.cu_k, offs)
-    else:
-        offs = _fill_layout(P, q, k, v, out, lse, mask, nb, bshape,
-                            <const Py_ssize_t*> _data_or_null(p.kv_len), small)
-        P.q_len = <const Py_ssize_t*> _data_or_null(p.q_len)
-    _fill_description(P, p)
+    cdef const Py_ssize_t* kv_len = NULL
+    if not p.packed:
+        kv_len = <const Py_ssize_t*> _data_or_null(p.kv_len)
+    cdef Py_ssize_t* offs = _fill_layout(P, q, k, v, out, lse, mask, nb, bshape, kv_len, small)
+    try:
+        if p.packed:
+            _pack_sequences(P, p.cu_q, p.cu_k, offs)
+        else:
+            P.q_len = <const Py_ssize_t*> _data_or_null(p.q_len)
+        _fill_description(P, p)
+    except BaseException:
+        _free_offsets(offs, small)
+        raise
     return offs
 
 

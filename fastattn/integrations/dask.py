@@ -330,7 +330,9 @@ def _shard_mask(q, k, v, a, b, Lk, kv_len, q_len, mask, static):
     """Boolean visibility of keys a:b from the kernel's rule (key_intervals) for the whole
     call, combined with the user's mask."""
     # The whole call's Problem, its k and v stand-ins of Lk keys (zero strides: no memory).
-    whole = lambda x: np.broadcast_to(np.zeros((), x.dtype), x.shape[:-2] + (Lk, x.shape[-1]))  # noqa: E731
+    def whole(x):
+        return np.broadcast_to(np.zeros((), x.dtype), x.shape[:-2] + (Lk, x.shape[-1]))
+
     p = _args.Problem(q, whole(k), whole(v), scale=1.0, causal=static["causal"],
                       window=static["window"], kv_lengths=kv_len, q_lengths=q_len)
     lo, hi = _kernel.key_intervals(p)
