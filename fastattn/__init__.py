@@ -28,25 +28,28 @@ The house
 Both call paths::
 
     attention(q, k, v, ...)            fastattn/_api.py
-      |-- lean gate (C) -----------+     src/_kernel_impl.pxi: attention_fast
-      |-- Problem (_args.py) ------+     one rule per argument
-                                   v
+      |-- lean gate (C) -----------+     src/_lean_gate.pxi: attention_fast
+      |-- Problem (_args.py) ------+     one rule per argument; _glue.py prepares the
+      |   -> kernel.forward(p, ...)|     arrays; src/_problem.pxi fills the C struct
+                                   v     from the Problem's fields, by name
                         run step: Problem struct -> work items on the pool
-                                   |     src/fa_pool.h (threads shared politely)
+                                   |     src/_jobs.pxi, fa_pool.h (threads shared politely)
                                    v
                         tile pipeline    src/_tile_pipeline.pxi, fa_tile_impl.h
                         score tile -> finish scores -> softmax step -> output tile
                                          (visibility: fa_key_interval, one definition)
 
 - ``fastattn/_api.py``        ``attention``, ``attention_varlen``, ``attention_weights``,
-                              ``softmax``: the front end and its glue to the kernel.
-- ``fastattn/_args.py``       every argument rule, and the ``Problem`` of a call.
+                              ``softmax``: the front end.
+- ``fastattn/_args.py``       every argument rule, and the ``Problem`` of a call (with
+                              the kernel's codes of its normalised arguments).
+- ``fastattn/_glue.py``       the arrays as the kernel reads them, and the result back.
 - ``fastattn/_backward.py``   ``attention_backward`` / ``attention_varlen_backward``.
 - ``fastattn/_merge.py``      ``merge_attention``: partial results over disjoint keys.
 - ``fastattn/_kvcache_attn.py`` ``attention_with_kvcache``: serving caches (paged, q8_0),
                               appended in place; ``_q8_0.py`` the q8_0 format.
-- ``fastattn/reference.py``   the plain-NumPy oracle (float64, materialised scores);
-                              ``attention_weights`` reuses its score stage.
+- ``fastattn/reference.py``   the plain-NumPy oracle (float64, materialised scores), public
+                              for users and tests; no other function computes through it.
 - ``src/``                    the kernel, compiled once per instruction set;
                               ``fastattn/_dispatch.py`` imports the best the CPU runs.
 - ``fastattn/_threads.py``    the thread count (``set_num_threads``, threadpoolctl).

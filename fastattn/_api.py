@@ -1,82 +1,25 @@
 """The public kernels: argument validation and dispatch to the compiled code.
 
 Everything a caller can get wrong is checked here, before any work starts and before
-``out`` is touched; the compiled kernel (src/_kernel_impl.pxi) never re-validates.  The
-front end also decides the compute dtype, makes the last axis of q/k/v contiguous when it
-is not (the only copies it makes besides dtype casts), and turns NumPy broadcasting of the
-batch dimensions into one element offset per flattened batch element, so broadcast inputs
-are read in place.  float16 and bfloat16 inputs are never cast: the kernel reads them in
-place and widens them itself, and writes a 16-bit result directly.
+``out`` is touched; the compiled kernel (src/_entry_points.pxi) never re-validates.  The
+front end also decides the compute dtype and makes the last axis of q/k/v contiguous when
+it is not (the only copies it makes besides dtype casts; fastattn/_glue.py), and the kernel
+turns NumPy broadcasting of the batch dimensions into one element offset per flattened
+batch element, so broadcast inputs are read in place.  float16 and bfloat16 inputs are
+never cast: the kernel reads them in place and widens them itself, and writes a 16-bit
+result directly.
 """
 import os
 
 import numpy as np
 
-from . import _args, _precision, _threads, reference
-from ._dispatch import kernel as _kernel
+from . import _args, _glue, _precision, _threads
+from ._glue import kernel as _kernel
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "softmax"]
 
-# --------------------------------------------------------------------------- kernel glue
-
-# The kernel's codes for the normalised arguments of fastattn._args.
-_CAUSAL_CODES = {"none": _kernel.CAUSAL_NONE, "bottom-right": _kernel.CAUSAL_BOTTOM_RIGHT,
-                 "top-left": _kernel.CAUSAL_TOP_LEFT}
-_MASK_CODES = {None: _kernel.MASK_NONE, "bool": _kernel.MASK_BOOL, "add": _kernel.MASK_ADD}
-
 # Set to False to send every call through the validated path (tests compare the two).
 _LEAN_PATH = os.environ.get("FASTATTN_VALIDATED_ONLY", "") in ("", "0")
-
-
-def _kernel_layout(a):
-    """Whether the kernel can address ``a`` in place (the kernel's own rule)."""
-    return _kernel.kernel_layout(a)
-
-
-def _kernel_ready(a, dtype):
-    """``a`` as the kernel reads it: 16-bit floats as they are, anything else cast to the
-    compute dtype; copied only if the kernel cannot read it in place."""
-    if not _args.is_16bit(a.dtype):
-        a = a.astype(dtype, copy=False)
-    return a if _kernel_layout(a) else np.ascontiguousarray(a)
-
-
-def _kernel_mask(p):
-    """The mask as the kernel reads it (a uint8 view of a bool mask, or the compute dtype
-    with element strides), broadcast to ``(..., Hq, Lq, Lk)``; None without one."""
-    mask = p.mask
-    if mask is None:
-        return None
-    if p.mask_kind == "bool":
-        mask = mask.view(np.uint8)
-    else:
-        mask = mask.astype(p.compute_dtype, copy=False)
-        if any(st % mask.itemsize for st in mask.strides):
-            mask = np.ascontiguousarray(mask)
-    return np.broadcast_to(mask, p.batch + (p.Hq, p.Lq, p.Lk))
-
-
-def _writes_in_place(target, cdt, inputs):
-    """Whether the kernel can write straight into ``target``: the compute dtype (or a 16-bit
-    result of float32 compute) in native byte order, rows it can address, and no overlap
-    with an input (tiles read the inputs while others are written)."""
-    return (target is not None and _kernel_writes(target.dtype, cdt) and _kernel_layout(target)
-            and not any(np.may_share_memory(target, a) for a in inputs if a is not None))
-
-
-def _kernel_writes(dtype, cdt):
-    """Whether the kernel writes results of compute dtype ``cdt`` as ``dtype`` itself."""
-    return dtype == cdt or (cdt == np.float32 and _args.is_16bit(dtype))
-
-
-def _result(out, res, result_dtype, direct):
-    """The caller's ``out`` holding ``res`` (copied unless the kernel wrote it there), or
-    ``res`` in the result dtype."""
-    if out is not None:
-        if not direct:
-            np.copyto(out, res, casting="unsafe")
-        return out
-    return res if res.dtype == result_dtype else res.astype(result_dtype)
 
 
 # --------------------------------------------------------------------------- public API
@@ -167,7 +110,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
                        and type(return_lse) is bool and softcap is None
                        and alibi_slopes is None and q_lengths is None
                        and _precision.get_float32_precision() == "float32"):
-        # The common case is recognised and run entirely in C (see src/_kernel_impl.pxi,
+        # The common case is recognised and run entirely in C (see src/_lean_gate.pxi,
         # "The lean call path"); it returns None for anything it does not take.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
                                      _threads.get_num_threads, sinks)
@@ -182,27 +125,24 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
 def _forward(p):
     """Run the kernel on a validated :class:`fastattn._args.Problem`."""
     cdt = p.compute_dtype
-    q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = (_glue.kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
     q, k, v = _precision.forward_inputs(q, k, v, cdt, p.D, p.Dv)
     full_shape = p.batch + (p.Hq, p.Lq, p.Dv)
     # Write straight into the caller's `out` when the kernel can.
     target = p.out
     if target is not None and p.squeeze_heads:
         target = target[None]
-    mask = _kernel_mask(p)
-    direct = _writes_in_place(target, cdt, (q, k, v, mask))
-    rdt = p.result_dtype if _kernel_writes(p.result_dtype, cdt) else cdt
+    mask = _glue.kernel_mask(p)
+    direct = _glue.writes_in_place(target, cdt, (q, k, v, mask))
+    rdt = p.result_dtype if _glue.kernel_writes(p.result_dtype, cdt) else cdt
     res = target if direct else np.empty(full_shape, dtype=rdt)
     lse = np.empty(p.batch + (p.Hq, p.Lq), dtype=cdt) if p.return_lse else None
-    _kernel.forward(
-        q, k, v, res, lse, mask, _MASK_CODES[p.mask_kind], p.batch, p.kv_len_flat(),
-        _CAUSAL_CODES[p.causal], p.wl, p.wr, p.scale, _threads.get_num_threads(),
-        p.softcap or 0.0, p.alibi, p.sinks, p.q_len,
-    )
+    _kernel.forward(p, q=q, k=k, v=v, out=res, lse=lse, mask=mask,
+                    n_threads=_threads.get_num_threads())
     if p.squeeze_heads:
         res = res[0]
         lse = None if lse is None else lse[0]
-    res = _result(p.out, res, p.result_dtype, direct)
+    res = _glue.result(p.out, res, p.result_dtype, direct)
     return (res, lse) if p.return_lse else res
 
 
@@ -247,16 +187,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
                              window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                              sinks=sinks, return_lse=return_lse, out=out)
     cdt = p.compute_dtype
-    q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = (_glue.kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
     q, k, v = _precision.forward_inputs(q, k, v, cdt, p.D, p.Dv)
-    direct = _writes_in_place(p.out, cdt, (q, k, v))
-    rdt = p.result_dtype if _kernel_writes(p.result_dtype, cdt) else cdt
+    direct = _glue.writes_in_place(p.out, cdt, (q, k, v))
+    rdt = p.result_dtype if _glue.kernel_writes(p.result_dtype, cdt) else cdt
     res = p.out if direct else np.empty((p.Hq, p.total_q, p.Dv), dtype=rdt)
     lse = np.empty((p.Hq, p.total_q), dtype=cdt) if p.return_lse else None
-    _kernel.forward_packed(q, k, v, res, lse, p.cu_q, p.cu_k, _CAUSAL_CODES[p.causal], p.wl,
-                           p.wr, p.scale, _threads.get_num_threads(), p.softcap or 0.0,
-                           p.alibi, p.sinks)
-    res = _result(p.out, res, p.result_dtype, direct)
+    _kernel.forward(p, q=q, k=k, v=v, out=res, lse=lse, mask=None,
+                    n_threads=_threads.get_num_threads())
+    res = _glue.result(p.out, res, p.result_dtype, direct)
     return (res, lse) if p.return_lse else res
 
 
@@ -276,15 +215,71 @@ def attention_weights(q, k, *, scale=None, causal=False, window=None, mask=None,
     p = _args.Problem(q, k, None, scale=scale, causal=causal, window=window, mask=mask,
                       kv_lengths=kv_lengths, q_lengths=q_lengths, softcap=softcap,
                       alibi_slopes=alibi_slopes, sinks=sinks)
-    # The reference's score stage, in the compute dtype, with the kernel's visibility.
-    lo, hi = _kernel.key_intervals(p.Lq, p.kv_len_flat(), _CAUSAL_CODES[p.causal], p.wl, p.wr,
-                                   p.q_len)
-    j = np.arange(p.Lk)
-    visible = ((j >= lo[..., None]) & (j < hi[..., None])).reshape(p.batch + (1, p.Lq, p.Lk))
-    w, _ = reference.probabilities(reference.with_batch_axes(p), p.compute_dtype, visible)
+    # exp(S - lse): the finished scores against the kernel's own lse, whose denominator
+    # holds the sink too; hidden keys and rows that see nothing get 0.  The kernel's lse
+    # rounds differently from S here (it sums in base 2), so each row is divided by its
+    # own sum, sink included: a common factor, which makes the rows sum to 1 (less the
+    # sink's share) to rounding.
+    lse = _kernel_lse(p)[..., None]
+    lse = np.where(np.isneginf(lse), 0, lse)
+    scores, visible = _finished_scores(p)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.where(visible, np.exp(scores - lse), 0)
+        total = e.sum(axis=-1, keepdims=True)
+        if p.sinks is not None:
+            sink = p.sinks.reshape(p.batch + (p.Hq, 1, 1)).astype(p.compute_dtype)
+            total = total + np.exp(sink - lse)
+        w = e / np.where(total == 0, 1, total)
     if p.squeeze_heads:
         w = w[0]
     return w.astype(p.result_dtype, copy=False)
+
+
+def _kernel_lse(p):
+    """The kernel's ``lse`` ``(..., Hq, Lq)`` of the call that Problem ``p`` (without
+    values) describes: a forward call with one zero value column, which the lse does not
+    read."""
+    cdt = p.compute_dtype
+    q, k = (_glue.kernel_ready(a, cdt) for a in (p.q, p.k))
+    v = np.broadcast_to(np.zeros((), cdt), k.shape[:-1] + (1,))
+    out = np.empty(p.batch + (p.Hq, p.Lq, 1), cdt)
+    lse = np.empty(p.batch + (p.Hq, p.Lq), cdt)
+    _kernel.forward(p, q=q, k=k, v=v, out=out, lse=lse, mask=_glue.kernel_mask(p),
+                    n_threads=_threads.get_num_threads())
+    return lse
+
+
+def _finished_scores(p):
+    """The scores ``(..., Hq, Lq, Lk)`` of Problem ``p`` in its compute dtype, finished in
+    the kernel's order (``scale * q . k``, softcap, ALiBi, float mask), and which of them
+    are visible: the kernel's rule (key_intervals), the bool mask, and a float mask's
+    -inf."""
+    cdt = p.compute_dtype
+    group = p.Hq // p.Hkv
+    q = p.q.astype(cdt).reshape(p.q.shape[:-3] + (p.Hkv, group, p.Lq, p.D))
+    k = p.k.astype(cdt)[..., :, None, :, :]
+    with np.errstate(all="ignore"):  # some BLAS kernels raise spurious FP warnings
+        s = cdt.type(p.scale) * (q @ np.swapaxes(k, -1, -2))
+    full = p.batch + (p.Hq, p.Lq, p.Lk)
+    s = np.broadcast_to(s.reshape(s.shape[:-4] + (p.Hq, p.Lq, p.Lk)), full)
+    if p.softcap is not None:
+        cap = cdt.type(p.softcap)
+        with np.errstate(over="ignore"):
+            s = cap * np.tanh(s / cap)
+    if p.alibi is not None:
+        offset = (p.kv_len_flat() - p.q_len_flat()).reshape(p.batch + (1, 1, 1))
+        distance = np.abs(np.arange(p.Lq)[:, None] + offset - np.arange(p.Lk))
+        s = s - (p.alibi.reshape(p.batch + (p.Hq, 1, 1)) * distance).astype(cdt)
+    lo, hi = _kernel.key_intervals(p)
+    j = np.arange(p.Lk)
+    visible = ((j >= lo[..., None]) & (j < hi[..., None])).reshape(p.batch + (1, p.Lq, p.Lk))
+    if p.mask_kind == "bool":
+        visible = visible & p.mask
+    elif p.mask_kind == "add":
+        with np.errstate(invalid="ignore"):
+            s = s + p.mask.astype(cdt)
+    visible = np.broadcast_to(visible, full) & (s != -np.inf)
+    return s, visible
 
 
 def softmax(x, axis=-1):

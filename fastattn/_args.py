@@ -15,12 +15,15 @@ otherwise returns the argument normalised to the form a kernel wants.
 rule                           owner (returns)
 =============================  =========================================================
 array-like in, byte order      ``as_array`` (an ndarray in native byte order)
+a layer's input or weight      ``check_array`` (``as_array`` of a legal dtype)
+a size or count                ``check_index`` (an int ``>= minimum``)
 one array's dtype              ``check_dtype`` (real numbers: bool, integers, floats)
 dtypes of q, k, v (or any x)   ``dtypes`` (``(compute_dtype, result_dtype)``)
 bfloat16                       ``is_bfloat16`` / ``is_16bit``
 q, k, v shapes and batch       ``check_shapes`` (a :class:`Shapes`)
 scale                          ``check_scale`` (a finite float)
-causal                         ``check_causal`` (``"none"``, ``"bottom-right"``, ``"top-left"``)
+causal                         ``check_causal`` (``"none"``, ``"bottom-right"``, ``"top-left"``);
+                               ``CAUSAL_CODES`` gives the kernel's code of each
 window                         ``check_window`` (``(left, right)``, -1 = unbounded)
 mask                           ``check_mask`` (``(mask, "bool" | "add")`` or ``(None, None)``)
 kv_lengths / q_lengths         ``check_kv_lengths`` / ``check_q_lengths`` (intp ``(nbatch,)``),
@@ -73,13 +76,14 @@ from types import SimpleNamespace
 import numpy as np
 
 __all__ = [
-    "as_array", "is_bfloat16", "is_16bit", "check_dtype", "dtypes", "check_lengths",
+    "as_array", "check_array", "check_index", "is_bfloat16", "is_16bit", "check_dtype",
+    "dtypes", "check_lengths",
     "check_shapes", "Shapes",
     "check_scale", "check_causal", "check_window", "check_flag", "check_mask",
     "check_softcap", "check_alibi_slopes", "check_sinks", "check_q_lengths",
     "check_kv_lengths", "check_out", "check_varlen_shapes", "check_cu_seqlens",
     "storage_dtype", "round_to", "store_as", "Problem", "varlen_problem",
-    "check_forward_result", "grad_dtype",
+    "check_forward_result", "grad_dtype", "CAUSAL_CODES", "MASK_CODES",
 ]
 
 _NATIVE_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -241,6 +245,12 @@ def check_scale(scale, D):
 _CAUSAL = {False: "none", True: "bottom-right", "bottom-right": "bottom-right",
            "top-left": "top-left"}
 
+# The compiled kernel's code of each normalised ``causal`` and mask kind (FA_CAUSAL_* of
+# src/fa_kernels.h; the mask kinds of src/_tile_pipeline.pxi), which the kernel checks
+# against its own when it loads.  A :class:`Problem` carries its codes.
+CAUSAL_CODES = {"none": 0, "bottom-right": 1, "top-left": 2}
+MASK_CODES = {None: 0, "bool": 1, "add": 2}
+
 
 def check_causal(causal):
     """``causal`` as ``"none"``, ``"bottom-right"`` (``True``) or ``"top-left"``."""
@@ -288,6 +298,19 @@ def check_flag(value, name):
     return bool(value)
 
 
+def check_index(value, name, minimum):
+    """``value`` as a Python int ``>= minimum`` (sizes and counts of the layers, positions
+    and KV cache: ``d_model``, ``n_heads``, ``capacity``, ...); NumPy integers count, floats
+    do not."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 # --------------------------------------------------------------------------- arrays
 
 def as_array(x, name):
@@ -303,6 +326,14 @@ def as_array(x, name):
     if not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))
     return x
+
+
+def check_array(a, name):
+    """``a`` as an array (:func:`as_array`) of a dtype the kernels take
+    (:func:`check_dtype`): the inputs and weights of the layers."""
+    a = as_array(a, name)
+    check_dtype(a, name)
+    return a
 
 
 def _per_head(values, name, batch_shape, Hq, allow_minus_inf):
@@ -522,13 +553,19 @@ class Problem(Shapes):
     - ``q, k, v``: ndarrays in native byte order, with a head axis (see :class:`Shapes`);
     - ``compute_dtype``, ``result_dtype`` (:func:`dtypes`);
     - ``scale`` (float), ``causal`` (a string of :func:`check_causal`), ``wl, wr``
-      (:func:`check_window`), ``mask, mask_kind`` (:func:`check_mask`);
+      (:func:`check_window`), ``mask, mask_kind`` (:func:`check_mask`), and the kernel's
+      codes of the two, ``causal_code`` and ``mask_code``;
     - ``kv_len``, ``q_len``: ``None`` or intp ``(nbatch,)``; ``softcap``: ``None`` or float;
       ``alibi``, ``sinks``: ``None`` or float64 ``(nbatch, Hq)``;
     - ``return_lse`` (bool) and ``out`` (checked against the result's shape and dtype).
 
     ``v=None`` describes ``attention_weights``, which has no values (nor ``out``).
+
+    The compiled kernel reads its description of the call from these attributes, by name
+    (``_fill_problem`` in src/_problem.pxi): a new keyword is a new attribute here and one
+    line there.  ``packed`` is False (:func:`varlen_problem` describes packed sequences).
     """
+    packed = False
 
     def __init__(self, q, k, v, *, scale=None, causal=False, window=None, mask=None,
                  kv_lengths=None, q_lengths=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -540,8 +577,10 @@ class Problem(Shapes):
         super().__init__(arrays["q"], arrays["k"], arrays.get("v"))
         self.scale = check_scale(scale, self.D)
         self.causal = check_causal(causal)
+        self.causal_code = CAUSAL_CODES[self.causal]
         self.wl, self.wr = check_window(window)
         self.mask, self.mask_kind = check_mask(mask, self.batch + (self.Hq, self.Lq, self.Lk))
+        self.mask_code = MASK_CODES[self.mask_kind]
         self.kv_len = check_kv_lengths(kv_lengths, self.batch, self.Lk)
         self.softcap = check_softcap(softcap)
         self.alibi = check_alibi_slopes(alibi_slopes, self.batch, self.Hq)
@@ -566,14 +605,17 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=Fa
     """Every argument of one ``attention_varlen``-style call, checked and normalised, as
     a namespace: ``q, k, v``, the sizes of :func:`check_varlen_shapes`, ``cu_q, cu_k``,
     ``n_seq``, the dtypes, and the keywords as :class:`Problem` has them (``alibi`` and
-    ``sinks`` float64 ``(n_seq, Hq)``, one row per sequence)."""
-    p = SimpleNamespace(q=as_array(q, "q"), k=as_array(k, "k"), v=as_array(v, "v"))
+    ``sinks`` float64 ``(n_seq, Hq)``, one row per sequence), with ``packed`` True."""
+    p = SimpleNamespace(q=as_array(q, "q"), k=as_array(k, "k"), v=as_array(v, "v"), packed=True)
     p.compute_dtype, p.result_dtype = dtypes(q=p.q, k=p.k, v=p.v)
     p.Hq, p.Hkv, p.total_q, p.total_k, p.D, p.Dv = check_varlen_shapes(p.q, p.k, p.v)
     p.cu_q, p.cu_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, p.total_q, p.total_k)
     p.n_seq = p.cu_q.shape[0] - 1
     p.scale = check_scale(scale, p.D)
     p.causal = check_causal(causal)
+    p.causal_code = CAUSAL_CODES[p.causal]
+    p.mask, p.mask_kind = None, None
+    p.mask_code = MASK_CODES[None]
     p.wl, p.wr = check_window(window)
     p.softcap = check_softcap(softcap)
     per_seq = lambda a: None if a is None else np.ascontiguousarray(

@@ -11,8 +11,8 @@ Delta: with ``lse`` including the sink, ``dsink = -sum_i exp(sink - lse_i) Delta
 import numpy as np
 
 from . import _args, _precision, _threads
-from ._api import _CAUSAL_CODES, _MASK_CODES, _kernel_mask, _kernel_ready
-from ._dispatch import kernel as _kernel
+from ._glue import kernel as _kernel
+from ._glue import kernel_mask, kernel_ready
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
@@ -66,19 +66,18 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     dout, out, lse, dlse = _args.check_forward_result(
         p.result_shape(p.Dv), p.result_dtype, cdt, dout, out, lse, dlse)
     batch, Hq, Lq = p.batch, p.Hq, p.Lq
-    dout, out = (_kernel_ready(a.reshape(batch + (Hq, Lq, p.Dv)), cdt) for a in (dout, out))
+    dout, out = (kernel_ready(a.reshape(batch + (Hq, Lq, p.Dv)), cdt) for a in (dout, out))
     lse, dlse = (None if a is None else np.ascontiguousarray(a.reshape(batch + (Hq, Lq)), cdt)
                  for a in (lse, dlse))
-    q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = (kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
     q, k, v = _precision.backward_inputs(q, k, v, cdt, p.D, p.Dv)
     dq = np.empty(batch + (Hq, Lq, p.D), cdt)
     dk = np.empty(batch + (p.Hkv, p.Lk, p.D), cdt)
     dv = np.empty(batch + (p.Hkv, p.Lk, p.Dv), cdt)
     delta = np.empty(batch + (Hq, Lq), cdt)
-    _kernel.backward(q, k, v, out, dout, lse, delta, dq, dk, dv, _kernel_mask(p),
-                     _MASK_CODES[p.mask_kind], batch, p.kv_len_flat(), _CAUSAL_CODES[p.causal],
-                     p.wl, p.wr, p.scale, _threads.get_num_threads(), p.softcap or 0.0,
-                     p.alibi, p.sinks, p.q_len, dlse)
+    _kernel.backward(p, q=q, k=k, v=v, out=out, dout=dout, lse=lse, dlse=dlse, delta=delta,
+                     dq=dq, dk=dk, dv=dv, mask=kernel_mask(p),
+                     n_threads=_threads.get_num_threads())
     grads = []
     for g, a in ((dq, p.q), (dk, p.k), (dv, p.v)):
         g = _reduce_to(g, a.shape, _args.grad_dtype(a.dtype, cdt))
@@ -105,18 +104,16 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     cdt = p.compute_dtype
     dout, out, lse, dlse = _args.check_forward_result(
         (p.Hq, p.total_q, p.Dv), p.result_dtype, cdt, dout, out, lse, dlse)
-    dout, out = (_kernel_ready(a, cdt) for a in (dout, out))
+    dout, out = (kernel_ready(a, cdt) for a in (dout, out))
     lse, dlse = (None if a is None else np.ascontiguousarray(a, cdt) for a in (lse, dlse))
-    q, k, v = (_kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
+    q, k, v = (kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
     q, k, v = _precision.backward_inputs(q, k, v, cdt, p.D, p.Dv)
     dq = np.zeros((p.Hq, p.total_q, p.D), cdt)
     dk = np.zeros((p.Hkv, p.total_k, p.D), cdt)
     dv = np.zeros((p.Hkv, p.total_k, p.Dv), cdt)
     delta = np.zeros((p.Hq, p.total_q), cdt)
-    _kernel.backward_packed(q, k, v, out, dout, lse, delta, dq, dk, dv, p.cu_q, p.cu_k,
-                            _CAUSAL_CODES[p.causal], p.wl, p.wr, p.scale,
-                            _threads.get_num_threads(), p.softcap or 0.0, p.alibi, p.sinks,
-                            dlse)
+    _kernel.backward(p, q=q, k=k, v=v, out=out, dout=dout, lse=lse, dlse=dlse, delta=delta,
+                     dq=dq, dk=dk, dv=dv, mask=None, n_threads=_threads.get_num_threads())
     grads = [_reduce_to(g, a.shape, _args.grad_dtype(a.dtype, cdt))
              for g, a in zip((dq, dk, dv), (p.q, p.k, p.v))]
     if p.sinks is not None:

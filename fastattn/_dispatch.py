@@ -14,6 +14,8 @@ tests/test_variants.py uses it to check every variant the running CPU supports.
 import importlib
 import os
 
+from . import _args
+
 
 def _not_built(here):
     """An ImportError that says why the baseline kernel is missing and what to do."""
@@ -48,7 +50,18 @@ PREFERENCE = ("avx512", "avx2", "base")
 
 
 def _load(isa):
-    return importlib.import_module(f"fastattn._kernel_{isa}")
+    """The variant's module, ready: its codes of the normalised arguments checked against
+    fastattn._args' (which every Problem carries), and its lean gate given the codes of
+    ``causal=False`` and ``causal=True`` from fastattn._args, the one normaliser of causal."""
+    mod = importlib.import_module(f"fastattn._kernel_{isa}")
+    theirs = ({"none": mod.CAUSAL_NONE, "bottom-right": mod.CAUSAL_BOTTOM_RIGHT,
+               "top-left": mod.CAUSAL_TOP_LEFT},
+              {None: mod.MASK_NONE, "bool": mod.MASK_BOOL, "add": mod.MASK_ADD})
+    if theirs != (_args.CAUSAL_CODES, _args.MASK_CODES):
+        raise ImportError(f"fastattn._kernel_{isa}'s codes {theirs} are not fastattn._args' "
+                          f"{(_args.CAUSAL_CODES, _args.MASK_CODES)}: rebuild it")
+    mod.lean_causal_codes(*(_args.CAUSAL_CODES[_args.check_causal(c)] for c in (False, True)))
+    return mod
 
 
 def available_variants():

@@ -1,7 +1,7 @@
 # Type stub of a compiled kernel variant.  fastattn/_kernel_base.pyi, _kernel_avx2.pyi and
 # _kernel_avx512.pyi are identical: the three modules are built from one source
-# (src/_kernel_impl.pxi) with different compiler flags.  Checked against the compiled
-# modules by tests/test_typing.py (mypy.stubtest).
+# (src/_kernel_impl.pxi and the files it includes) with different compiler flags.  Checked
+# against the compiled modules by tests/test_typing.py (mypy.stubtest).
 from typing import Any, TypedDict
 
 import numpy as np
@@ -15,6 +15,8 @@ CAUSAL_BOTTOM_RIGHT: int
 CAUSAL_TOP_LEFT: int
 BLOCK_Q: int
 BLOCK_K: int
+BF16_DOT_BUILT: bool
+BF16_DOT_CPU: bool
 POOL_TEAMS: tuple[str, ...]
 
 class _PoolInfo(TypedDict):
@@ -33,95 +35,51 @@ class _BuildInfo(TypedDict):
 
 def kernel_layout(a: npt.NDArray[Any]) -> bool: ...
 def forward(
+    p: Any,
+    *,
     q: npt.NDArray[np.floating[Any]],
     k: npt.NDArray[np.floating[Any]],
     v: npt.NDArray[np.floating[Any]],
     out: npt.NDArray[np.floating[Any]],
     lse: npt.NDArray[np.floating[Any]] | None,
     mask: npt.NDArray[Any] | None,
-    mask_kind: int,
-    batch: tuple[int, ...],
-    kv_len: npt.NDArray[np.intp],
-    causal: int,
-    wl: int,
-    wr: int,
-    scale: float,
     n_threads: int,
-    softcap: float = 0.0,
-    alibi: npt.NDArray[np.float64] | None = None,
-    sinks: npt.NDArray[np.float64] | None = None,
-    q_len: npt.NDArray[np.intp] | None = None,
-) -> None: ...
-def forward_packed(
-    q: npt.NDArray[np.floating[Any]],
-    k: npt.NDArray[np.floating[Any]],
-    v: npt.NDArray[np.floating[Any]],
-    out: npt.NDArray[np.floating[Any]],
-    lse: npt.NDArray[np.floating[Any]] | None,
-    cu_q: npt.NDArray[np.intp],
-    cu_k: npt.NDArray[np.intp],
-    causal: int,
-    wl: int,
-    wr: int,
-    scale: float,
-    n_threads: int,
-    softcap: float = 0.0,
-    alibi: npt.NDArray[np.float64] | None = None,
-    sinks: npt.NDArray[np.float64] | None = None,
 ) -> None: ...
 def backward(
+    p: Any,
+    *,
     q: npt.NDArray[np.floating[Any]],
     k: npt.NDArray[np.floating[Any]],
     v: npt.NDArray[np.floating[Any]],
     out: npt.NDArray[np.floating[Any]],
     dout: npt.NDArray[np.floating[Any]],
     lse: npt.NDArray[np.floating[Any]],
+    dlse: npt.NDArray[np.floating[Any]] | None,
     delta: npt.NDArray[np.floating[Any]],
     dq: npt.NDArray[np.floating[Any]],
     dk: npt.NDArray[np.floating[Any]],
     dv: npt.NDArray[np.floating[Any]],
     mask: npt.NDArray[Any] | None,
-    mask_kind: int,
-    batch: tuple[int, ...],
-    kv_len: npt.NDArray[np.intp],
-    causal: int,
-    wl: int,
-    wr: int,
-    scale: float,
     n_threads: int,
-    softcap: float = 0.0,
-    alibi: npt.NDArray[np.float64] | None = None,
-    sinks: npt.NDArray[np.float64] | None = None,
-    q_len: npt.NDArray[np.intp] | None = None,
-    dlse: npt.NDArray[np.floating[Any]] | None = None,
 ) -> None: ...
-def backward_packed(
-    q: npt.NDArray[np.floating[Any]],
-    k: npt.NDArray[np.floating[Any]],
-    v: npt.NDArray[np.floating[Any]],
-    out: npt.NDArray[np.floating[Any]],
-    dout: npt.NDArray[np.floating[Any]],
-    lse: npt.NDArray[np.floating[Any]],
-    delta: npt.NDArray[np.floating[Any]],
-    dq: npt.NDArray[np.floating[Any]],
-    dk: npt.NDArray[np.floating[Any]],
-    dv: npt.NDArray[np.floating[Any]],
-    cu_q: npt.NDArray[np.intp],
-    cu_k: npt.NDArray[np.intp],
-    causal: int,
-    wl: int,
-    wr: int,
-    scale: float,
+def forward_kvcache(
+    p: Any,
+    *,
+    q: npt.NDArray[Any],
+    k_cache: npt.NDArray[Any],
+    v_cache: npt.NDArray[Any],
+    out: npt.NDArray[Any],
+    lse: npt.NDArray[np.floating[Any]] | None,
+    block_table: npt.NDArray[np.int32] | None,
+    k_scale: npt.NDArray[np.uint16] | None,
+    v_scale: npt.NDArray[np.uint16] | None,
     n_threads: int,
-    softcap: float = 0.0,
-    alibi: npt.NDArray[np.float64] | None = None,
-    sinks: npt.NDArray[np.float64] | None = None,
-    dlse: npt.NDArray[np.floating[Any]] | None = None,
 ) -> None: ...
-def key_intervals(
-    Lq: int, kv_len: npt.NDArray[np.intp], causal: int, wl: int, wr: int,
-    q_len: npt.NDArray[np.intp] | None = None,
-) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]: ...
+def bf16_dot() -> bool: ...
+def set_bf16_dot(on: bool) -> bool: ...
+def bf16_dot_takes(D: int, Dv: int) -> bool: ...
+def key_intervals(p: Any) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]: ...
+def lean_causal_codes(if_false: int, if_true: int) -> None: ...
 def vector_tanh(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
 def vector_exp2(x: npt.NDArray[np.floating[Any]], lanes8: bool = False) -> npt.NDArray[np.floating[Any]]: ...
 def vector_widen(x: npt.NDArray[np.uint16], kind: str) -> npt.NDArray[np.float32]: ...

@@ -12,7 +12,6 @@ import numpy as np
 
 from . import _args
 from ._q8_0 import Q8_0, cache_dtype, check_block_dim, quantize_q8_0
-from .positions import _as_index
 
 __all__ = ["KVCache"]
 
@@ -62,7 +61,7 @@ class KVCache:
     """
 
     def __init__(self, capacity=64, *, growth=2.0, dtype=None):
-        self._initial_capacity = _as_index(capacity, "capacity", 1)
+        self._initial_capacity = _args.check_index(capacity, "capacity", 1)
         growth = float(growth)
         if not growth > 1.0:
             raise ValueError(f"growth must be > 1, got {growth}")
@@ -135,7 +134,7 @@ class KVCache:
         """
         if self._k is None:
             return None, None
-        length = self.max_length if length is None else _as_index(length, "length", 0)
+        length = self.max_length if length is None else _args.check_index(length, "length", 0)
         if length > self.capacity:
             raise ValueError(f"length must be <= capacity = {self.capacity}, got {length}")
         return self._k[..., :length, :], self._v[..., :length, :]
@@ -147,7 +146,7 @@ class KVCache:
         empty cache."""
         if self._k_scale is None:
             return None, None
-        length = self.max_length if length is None else _as_index(length, "length", 0)
+        length = self.max_length if length is None else _args.check_index(length, "length", 0)
         if length > self.capacity:
             raise ValueError(f"length must be <= capacity = {self.capacity}, got {length}")
         return self._k_scale[..., :length, :], self._v_scale[..., :length, :]
@@ -240,9 +239,7 @@ class KVCache:
         (right padding), and the sequence's length grows by that much.
         Returns the lengths before the append (the positions of the new rows).
         """
-        k, v = _args.as_array(k, "k"), _args.as_array(v, "v")
-        _args.check_dtype(k, "k")
-        _args.check_dtype(v, "v")
+        k, v = _args.check_array(k, "k"), _args.check_array(v, "v")
         self._check_shapes(k, v)
         dtype = self.dtype if self.dtype is not None else _args.dtypes(k=k, v=v)[1]
         batch, L = k.shape[:-3], k.shape[-2]

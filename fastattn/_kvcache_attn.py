@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _api, _args, _threads
-from ._dispatch import kernel as _kernel
+from . import _api, _args, _glue, _threads
+from ._glue import kernel as _kernel
 from ._q8_0 import BLOCK, check_block_dim, check_q8_0_pair, dequantize_q8_0, quantize_q8_0
 
 __all__ = ["attention_with_kvcache"]
@@ -344,8 +344,8 @@ def _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, ret
     keys = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.D))
     values = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.Dv))
     p = _args.Problem(c.q, keys, values, scale=scale, causal=causal, window=window,
-                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                      return_lse=return_lse, out=out)
+                      kv_lengths=c.seen, softcap=softcap, alibi_slopes=alibi_slopes,
+                      sinks=sinks, return_lse=return_lse, out=out)
     c.rotate_q_per_row = _args.check_causal(causal) != "none" or window is not None
     return p
 
@@ -432,7 +432,7 @@ def _kernel_reads(c, p):
     float64 only) and caches whose rows are not contiguous."""
     if p.compute_dtype == np.float64 and c.k_cache.dtype != np.float64:
         return False
-    return all(_api._kernel_layout(a) for a in (c.k_cache, c.v_cache))
+    return all(_kernel.kernel_layout(a) for a in (c.k_cache, c.v_cache))
 
 
 def _attend(c, q, p):
@@ -440,21 +440,20 @@ def _attend(c, q, p):
     q8_0 rows dequantised as each key block is loaded, with the bits of
     :func:`fastattn.attention` over each sequence's own (dequantised) keys."""
     cdt = p.compute_dtype
-    q = _api._kernel_ready(q, cdt)
+    q = _glue.kernel_ready(q, cdt)
     scales = [None if s is None else np.ascontiguousarray(s).view(np.uint16)
               for s in (c.k_scale, c.v_scale)]
     # the checked table: the pages each sequence uses, 0 past them (never read)
     block_table = None if c.page is None else np.ascontiguousarray(c.pages, dtype=np.int32)
     shape = (c.B, c.Hq, c.Lq, c.Dv)
-    direct = _api._writes_in_place(p.out, cdt, (q, c.k_cache, c.v_cache))
-    rdt = p.result_dtype if _api._kernel_writes(p.result_dtype, cdt) else cdt
+    direct = _glue.writes_in_place(p.out, cdt, (q, c.k_cache, c.v_cache))
+    rdt = p.result_dtype if _glue.kernel_writes(p.result_dtype, cdt) else cdt
     res = p.out if direct else np.empty(shape, dtype=rdt)
     lse = np.empty(shape[:3], dtype=cdt) if p.return_lse else None
-    _kernel.forward_kvcache(q, c.k_cache, c.v_cache, res, lse, c.seen.astype(np.intp),
-                            block_table, *scales, _api._CAUSAL_CODES[p.causal], p.wl, p.wr,
-                            p.scale, _threads.get_num_threads(), p.softcap or 0.0, p.alibi,
-                            p.sinks)
-    res = _api._result(p.out, res, p.result_dtype, direct)
+    _kernel.forward_kvcache(p, q=q, k_cache=c.k_cache, v_cache=c.v_cache, out=res, lse=lse,
+                            block_table=block_table, k_scale=scales[0], v_scale=scales[1],
+                            n_threads=_threads.get_num_threads())
+    res = _glue.result(p.out, res, p.result_dtype, direct)
     return (res, lse) if p.return_lse else res
 
 

@@ -37,17 +37,11 @@ from . import _api, _args
 from ._kvcache import KVCache
 from ._kvcache_attn import attention_with_kvcache
 from ._q8_0 import Q8_0, cache_dtype, check_block_dim, dequantize_q8_0, quantize_q8_0
-from .positions import _as_index, _check_base
+from ._state_dict import layer_from_state_dict
+from .positions import _check_base
 from .positions import rope as _rope
 
 __all__ = ["self_attention", "MultiHeadAttention", "KVCache"]
-
-
-def _array(a, name):
-    """``a`` as an array of a dtype the kernel accepts (the front end's rule)."""
-    a = _args.as_array(a, name)
-    _args.check_dtype(a, name)
-    return a
 
 
 # ----------------------------------------------------------------------------
@@ -57,7 +51,7 @@ def _array(a, name):
 def _project(x, w, name):
     if w is None:
         return x  # identity: attention without learned weights
-    w = _array(w, name)
+    w = _args.check_array(w, name)
     if w.ndim < 2 or w.shape[-2] != x.shape[-1]:
         raise ValueError(
             f"{name} must have shape (..., d_model, d) with d_model = {x.shape[-1]} "
@@ -103,7 +97,7 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
     >>> self_attention(x, scale=1.0)[0].round(8)
     array([0.93662106, 0.53168947, 0.93662106, 0.53168947])
     """
-    x = _array(x, "x")
+    x = _args.check_array(x, "x")
     if x.ndim < 2:
         raise ValueError(f"x must have shape (..., L, d_model), got shape {x.shape}")
     q = _project(x, w_q, "w_q")
@@ -126,7 +120,7 @@ def self_attention(x, w_q=None, w_k=None, w_v=None, w_o=None, *, scale=None, cau
     q, k, v = (np.broadcast_to(a, batch + a.shape[-2:]) for a in (q, k, v))
     out = _api.attention(q, k, v, scale=scale, causal=causal)
     if w_o is not None:
-        w_o = _array(w_o, "w_o")
+        w_o = _args.check_array(w_o, "w_o")
         if w_o.ndim < 2 or w_o.shape[-2] != out.shape[-1]:
             raise ValueError(
                 f"w_o must have shape (..., d_v, d_out) with d_v = {out.shape[-1]}, "
@@ -244,9 +238,10 @@ class MultiHeadAttention:
     def __init__(self, d_model, n_heads, *, n_kv_heads=None, d_head=None, d_value=None,
                  bias=False, dtype=np.float32, seed=None, scale=None, rope=False,
                  rope_base=10000.0, window=None, softcap=None, sinks=False, kv_dtype=None):
-        d_model = _as_index(d_model, "d_model", 1)
-        n_heads = _as_index(n_heads, "n_heads", 1)
-        n_kv_heads = n_heads if n_kv_heads is None else _as_index(n_kv_heads, "n_kv_heads", 1)
+        d_model = _args.check_index(d_model, "d_model", 1)
+        n_heads = _args.check_index(n_heads, "n_heads", 1)
+        n_kv_heads = (n_heads if n_kv_heads is None
+                      else _args.check_index(n_kv_heads, "n_kv_heads", 1))
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide n_heads ({n_heads})")
         if d_head is None:
@@ -255,8 +250,8 @@ class MultiHeadAttention:
                     f"n_heads ({n_heads}) must divide d_model ({d_model}) unless d_head is given"
                 )
             d_head = d_model // n_heads
-        d_head = _as_index(d_head, "d_head", 1)
-        d_value = d_head if d_value is None else _as_index(d_value, "d_value", 1)
+        d_head = _args.check_index(d_head, "d_head", 1)
+        d_value = d_head if d_value is None else _args.check_index(d_value, "d_value", 1)
         dtype = np.dtype(dtype)
         if dtype.kind != "f":
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
@@ -324,7 +319,7 @@ class MultiHeadAttention:
             if w is None and (name.startswith("b_") or name == "sinks"):
                 out[name] = None
                 continue
-            w = _array(w, name)
+            w = _args.check_array(w, name)
             if w.shape != shape:
                 raise ValueError(
                     f"{name} has shape {w.shape}, expected {shape} (d_model={self.d_model}, "
@@ -345,7 +340,7 @@ class MultiHeadAttention:
         return y
 
     def _qkv(self, x, W, positions=None):
-        x = _array(x, "x")
+        x = _args.check_array(x, "x")
         if x.ndim < 2 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"x must have shape (..., L, d_model) with d_model={self.d_model}, got shape {x.shape}"
@@ -427,7 +422,7 @@ class MultiHeadAttention:
 
     def _forward(self, x, W, causal, mask, kv_lengths, positions):
         # The whole sequence at once: one kernel call over its own keys.
-        x = _array(x, "x")
+        x = _args.check_array(x, "x")
         pos = None
         if positions is not None and self.rope and x.ndim >= 2:
             pos = self._positions(positions, x.shape[:-2], x.shape[-2])
@@ -439,7 +434,7 @@ class MultiHeadAttention:
     def _decode_step(self, x, W, cache, causal, mask, kv_lengths, positions):
         # New tokens: their keys and values join the cache, their queries attend to it.
         self._check_cache(cache, causal, mask)
-        x = _array(x, "x")
+        x = _args.check_array(x, "x")
         L = x.shape[-2] if x.ndim >= 2 else 0
         batch = x.shape[:-2]
         if cache.batch_shape is not None and cache.batch_shape != batch:
@@ -537,7 +532,5 @@ class MultiHeadAttention:
         >>> np.allclose(mha(x.numpy()), want, rtol=1e-4, atol=1e-5)
         True
         """
-        from .integrations._torch_state_dict import layer_from_state_dict
-
         return layer_from_state_dict(cls, state_dict, n_heads, prefix=prefix, dtype=dtype,
                                      **kwargs)

@@ -18,21 +18,11 @@ float32 for long sequences, and the tables are cheap next to attention.
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
+from . import _args
+
 __all__ = ["sinusoidal_positions", "rope"]
-
-
-def _as_index(value, name, minimum):
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_base(base):
@@ -70,8 +60,8 @@ def sinusoidal_positions(length, d_model, base=10000.0, *, dtype=np.float64):
     >>> np.round(pe[1, :2], 8)
     array([0.84147098, 0.54030231])
     """
-    length = _as_index(length, "length", 0)
-    d_model = _as_index(d_model, "d_model", 1)
+    length = _args.check_index(length, "length", 0)
+    d_model = _args.check_index(d_model, "d_model", 1)
     base = _check_base(base)
     dtype = np.dtype(dtype)
     if dtype.kind != "f":

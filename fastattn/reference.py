@@ -174,11 +174,7 @@ def _visible(a):
 def _finished_scores(a, dtype, visible):
     """Scores ``(..., Hq, Lq, Lk)`` in ``dtype``, every modifier applied and hidden keys
     at -inf, and their visibility, for the checked arguments ``a`` (see :func:`_problem`)
-    and ``visible``, which keys each row may see before the mask (``(..., 1, Lq, Lk)``).
-
-    The oracle runs this in float64 with :func:`visible_keys`;
-    :func:`fastattn.attention_weights` runs it in the compute dtype with the kernel's
-    visibility rule."""
+    and ``visible``, which keys each row may see before the mask (``(..., 1, Lq, Lk)``)."""
     full_shape = (*a.batch, a.Hq, a.Lq, a.Lk)
     q = a.q.astype(dtype)
     k = _expand_kv_heads(a.k.astype(dtype), a.Hq)

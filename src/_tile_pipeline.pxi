@@ -346,30 +346,28 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
 cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
                       floating* ws) noexcept nogil:
     # Each row's visible key interval (fa_key_interval: the visibility rule, aligned on the
-    # real query rows q_len), Q^T packed, the per-row ALiBi terms, and the padding lanes:
-    # zero queries that see nothing and are never written out.  Rows at or past q_len are
-    # padding too.
+    # real query rows q_len), Q^T packed, the per-row ALiBi terms (_alibi_row), and the
+    # padding lanes: zero queries that see nothing and are never written out.  Rows at or
+    # past q_len are padding too.
     cdef floating* qt = ws + w.qt
     cdef floating* s = ws + w.s
     cdef const char* zrow = <const char*> (ws + w.zrow)
     cdef const char** qrows = t.krows       # one vector's query rows, then packed
     cdef Py_ssize_t r, h, i, ic, j, nj, u, c, ldqt = t.ldqt, D = P.D
+    cdef bint real
     memset(ws + w.zrow, 0, max(D, P.Dv) * sizeof(floating))
     t.tile_lo = t.kv_len
     t.tile_hi = 0
     for r in range(t.nlanes):
-        ws[w.nslope + r] = 0
-        ws[w.diag + r] = 0
         qrows[r % t.VL] = zrow
         t.lo[r] = 0
         t.hi[r] = 0
         if r < t.nrows:
             _row_position(P, t, r, &h, &i)
-        if r < t.nrows and i < t.q_len:
+        real = r < t.nrows and i < t.q_len
+        _alibi_row(P, t, w, ws, r, h, i, real)
+        if real:
             fa_key_interval(i, t.q_len, t.kv_len, P.causal, P.wl, P.wr, &t.lo[r], &t.hi[r])
-            if P.alibi != NULL:
-                ws[w.nslope + r] = <floating> (-P.alibi[t.b * P.Hq + h] * LOG2E)
-                ws[w.diag + r] = <floating> (i + t.kv_len - t.q_len)
             if t.lo[r] < t.hi[r]:
                 t.tile_lo = min(t.tile_lo, t.lo[r])
                 t.tile_hi = max(t.tile_hi, t.hi[r])
@@ -709,11 +707,26 @@ cdef inline void _hide_per_row(const Tile* t, floating* s, Py_ssize_t c, Py_ssiz
                 sj[r] = ninf
 
 
+cdef inline void _alibi_row(const Problem* P, const Tile* t, const Workspace* w,
+                            floating* ws, Py_ssize_t r, Py_ssize_t h, Py_ssize_t i,
+                            bint real) noexcept nogil:
+    # ALiBi's terms of lane r, set once per tile (by _setup_rows) for _modify_scores to add
+    # to every key block: -slope * log2(e) of its query head h, and its diagonal
+    # i + kv_len - q_len (the key at distance 0); zeros without ALiBi and for a padding
+    # lane (not real), whose scores are never read.
+    ws[w.nslope + r] = 0
+    ws[w.diag + r] = 0
+    if real and P.alibi != NULL:
+        ws[w.nslope + r] = <floating> (-P.alibi[t.b * P.Hq + h] * LOG2E)
+        ws[w.diag + r] = <floating> (i + t.kv_len - t.q_len)
+
+
 cdef inline void _modify_scores(const Problem* P, const Tile* t, const Workspace* w,
                                floating* ws, Py_ssize_t c, int nvec, Py_ssize_t g_lo,
                                Py_ssize_t g_hi) noexcept nogil:
     # The score modifiers that apply to whole vectors of rows, in order: softcap, then the
-    # ALiBi bias, on keys [g_lo, g_hi) of the lane group starting at row c.
+    # ALiBi bias (its per-row terms from _alibi_row), on keys [g_lo, g_hi) of the lane
+    # group starting at row c.
     cdef floating* s = ws + w.s + (g_lo - t.j0) * FA_BQ + c
     if P.softcap > 0:
         softcap(s, g_hi - g_lo, nvec, P.softcap * LOG2E)

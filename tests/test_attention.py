@@ -383,6 +383,36 @@ def test_attention_weights(rng, dtype, kw):
     assert_close(w, w_ref, w_ref.dtype)
 
 
+def test_attention_weights_do_not_compute_with_the_oracle(rng, monkeypatch):
+    # The library never computes through its oracle: with every function of the reference
+    # broken, attention_weights still gives the textbook softmax, written out here.
+    q, k, _ = make_qkv(rng, (2, 4, 5, 8), (2, 2, 7, 8), (1, 1, 1, 1), np.float64)
+    slopes, sinks = np.array([0.5, 0.25, 0.0, 1.0]), np.array([0.3, -np.inf, 1.0, 2.0])
+    for name in dir(ref):
+        if callable(getattr(ref, name)) and not name.startswith("__"):
+            monkeypatch.setattr(ref, name, None)
+    w = fastattn.attention_weights(q, k, scale=0.5, causal=True, softcap=3.0,
+                                   alibi_slopes=slopes, sinks=sinks)
+    i, j = np.arange(5)[:, None], np.arange(7)
+    s = 0.5 * q @ np.repeat(k, 2, axis=1).swapaxes(-1, -2)
+    s = 3.0 * np.tanh(s / 3.0) - slopes[:, None, None] * np.abs(i + 2 - j)
+    s = np.where(j <= i + 2, s, -np.inf)
+    e = np.exp(s)
+    want = e / (e.sum(-1, keepdims=True) + np.exp(sinks)[:, None, None])
+    np.testing.assert_allclose(w, want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, sinks=np.array([0.5, -1.0])),
+                                dict(window=(2, 0), alibi_slopes=np.array([0.3, 0.1])),
+                                dict(softcap=2.0, q_lengths=np.array([4, 9])),
+                                dict(mask=np.tri(9, 20, 5) - 1e9 * (1 - np.tri(9, 20, 5)))])
+def test_attention_weights_times_v_is_attention(rng, kw):
+    # The weights and the kernel's output are the same softmax: w @ v is the output.
+    q, k, v = make_qkv(rng, (2, 2, 9, 8), (2, 1, 20, 8), (2, 1, 20, 4), np.float64)
+    w = fastattn.attention_weights(q, k, **kw)
+    assert_close(w @ v, fastattn.attention(q, k, v, **kw))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32])
 @pytest.mark.parametrize("shape, axis", [((5,), -1), ((3, 7), -1), ((3, 7), 0), ((2, 3, 300), -1),
                                          ((2, 3, 4), 1), ((4, 0), -1), ((0, 4), -1)])

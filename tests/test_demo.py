@@ -68,15 +68,15 @@ def test_demo_plot_writes_heatmaps(tmp_path, capsys):
     assert "saved 5 heatmaps" in capsys.readouterr().out
 
 
-def test_format_table_labels_and_hidden_cells():
-    text = demo.format_table(np.array([[1.0, 0.0], [0.25, 0.75]]), ["a", "bb"],
+def test_format_weights_labels_and_hidden_cells():
+    text = demo.format_weights(np.array([[1.0, 0.0], [0.25, 0.75]]), ["a", "bb"],
                              hidden=np.array([[False, True], [False, False]]), decimals=2)
     lines = text.splitlines()
     assert lines[0].split() == ["query", "\\", "key", "a", "bb"]
     assert lines[1].split() == ["a", "1.00", "."]
     assert lines[2].split() == ["bb", "0.25", "0.75"]
     with pytest.raises(ValueError, match="weights"):
-        demo.format_table(np.ones((2, 3)), ["a", "b"])
+        demo.format_weights(np.ones((2, 3)), ["a", "b"])
 
 
 def test_python_m_fastattn_demo_runs():

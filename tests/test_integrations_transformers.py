@@ -407,35 +407,27 @@ def _gemma2():
     return ref, fa
 
 
-def test_softcap_raises_or_matches_eager():
-    # sdpa cannot soft-cap either, so this is never deferred: it raises until fastattn's
-    # attention takes softcap, and then must match transformers' eager attention.
+def test_softcap_matches_eager():
+    # Gemma 2 soft-caps its logits: fastattn's softcap must match transformers' eager
+    # attention.
     ref, fa = _gemma2()
     ids, _ = ids_and_left_padding(B=2, L=13, pads=(0, 0))
-    if not fa_tf._takes("softcap"):
-        with pytest.raises(NotImplementedError, match="soft-caps"):
-            fa(ids)
-    else:
-        assert_logits_close(fa(ids).logits, ref(ids).logits)
+    assert_logits_close(fa(ids).logits, ref(ids).logits)
 
 
-def test_sinks_raise_or_match_eager():
+def test_sinks_match_eager():
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
     q, k, v = qkv(1, 4, 2, 5, 5, 8)
     sinks = torch.randn(4)
-    if not fa_tf._takes("sinks"):
-        with pytest.raises(NotImplementedError, match="sinks"):
-            fa_tf.attention_forward(Layer(2), q, k, v, None, s_aux=sinks)
-    else:
-        from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-        layer = Layer(2)
-        layer.sinks = sinks
-        layer.training = False
-        mask = _band(5, 5, -1, 0)[None, None]
-        expected, _ = eager_attention_forward(layer, q, k, v, torch.where(mask, 0.0, -torch.inf),
-                                              scaling=8 ** -0.5, dropout=0.0)
-        out, _ = fa_tf.attention_forward(layer, q, k, v, mask, s_aux=sinks)
-        check(out, expected.double(), torch.float32)
+    layer = Layer(2)
+    layer.sinks = sinks
+    layer.training = False
+    mask = _band(5, 5, -1, 0)[None, None]
+    expected, _ = eager_attention_forward(layer, q, k, v, torch.where(mask, 0.0, -torch.inf),
+                                          scaling=8 ** -0.5, dropout=0.0)
+    out, _ = fa_tf.attention_forward(layer, q, k, v, mask, s_aux=sinks)
+    check(out, expected.double(), torch.float32)
 
 
 def test_register_arguments():

@@ -58,7 +58,7 @@ W_V = np.array([[-1, 1, -2, 2], [1, 0, 1, 1], [1, 0, 0, -1]])
 W_O = np.array([[1, 1, 2], [3, 1, 2], [6, 2, 1], [0, 0, 1]])
 
 
-def format_table(weights, rows, cols=None, *, decimals=3, hidden=None, corner="query \\ key"):
+def format_weights(weights, rows, cols=None, *, decimals=3, hidden=None, corner="query \\ key"):
     """Render a 2-d weight matrix as text with labelled rows and columns.
 
     ``hidden`` (bool, same shape) marks keys a query may not see (causal
@@ -132,7 +132,7 @@ def _cat_sat(emit, figures):
     emit(_title('1. "A cat sat on the mat": attention without learned weights'))
     emit("Each token is a 3-d vector; weights = softmax(x @ x.T), context = weights @ x.\n")
     weights = attention_weights(x, x, scale=1.0)
-    emit(format_table(weights, CAT_TOKENS))
+    emit(format_weights(weights, CAT_TOKENS))
     context = self_attention(x, scale=1.0)
     emit("\ncontext vectors (each row of weights @ x):")
     emit(_vectors(context, CAT_TOKENS, 4))
@@ -155,7 +155,7 @@ def _love_you(emit, figures):
     heads = mha.attention_weights(x)                      # (5, 4, 4)
     for h, w in enumerate(heads):
         emit(f"\nhead {h}:")
-        emit(format_table(w, LOVE_TOKENS))
+        emit(format_weights(w, LOVE_TOKENS))
     out = mha(x)
     emit(f"\noutput (5 heads x d_value 8 -> w_o -> d_model 3), shape {out.shape}:")
     emit(_vectors(out, LOVE_TOKENS, 3))
@@ -176,7 +176,7 @@ def _chair(emit, figures):
         weights = attention_weights(x, x, scale=1.0, causal=True)
         hidden = np.triu(np.ones((len(sentence),) * 2, dtype=bool), 1)
         emit(f"{' '.join(sentence)}:")
-        emit(format_table(weights, sentence, hidden=hidden))
+        emit(format_weights(weights, sentence, hidden=hidden))
         emit("")
         y = self_attention(x, scale=1.0, causal=True)
         chairs.append(y[-1])
@@ -198,7 +198,7 @@ def _chair(emit, figures):
          f"{np.nanmin(scores):.0f} and {np.nanmax(scores):.0f},")
     emit("and two scores 5 apart already give weights in a ratio of e^5, about 150.")
     emit(textwrap.fill(describe_peaks(weights, sentence), 88) + "\n")
-    emit(format_table(weights, sentence, hidden=hidden))
+    emit(format_weights(weights, sentence, hidden=hidden))
     y = self_attention(x, W_Q, W_K, W_V, W_O, causal=True)
     emit("\ncontextualised embeddings (attention @ W_V, then @ W_O back to 3 dims):")
     emit(_vectors(y, sentence, 3))

@@ -41,7 +41,8 @@ def _version():
         import fastattn
     except ImportError as exc:
         return f"(fastattn cannot be imported: {exc})"
-    return fastattn.__version__
+    # a folder named fastattn on sys.path (a namespace package) has no version
+    return getattr(fastattn, "__version__", "(unknown: fastattn is not the package here)")
 
 
 def _run(argv):

@@ -16,9 +16,6 @@ dependency stays NumPy alone.
 - ``fastattn.integrations.dask``: ``attention(q, k, v, ...)`` on dask arrays, one task per
   block of batch elements and heads, keys split across chunks merged exactly.
 
-``_torch_state_dict`` reads a ``torch.nn.MultiheadAttention`` state dict into a
-``fastattn.MultiHeadAttention`` (its ``from_torch_state_dict``), without importing torch.
-
 The torch-based integrations hand torch's CPU tensors to fastattn as NumPy views of the
 same memory (``torch.Tensor.numpy()``), so float32 inputs are not copied.
 """

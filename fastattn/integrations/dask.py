@@ -27,8 +27,8 @@ dask is imported when :func:`attention` is called, never by importing this modul
 """
 import numpy as np
 
-from .. import _api, _args, _threads
-from .._dispatch import kernel as _kernel
+from .. import _args, _threads
+from .._glue import kernel as _kernel
 from .._merge import merge_attention
 
 __all__ = ["attention"]
@@ -304,42 +304,41 @@ def _partial_block(q, k, v, kv_len, q_len, sinks, alibi, mask, start, *, static,
 def _shard_keywords(q, k, v, a, b, Lk, kv_len, q_len, mask, static):
     """Keywords that give keys a:b of a call over Lk keys the visibility they have there."""
     keywords = dict(static)
-    causal = _api._CAUSAL_CODES[_args.check_causal(static["causal"])]
+    causal = _args.check_causal(static["causal"])
     wl, wr = _args.check_window(static["window"])
-    if causal == _kernel.CAUSAL_NONE and static["window"] is None:
+    if causal == "none" and static["window"] is None:
         # No alignment to keep: only which keys exist matters.
         if kv_len is not None:
             keywords["kv_lengths"] = np.clip(kv_len - a, 0, b - a)
         return dict(keywords, q_lengths=q_len, mask=mask)
     after = Lk - b
-    if (kv_len is None and q_len is None and causal != _kernel.CAUSAL_TOP_LEFT
+    if (kv_len is None and q_len is None and causal != "top-left"
             and (wl == -1 or wl >= after)):
         # Bottom-right alignment to the shard's own last key, shifted back by the keys
         # after it: the same band of keys as in the whole call.
-        if causal == _kernel.CAUSAL_BOTTOM_RIGHT:
+        if causal == "bottom-right":
             wr = 0 if wr == -1 else min(wr, 0)
         keywords.update(causal=False, window=(wl if wl == -1 else wl - after,
                                               wr if wr == -1 else wr + after))
         return dict(keywords, mask=mask)
     # Padding rows (q_lengths) stay padding: zeros and lse = -inf, the sink left out too.
     keywords.update(causal=False, window=None, q_lengths=q_len)
-    return dict(keywords, mask=_shard_mask(q, k, v, a, b, Lk, kv_len, q_len, mask, causal, wl, wr))
+    return dict(keywords, mask=_shard_mask(q, k, v, a, b, Lk, kv_len, q_len, mask, static))
 
 
-def _shard_mask(q, k, v, a, b, Lk, kv_len, q_len, mask, causal, wl, wr):
+def _shard_mask(q, k, v, a, b, Lk, kv_len, q_len, mask, static):
     """Boolean visibility of keys a:b from the kernel's rule (key_intervals) for the whole
     call, combined with the user's mask."""
-    batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    nbatch = int(np.prod(batch))
-    Lq = q.shape[-2]
-    kv = (np.full(nbatch, Lk, dtype=np.intp) if kv_len is None
-          else np.ascontiguousarray(np.broadcast_to(kv_len, batch).reshape(-1), dtype=np.intp))
-    ql = None if q_len is None else np.ascontiguousarray(
-        np.broadcast_to(q_len, batch).reshape(-1), dtype=np.intp)
-    lo, hi = _kernel.key_intervals(Lq, kv, causal, wl, wr, ql)
+    # The whole call's Problem, its k and v stand-ins of Lk keys (zero strides: no memory).
+    def whole(x):
+        return np.broadcast_to(np.zeros((), x.dtype), x.shape[:-2] + (Lk, x.shape[-1]))
+
+    p = _args.Problem(q, whole(k), whole(v), scale=1.0, causal=static["causal"],
+                      window=static["window"], kv_lengths=kv_len, q_lengths=q_len)
+    lo, hi = _kernel.key_intervals(p)
     j = np.arange(a, b)
     visible = (j >= lo[..., None]) & (j < hi[..., None])
-    visible = visible.reshape(batch + (1, Lq, b - a))
+    visible = visible.reshape(p.batch + (1, p.Lq, b - a))
     if mask is None:
         return visible
     if mask.dtype == bool:

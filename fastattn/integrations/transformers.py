@@ -14,11 +14,9 @@ the mask itself is dropped.  The analysis is cached on the mask tensor, which al
 one forward pass share.
 """
 import functools
-import inspect
 import sys
 import warnings
 
-from .. import _api
 from . import _torch
 
 __all__ = ["register", "attention_forward"]
@@ -69,10 +67,8 @@ def register(name="fastattn", *, fallback="sdpa"):
       ``i`` see keys ``i - w < j <= i``, which is fastattn's ``window=(w - 1, 0)`` with
       ``causal=True``.  Without a mask, a causal layer with more than one query row uses
       PyTorch's top-left causal alignment, as ``sdpa`` does.
-    - **Not supported, always raised** (``NotImplementedError``, whatever ``fallback``
-      says, because ``sdpa`` cannot compute them either): attention-logit soft-capping
-      (Gemma 2) and attention sinks (gpt-oss), unless this fastattn build's ``attention``
-      takes ``softcap`` / ``sinks``, in which case they are passed on.
+    - **Score modifiers.** Attention-logit soft-capping (Gemma 2) and attention sinks
+      (gpt-oss) are passed on as fastattn's ``softcap`` and ``sinks``.
     - **Training.** When autograd records the call (grad mode on and an input that
       requires grad), it runs as :func:`fastattn.integrations.torch.attention`, whose
       backward is :func:`fastattn.attention_backward`; the result is then a new tensor.
@@ -148,16 +144,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     import torch
 
-    if kwargs.get("softcap") is not None and not _takes("softcap"):
-        raise NotImplementedError(
-            f"fastattn: this model soft-caps its attention logits (softcap={kwargs['softcap']}), "
-            "which this fastattn build does not support; use attn_implementation='eager'")
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    if sinks is not None and not _takes("sinks"):
-        raise NotImplementedError(
-            "fastattn: this model uses attention sinks, which this fastattn build does not "
-            "support; use attn_implementation='eager'")
-
     reason = _unsupported(torch, query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         if fallback is None:
@@ -193,6 +179,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         mask = attention_mask.detach()
         mask = (mask if mask.dtype in (torch.float32, torch.float64) else mask.float()).numpy()
 
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     extra = {}
     if kwargs.get("softcap") is not None:
         extra["softcap"] = float(kwargs["softcap"])
@@ -242,11 +229,6 @@ def _eager(torch, module, query, key, value, attention_mask, dropout, scaling, i
         scaling = query.shape[-1] ** -0.5
     return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                  **kwargs)
-
-@functools.lru_cache(maxsize=None)
-def _takes(keyword):
-    """Whether this build's ``fastattn.attention`` accepts ``keyword``."""
-    return keyword in inspect.signature(_api.attention).parameters
 
 
 def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):

@@ -11,7 +11,7 @@ computes ``x @ w + b``, so each weight is transposed.
 """
 import numpy as np
 
-from ..layers import _array
+from . import _args
 
 
 def _reader(state_dict, prefix):
@@ -25,7 +25,7 @@ def _reader(state_dict, prefix):
         t = state_dict[key]
         if hasattr(t, "detach"):          # a torch tensor, without importing torch
             t = t.detach().cpu().numpy()
-        return _array(t, f"state_dict[{key!r}]")
+        return _args.check_array(t, f"state_dict[{key!r}]")
 
     return get
 
