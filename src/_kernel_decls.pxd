@@ -196,6 +196,7 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_exp2_array_f8(const float* x, float* y, Py_ssize_t n)
     # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
     void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
+    void fa_prefetch_l1(const char* p, Py_ssize_t nbytes)
     void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
     void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
@@ -226,6 +227,15 @@ cdef extern from "fa_kernels.h" nogil:
                             Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
     void fa_score_tile1_bdp(const uint16_t** kr, const uint32_t* qt, Py_ssize_t ldqt,
                             Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_score_keys16x1_bdp(const uint16_t** kr, int nk, const uint32_t* qt,
+                               Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                               Py_ssize_t lds)
+    void fa_score_keys16x2_bdp(const uint16_t** kr, int nk, const uint32_t* qt,
+                               Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                               Py_ssize_t lds)
+    void fa_score_keys16x4_bdp(const uint16_t** kr, int nk, const uint32_t* qt,
+                               Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                               Py_ssize_t lds)
     void fa_pack_qt_pairs(const uint16_t* const* rows, Py_ssize_t D, uint32_t* qt,
                           Py_ssize_t ldqt)
     void fa_pack_p_pairs(const float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t nlanes,

@@ -446,6 +446,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         if not t.gather:
             _row_pointers(t.kptr, t.kb + t.j0 * t.k_row, t.k_row, t.nj)
             _row_pointers(t.vptr, t.vb + t.j0 * t.v_row, t.v_row, t.nj)
+
         if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
@@ -597,6 +598,48 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
                 else:
                     score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
             jj += mk
+
+
+cdef void _scores_bf16_keys(const Problem* P, Tile* t, const Workspace* w,
+                            float* ws) noexcept nogil:
+    # S^T of a decode-sized tile with bfloat16 products: 16 keys at a time as the lanes
+    # (zero keys pad the last call), against the rows in passes of 4, 2 or 1 (rows past
+    # nrows read qt's zero padding and are not stored).  The chains of the prefill's
+    # micro-tiles (fa_score_keys16x*_bdp).  These read a few lines of 16 rows at a time,
+    # which no hardware prefetcher follows: each call requests the next call's K rows into
+    # L1, and the same keys of the next block (K and V) into L2, spread over the block.
+    cdef const uint32_t* qt = <const uint32_t*> (ws + w.qt)
+    cdef const char* zrow = <const char*> (ws + w.zrow)
+    cdef float scale = <float> t.scale_log2
+    cdef Py_ssize_t jb, u, r, left, nxt = min(FA_BK, t.tile_hi - t.j1)
+    cdef int nk
+    jb = 0
+    while jb < t.nj:
+        nk = <int> min(16, t.nj - jb)
+        for u in range(jb + 16, min(jb + 32, t.nj)):
+            fa_prefetch_l1(t.kptr[u], P.D * P.k_isz)
+        if not t.gather:
+            for u in range(jb, min(jb + 16, nxt)):
+                fa_prefetch_l2(t.kb + (t.j1 + u) * t.k_row, P.D * P.k_isz)
+                fa_prefetch_l2(t.vb + (t.j1 + u) * t.v_row, P.Dv * P.v_isz)
+        for u in range(16):
+            t.krows[u] = t.kptr[jb + u] if u < nk else zrow
+        r = 0
+        while r < t.nrows:
+            left = t.nrows - r
+            if left > 2:
+                fa_score_keys16x4_bdp(<const uint16_t**> t.krows, nk, qt + r, FA_BQ, P.D,
+                                      scale, ws + w.s + jb * FA_BQ + r, FA_BQ)
+                r += 4
+            elif left == 2:
+                fa_score_keys16x2_bdp(<const uint16_t**> t.krows, nk, qt + r, FA_BQ, P.D,
+                                      scale, ws + w.s + jb * FA_BQ + r, FA_BQ)
+                r += 2
+            else:
+                fa_score_keys16x1_bdp(<const uint16_t**> t.krows, nk, qt + r, FA_BQ, P.D,
+                                      scale, ws + w.s + jb * FA_BQ + r, FA_BQ)
+                r += 1
+        jb += 16
 
 
 cdef inline Py_ssize_t _keyrows_pass(const Tile* t, Py_ssize_t left) noexcept nogil:
@@ -950,6 +993,8 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
         _load_block(P, t, w, ws)
         if t.decode:
             _scores_decode(P, t, w, ws)
+        elif floating is float and t.bf16_dot and t.nrows <= FA_DECODE_ROWS:
+            _scores_bf16_keys(P, t, w, ws)
         else:
             _scores_prefill(P, t, w, ws)
         _finish_scores(P, t, w, ws)

@@ -107,6 +107,59 @@ FA_BDP_SCORE_TILE(fa_score_tile1_bdp, 6, 1)
 #undef FA_BDP_SCORE_TILE
 
 /*
+ * Decode-sized tiles (at most FA_DECODE_ROWS rows): the keys are the lanes instead, 16
+ * key rows transposed in registers 16 pairs of dims at a time, so that no lane idles.  Per
+ * (row, key) these are the chains of fa_score_tile_bdp -- vdpbf16ps multiplies the same
+ * two pairs whichever operand is broadcast -- so a decode row has its prefill row's bits.
+ *   s[u*lds + r] = scale * sum_p qt[p*ldqt + r] . kr[u][p]     u < nk, r < NR
+ * kr: 16 bfloat16 key rows (zero rows past nk); qt: query rows in pairs of dims.
+ */
+#define FA_BDP_KEYS16(NAME, NR)                                                            \
+FA_BDP_NOINLINE void NAME(const uint16_t* const* kr, int nk, const uint32_t* qt,          \
+                          ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s, ptrdiff_t lds) \
+{                                                                                          \
+    const ptrdiff_t np = D / 2;                                                            \
+    const float* rows[16];                                                                 \
+    uint32_t tail[16][16];                                                                 \
+    __m512 sum[NR], acc[NR];                                                               \
+    for (int r = 0; r < NR; r++) sum[r] = acc[r] = _mm512_setzero_ps();                    \
+    for (ptrdiff_t p0 = 0; p0 < np; p0 += 16) {                                            \
+        const ptrdiff_t n = np - p0 < 16 ? np - p0 : 16;                                   \
+        for (int u = 0; u < 16; u++) {                                                     \
+            rows[u] = (const float*) kr[u] + p0;                                           \
+            if (n < 16) {   /* the last pairs of a row, zero-padded: no read past it */    \
+                memset(tail[u], 0, sizeof tail[u]);                                        \
+                memcpy(tail[u], rows[u], 4 * n);                                           \
+                rows[u] = (const float*) tail[u];                                          \
+            }                                                                              \
+        }                                                                                  \
+        fa_vf t[16];                                                                       \
+        fa_load_transpose_vf(rows, 0, t);                                                  \
+        for (ptrdiff_t i = 0; i < n; i++) {                                                \
+            const ptrdiff_t p = p0 + i;                                                    \
+            for (int r = 0; r < NR; r++)                                                   \
+                acc[r] = fa_bdp(acc[r], _mm512_set1_epi32((int) qt[p * ldqt + r]),        \
+                                (__m512i) t[i]);                                           \
+            if (2 * (p + 1) % FA_DCHUNK == 0 || p + 1 == np)   /* a chunk ends */          \
+                for (int r = 0; r < NR; r++) {                                             \
+                    sum[r] = 2 * p < FA_DCHUNK ? acc[r] : _mm512_add_ps(sum[r], acc[r]);   \
+                    acc[r] = _mm512_setzero_ps();                                          \
+                }                                                                          \
+        }                                                                                  \
+    }                                                                                      \
+    const __m512 sc = _mm512_set1_ps(scale);                                               \
+    for (int r = 0; r < NR; r++) {                                                         \
+        float out[16];                                                                     \
+        _mm512_storeu_ps(out, _mm512_mul_ps(sum[r], sc));                                  \
+        for (int u = 0; u < nk; u++) s[u * lds + r] = out[u];                              \
+    }                                                                                      \
+}
+FA_BDP_KEYS16(fa_score_keys16x1_bdp, 1)
+FA_BDP_KEYS16(fa_score_keys16x2_bdp, 2)
+FA_BDP_KEYS16(fa_score_keys16x4_bdp, 4)
+#undef FA_BDP_KEYS16
+
+/*
  * Q^T in pairs of dimensions for 16 query rows (bfloat16, D even):
  *   qt[p*ldqt + r] = rows[r][2p] | rows[r][2p+1] << 16
  * A 16 x 16 transpose of 32-bit words per 32 dimensions, done through memory: a tile packs
@@ -211,6 +264,12 @@ FA_BDP_STUB fa_score_tile_bdp(const uint16_t* const* kr, const uint32_t* qt, ptr
 { (void)kr; (void)qt; (void)ldqt; (void)D; (void)scale; (void)s; (void)lds; }
 #define fa_score_tile4_bdp fa_score_tile_bdp
 #define fa_score_tile1_bdp fa_score_tile_bdp
+FA_BDP_STUB fa_score_keys16x1_bdp(const uint16_t* const* kr, int nk, const uint32_t* qt,
+                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                  ptrdiff_t lds)
+{ (void)kr; (void)nk; (void)qt; (void)ldqt; (void)D; (void)scale; (void)s; (void)lds; }
+#define fa_score_keys16x2_bdp fa_score_keys16x1_bdp
+#define fa_score_keys16x4_bdp fa_score_keys16x1_bdp
 FA_BDP_STUB fa_pack_qt_pairs(const uint16_t* const* rows, ptrdiff_t D, uint32_t* qt,
                              ptrdiff_t ldqt)
 { (void)rows; (void)D; (void)qt; (void)ldqt; }

@@ -94,6 +94,10 @@ static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
 {
     for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
+static inline void fa_prefetch_l1(const char* p, ptrdiff_t bytes)
+{
+    for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
 
 #include "fa_half.h"
 FA_WIDEN_ROWS(f, float)
