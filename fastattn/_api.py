@@ -109,7 +109,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     if _LEAN_PATH and (window is None and mask is None and kv_lengths is None
                        and type(return_lse) is bool and softcap is None
                        and alibi_slopes is None and q_lengths is None
-                       and _precision.get_float32_precision() == "float32"):
+                       and not _precision.active):
         # The common case is recognised and run entirely in C (see src/_lean_gate.pxi,
         # "The lean call path"); it returns None for anything it does not take.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,

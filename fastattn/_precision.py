@@ -24,6 +24,16 @@ __all__ = ["set_float32_precision", "get_float32_precision", "float32_precision"
 PRECISIONS = ("float32", "bfloat16")
 _global = "float32"
 _local = threading.local()
+# Whether any call may run in bfloat16 now (the process-wide setting, or a thread inside
+# a bfloat16 block): a plain flag, so that the lean path's check costs a lookup.
+active = False
+_bf16_blocks = 0
+_lock = threading.Lock()
+
+
+def _update_active():
+    global active
+    active = _global == "bfloat16" or _bf16_blocks > 0
 
 
 def _check(precision):
@@ -47,7 +57,9 @@ def set_float32_precision(precision):
     'bfloat16'
     """
     global _global
-    old, _global = _global, _check(precision)
+    with _lock:
+        old, _global = _global, _check(precision)
+        _update_active()
     return old
 
 
@@ -72,12 +84,22 @@ class float32_precision:
         self.precision = _check(precision)
 
     def __enter__(self):
+        global _bf16_blocks
         self.previous = getattr(_local, "override", None)
         _local.override = self.precision
+        if self.precision == "bfloat16":
+            with _lock:
+                _bf16_blocks += 1
+                _update_active()
         return self
 
     def __exit__(self, *exc):
+        global _bf16_blocks
         _local.override = self.previous
+        if self.precision == "bfloat16":
+            with _lock:
+                _bf16_blocks -= 1
+                _update_active()
 
 
 def bf16_products(D, Dv):
