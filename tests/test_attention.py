@@ -116,10 +116,10 @@ def test_dtypes(rng, dtypes, result, causal):
 
 
 def test_integer_seed_examples():
-    # Seed 002's integer examples, unscaled: int64 in, float64 out, "Jiraiya" exactly.
+    # Integer examples with printed results, unscaled: int64 in, float64 out, "Jiraiya" exactly.
     x = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
     check(x, x, x, scale=1.0)
-    # The seeds pass Python lists: they are arrays like any other.
+    # Python lists are arrays like any other.
     np.testing.assert_array_equal(fastattn.attention(x.tolist(), x.tolist(), x.tolist(), scale=1.0),
                                   fastattn.attention(x, x, x, scale=1.0))
     x = np.array([[9, 31, 8], [106, 7, 0], [207, 15, 0]])

@@ -1,6 +1,7 @@
 """Tests of fastattn.layers: self_attention, MultiHeadAttention, KVCache.
 
-Oracles: the seed notebooks' printed numbers, compositions of ``fastattn.reference`` with
+Oracles: numbers printed by an independent torch implementation of the same examples,
+compositions of ``fastattn.reference`` with
 plain NumPy (heads taken apart by hand), and torch.nn.MultiheadAttention when installed.
 """
 
@@ -61,7 +62,7 @@ def mha_oracle(layer, x, *, causal=False, mask=None, kv_lengths=None):
 
 # --------------------------------------------------------------------------- self_attention
 
-def test_self_attention_seed_002_examples():
+def test_self_attention_examples():
     x = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1]])
     out = self_attention(x, scale=1.0)
     assert out.dtype == np.float64           # integer inputs compute in float64
@@ -73,7 +74,7 @@ def test_self_attention_seed_002_examples():
     np.testing.assert_array_equal(self_attention(x, scale=1.0), [[207, 15, 0]] * 3)
 
 
-def test_self_attention_seed_001_context_vectors():
+def test_self_attention_context_vectors():
     x = np.array([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
                   [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]])
     printed = [[0.4421, 0.5931, 0.5790], [0.4419, 0.6515, 0.5683], [0.4431, 0.6496, 0.5671],
@@ -82,7 +83,7 @@ def test_self_attention_seed_001_context_vectors():
     np.testing.assert_allclose(self_attention(x.astype(np.float32), scale=1.0), printed, atol=5e-5)
 
 
-def test_self_attention_seed_000_masked_contextualised_vectors():
+def test_self_attention_masked_contextualised_vectors():
     y = self_attention(np.array([[1, 2], [1, 0], [1, 1], [2, 2]]), scale=1.0, causal=True)
     np.testing.assert_allclose(y, [[1.0, 2.0], [1.0, 1.0], [1.0, 1.5752103826044344],
                                    [1.8649548767993709, 1.9798697812543224]], rtol=1e-13)
@@ -116,7 +117,7 @@ def test_self_attention_equals_reference_composition(rng, causal, dtype):
 
 
 def test_self_attention_per_head_weights_broadcast(rng, kernel_calls):
-    x = rng.standard_normal((4, 3))                       # seed 004: 4 words, 3 dims
+    x = rng.standard_normal((4, 3))                       # 4 words, 3 dims
     w_q, w_k = rng.random((2, 5, 3, 6))                   # 5 heads, d_query 6
     w_v = rng.random((3, 8))                              # values shared by the heads
     out = self_attention(x, w_q, w_k, w_v)
@@ -170,8 +171,8 @@ def test_mha_weights_shapes_init_and_seed():
     assert d.b_q is None
 
 
-def test_mha_seed_000_learned_step():
-    """Seed 000's "Schritt 7": the 4th word attends to the first three, projected by W_O.
+def test_mha_learned_step():
+    """A worked example's "Schritt 7": the 4th word attends to the first three, projected by W_O.
     Its printed scores [-91, -163, -81.5] are unscaled (the sqrt(d_k) cell was not run)."""
     m = MultiHeadAttention(3, 1, d_head=3, d_value=4, dtype=np.float64, scale=1.0)
     m.w_q = np.array([[1, 2, 1], [-1, 1, 0], [-2, 1, 1]])
@@ -180,7 +181,7 @@ def test_mha_seed_000_learned_step():
     m.w_o = np.array([[1, 1, 2], [3, 1, 2], [6, 2, 1], [0, 0, 1]])
     x = np.array([[4, 3, 3], [7, 2, 1], [3.5, 3, 3.5], [3, 3, 4], [3, 4, 3]])
     mask = np.ones((5, 5), dtype=bool)
-    mask[3, 3:] = False                  # the notebook's loop: j in range(3)
+    mask[3, 3:] = False                  # row 3 sees its first three keys only
     out = m(x, mask=mask)
     np.testing.assert_allclose(out[3], [-10.500411654251309, -1.5001871155687763, 15.499962576886247],
                                rtol=1e-12)

@@ -1,13 +1,14 @@
-"""Tests of fastattn.positions: seed 004's sinusoidal table and rotary embeddings (rope)."""
+"""Tests of fastattn.positions: the sinusoidal table and rotary embeddings (rope)."""
 
 import numpy as np
 import pytest
 
 from fastattn.positions import rope, sinusoidal_positions
 
-# Seed 004 prints get_position_encoding(3)[:10]; its third column is 0 only because the
-# notebook's loop stops at int(3/2) pairs, so only the first two columns are compared.
-SEED_004_TABLE = np.array([
+# An independent loop implementation printed get_position_encoding(3)[:10]; its third
+# column is 0 only because its loop stops at int(3/2) pairs, so only the first two columns
+# are compared.
+LOOP_TABLE = np.array([
     [0.0, 1.0],
     [0.84147098, 0.54030231],
     [0.90929743, -0.41614684],
@@ -21,8 +22,8 @@ SEED_004_TABLE = np.array([
 ])
 
 
-def seed_004_position_encoding(d_embedding, max_seq_len=100, n=10000):
-    """The notebook's loop, verbatim (exact for even d_embedding)."""
+def loop_position_encoding(d_embedding, max_seq_len=100, n=10000):
+    """That independent loop, verbatim (exact for even d_embedding)."""
     position_encoding = np.zeros((max_seq_len, d_embedding))
     for k in range(max_seq_len):
         for i in np.arange(int(d_embedding / 2)):
@@ -34,17 +35,17 @@ def seed_004_position_encoding(d_embedding, max_seq_len=100, n=10000):
 
 # --------------------------------------------------------------------------- sinusoidal
 
-def test_seed_004_printed_table():
+def test_printed_table():
     pe = sinusoidal_positions(100, 3)
     assert pe.shape == (100, 3) and pe.dtype == np.float64
     np.testing.assert_allclose(pe[1, :2], [0.84147098, 0.54030231], atol=5e-9)
-    np.testing.assert_allclose(pe[:10, :2], SEED_004_TABLE, atol=5e-9)
+    np.testing.assert_allclose(pe[:10, :2], LOOP_TABLE, atol=5e-9)
 
 
 @pytest.mark.parametrize("d_model", [2, 4, 8, 64])
 def test_even_d_model_equals_seed_loop(d_model):
     np.testing.assert_allclose(sinusoidal_positions(50, d_model),
-                               seed_004_position_encoding(d_model, 50), rtol=0, atol=1e-14)
+                               loop_position_encoding(d_model, 50), rtol=0, atol=1e-14)
 
 
 @pytest.mark.parametrize("d_model", [1, 3, 7])
@@ -53,7 +54,7 @@ def test_odd_d_model_last_column_is_a_sine(d_model):
     k = np.arange(20)
     # The columns before the last agree with the even formula one size down ...
     if d_model > 1:
-        expected = seed_004_position_encoding(d_model, 20, n=100.0)[:, : d_model - 1]
+        expected = loop_position_encoding(d_model, 20, n=100.0)[:, : d_model - 1]
         np.testing.assert_allclose(pe[:, : d_model - 1], expected, atol=1e-14)
     # ... and the last column (even index d_model-1) is sin(k / base**((d_model-1)/d_model)).
     np.testing.assert_allclose(pe[:, -1], np.sin(k / 100.0 ** ((d_model - 1) / d_model)), atol=1e-14)

@@ -14,7 +14,8 @@ def test_readme_examples_run(capsys):
     ns = {}
     for block in blocks:
         exec(compile(block, str(README), "exec"), ns)
-    # The first example claims the seed's printed context vector for "cat".
+    # The first example claims the context vector an independent torch implementation
+    # printed for "cat".
     np.testing.assert_allclose(ns["ctx"].shape, (3, 3))  # re-bound by the layers example
     assert "0.4418" in capsys.readouterr().out
 
