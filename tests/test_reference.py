@@ -52,19 +52,23 @@ def naive_attention(q, k, v, scale, visible=None, add=None):
 
 # --------------------------------------------------------------------------- softmax
 
-# An independent implementation computes softmax with e = 2.718281828459 (truncated at 12
-# digits, relative error 1.7e-14), so its printed values carry a relative error of about |x|
-# * 1.7e-14: rtol 1e-11. @pytest.mark.parametrize("x, expected", [ ([1, 2, 3],
-# [0.09003057317038284, 0.24472847105480003, 0.6652409557748171]), ([1, 0, 1],
-# [0.4223187982515171, 0.1553624034969658, 0.4223187982515171]), The seed prints the label
-# [1, -10, -10] but computes softmax([1, 0, 0]): test what it computed. ([1, 0, 0],
-# [0.576116884765825, 0.21194155761708747, 0.21194155761708747]), ([4], [1.0]), ]) def
-# test_softmax(x, expected): np.testing.assert_allclose(ref.softmax(x), expected,
-# rtol=1e-11)
+# The printed examples compute softmax with e = 2.718281828459 (truncated at 12 digits,
+# relative error 1.7e-14), so their values carry a relative error of about |x| * 1.7e-14:
+# rtol 1e-11.
+@pytest.mark.parametrize("x, expected", [
+    ([1, 2, 3], [0.09003057317038284, 0.24472847105480003, 0.6652409557748171]),
+    ([1, 0, 1], [0.4223187982515171, 0.1553624034969658, 0.4223187982515171]),
+    # The example prints the label [1, -10, -10] but computes softmax([1, 0, 0]): test what it
+    # computed.
+    ([1, 0, 0], [0.576116884765825, 0.21194155761708747, 0.21194155761708747]),
+    ([4], [1.0]),
+])
+def test_softmax(x, expected):
+    np.testing.assert_allclose(ref.softmax(x), expected, rtol=1e-11)
 
 
 def test_softmax_rounded():
-    # The markdown cell: softmax([4.4, 2.2, 4.01]) ~ [0.56, 0.06, 0.38] (two decimals).
+    # A printed example: softmax([4.4, 2.2, 4.01]) ~ [0.56, 0.06, 0.38] (two decimals).
     np.testing.assert_allclose(ref.softmax([4.4, 2.2, 4.01]), [0.56, 0.06, 0.38], atol=0.005)
 
 
