@@ -495,7 +495,7 @@ cdef inline void _cache_seek(const Problem* P, const Tile* t, CacheRows* c,
 
 
 cdef inline void _cache_next(const Problem* P, const Tile* t, CacheRows* c) noexcept nogil:
-    # Point c at the next key.
+    # Point c at the next key (which must exist: past a page it is looked up).
     c.page_left -= 1
     if c.page_left == 0:
         _cache_seek(P, t, c, c.j + 1)
@@ -525,12 +525,14 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
         if u < nxt:
             fa_prefetch_l2(P.k + n.k * P.k_isz, P.D * P.k_isz)
             fa_prefetch_l2(P.v + n.v * P.v_isz, P.Dv * P.v_isz)
-            _cache_next(P, t, &n)
+            if u + 1 < nxt:   # (never past the last key: its page may be the table's last)
+                _cache_next(P, t, &n)
         if not t.bf16_dot:
             _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, P.D, kdst + u * P.D)
             if not t.defer_v:
                 _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, vdst + u * P.Dv)
-        _cache_next(P, t, &c)
+        if u + 1 < t.nj:
+            _cache_next(P, t, &c)
 
 
 cdef void _gather_v(const Problem* P, Tile* t, const Workspace* w,
@@ -542,7 +544,8 @@ cdef void _gather_v(const Problem* P, Tile* t, const Workspace* w,
     _cache_seek(P, t, &c, t.j0)
     for u in range(t.nj):
         _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, ws + w.vblk + u * P.Dv)
-        _cache_next(P, t, &c)
+        if u + 1 < t.nj:
+            _cache_next(P, t, &c)
 
 
 cdef inline void _gather_row(const char* src, int kind, const uint16_t* scale, Py_ssize_t n,
