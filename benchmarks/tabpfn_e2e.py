@@ -34,6 +34,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from fastattn.cli.bench.machine import cpu_name
+
 FULL_CONFIG = {}  # tabpfn's v3.5 defaults: 24 ICL layers of width 1024, 16 heads of 64
 SMALL_CONFIG = dict(embed_dim=32, dist_embed_num_blocks=1, dist_embed_num_heads=2,
                     dist_embed_num_inducing_points=16, feat_agg_num_blocks=1,
@@ -44,18 +46,6 @@ SMALL_SIZES = dict(rows=300, test_rows=100, features=8)
 CLASSES = 3
 BACKENDS = ("torch", "fastattn")
 PRECISIONS = ("highest", "medium")
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown CPU"
 
 
 def cpu_has_avx512_bf16():
@@ -229,7 +219,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for paragraph in __doc__.split("\n\n")[2:4]:  # what it measures, what the table shows
         print(textwrap.fill(" ".join(paragraph.split()), width=92), end="\n\n")
-    print(f"CPU: {cpu_model()} (AVX512-BF16: {'yes' if cpu_has_avx512_bf16() else 'no'}); "
+    print(f"CPU: {cpu_name()} (AVX512-BF16: {'yes' if cpu_has_avx512_bf16() else 'no'}); "
           f"torch {torch.__version__}; {args.threads} threads")
     print(f"fastattn {fastattn.__version__}, {ISA} kernel, from "
           f"{os.path.dirname(os.path.abspath(fastattn.__file__))}")

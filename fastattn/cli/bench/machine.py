@@ -66,7 +66,8 @@ def measure_peaks(shapes, quick):
     return peaks, (busy[0] + busy[1] if busy is not None else None)
 
 
-def _cpu_name():
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -93,7 +94,7 @@ def machine_info(fa, torch):
         "fastattn": getattr(fa, "__version__", "unknown"),
         "isa": build.get("isa", "unknown"),
         "build": build,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
