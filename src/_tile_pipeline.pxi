@@ -64,7 +64,8 @@ cdef struct Problem:
     # finish-scores stage also leaves the softcap's slope.
     bint backward
     # q, k and v bfloat16, multiplied in bfloat16 pairs (fa_bf16dot.h): every tile then
-    # runs the prefill's kernels, with K read in place and V packed in pairs of keys.
+    # runs the prefill's chains (decode tiles with the keys as lanes), K read in place and
+    # V packed in pairs of keys.
     bint bf16_dot
     # Serving caches.  Pages: key j of batch element b is row j % page of page
     # block_table[b * bt_stride + j // page], pages k_pst (v_pst) elements apart (k_boff,
@@ -137,7 +138,7 @@ cdef struct Tile:
     Py_ssize_t pv_lo[FA_BQ]
     Py_ssize_t pv_hi[FA_BQ]
     const char* krows[32]         # key rows of one score call (FA_MR_K or FA_DEC_KEYS_F)
-    # Gathered blocks: the block's K and V rows (and their q8_0 scales) where they are stored.
+    # The block's K and V rows where they are stored (gathered blocks, bfloat16 products).
     const char* kptr[FA_BK]
     const char* vptr[FA_BK]
     const char* vrows[32]         # decode: the V rows of krows, to prefetch
@@ -172,8 +173,10 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     w.nslope = o; o += FA_BQ                    # ALiBi per row: -slope log2 e
     w.diag = o; o += FA_BQ                      # and the row's diagonal
     w.zrow = o; o += max(D, Dv) + 1             # a zero key (or value) row for padding keys
-    w.kblk = o; o += FA_BK * D if _gathers(P) or P.k_kind != FA_STORE_NATIVE else 0  # a block of K, widened
-    w.vblk = o; o += FA_BK * Dv if _gathers(P) or P.v_kind != FA_STORE_NATIVE else 0  # and of V
+    w.kblk = o                                  # a block of K, widened, and of V
+    o += FA_BK * D if _gathers(P) or P.k_kind != FA_STORE_NATIVE else 0
+    w.vblk = o
+    o += FA_BK * Dv if _gathers(P) or P.v_kind != FA_STORE_NATIVE else 0
     w.orow = o; o += dv_pad if P.o_kind != FA_STORE_NATIVE else 0      # a row before rounding
     w.pp = o; o += (FA_BK // 2) * FA_BQ if P.bf16_dot else 0           # P in bfloat16 pairs
     if P.backward:
@@ -446,7 +449,6 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         if not t.gather:
             _row_pointers(t.kptr, t.kb + t.j0 * t.k_row, t.k_row, t.nj)
             _row_pointers(t.vptr, t.vb + t.j0 * t.v_row, t.v_row, t.nj)
-
         if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
