@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import make_qkv, qkv_shapes
+
 import fastattn
 from fastattn import reference
 from fastattn._dispatch import kernel
@@ -28,15 +30,6 @@ needs_bf16_dot = pytest.mark.skipif(
     reason=f"no bfloat16 products here (kernel {kernel.__name__}: built "
            f"{kernel.BF16_DOT_BUILT}, CPU has AVX512-BF16 {kernel.BF16_DOT_CPU}, "
            f"FASTATTN_BF16_DOT={os.environ.get('FASTATTN_BF16_DOT', 'unset')})")
-
-
-def qkv(shape_q, shape_kv, seed=0, Dv=None):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal(shape_q, dtype=np.float32)
-    k = rng.standard_normal(shape_kv, dtype=np.float32)
-    v_shape = shape_kv[:-1] + ((Dv or shape_kv[-1]),)
-    v = rng.standard_normal(v_shape, dtype=np.float32)
-    return q, k, v
 
 
 def bf16(**kw):
@@ -63,7 +56,7 @@ def test_bfloat16_bits_round_to_nearest_even():
 
 
 def test_default_float32_precision_keeps_float32_bits():
-    q, k, v = qkv((2, 3, 50, 64), (2, 3, 70, 64))
+    q, k, v = make_qkv(np.random.default_rng(0), *qkv_shapes((2,), 3, 3, 50, 70, 64))
     before = fastattn.attention(q, k, v, causal=True)
     old = kernel.set_bf16_dot(False)
     try:
@@ -100,7 +93,7 @@ def test_accuracy_against_float64_on_rounded_inputs(causal, window, D):
     # q.k is exact products summed in float32; P.V rounds P to bfloat16: a relative error
     # of at most 2^-9 per weight, so at most 2^-9 max|v| on an output, and with errors of
     # random sign, a few times 2^-12 on average (rows of one key have p = 1, exact).
-    q, k, v = qkv((2, 4, 150, D), (2, 2, 230, D), seed=D)
+    q, k, v = make_qkv(np.random.default_rng(D), *qkv_shapes((2,), 4, 2, 150, 230, D))
     out = bf16(causal=causal, window=window)(q, k, v)
     qr, kr, vr = (bfloat16_values(a).astype(np.float64) for a in (q, k, v))
     ref = reference.attention(qr, kr, vr, causal=causal, window=window)
@@ -115,7 +108,7 @@ def test_accuracy_against_float64_on_rounded_inputs(causal, window, D):
 
 @needs_bf16_dot
 def test_bits_do_not_depend_on_threads_batch_or_rows():
-    q, k, v = qkv((3, 8, 200, 64), (3, 2, 300, 64), seed=3)
+    q, k, v = make_qkv(np.random.default_rng(3), *qkv_shapes((3,), 8, 2, 200, 300, 64))
     f = bf16(causal=True)
     with fastattn.num_threads(1):
         one = f(q, k, v)
@@ -135,7 +128,7 @@ def test_bits_do_not_depend_on_threads_batch_or_rows():
 def test_decode_steps_give_the_prefill_rows(window):
     # Odd cache lengths put the first visible key of a window at odd positions, where a
     # block of key pairs starts one key early.
-    q, k, v = qkv((1, 4, 40, 128), (1, 4, 1500, 128), seed=5)
+    q, k, v = make_qkv(np.random.default_rng(5), *qkv_shapes((1,), 4, 4, 40, 1500, 128))
     f = bf16(causal=True, window=window)
     prefill = f(q, k, v)
     for i in (0, 1, 17, 38, 39):
@@ -152,7 +145,7 @@ def test_decode_steps_give_the_prefill_rows(window):
 
 @needs_bf16_dot
 def test_varlen_rows_equal_their_own_calls():
-    q, k, v = qkv((4, 170, 64), (2, 260, 64), seed=7)
+    q, k, v = make_qkv(np.random.default_rng(7), *qkv_shapes((), 4, 2, 170, 260, 64))
     cu_q, cu_k = [0, 1, 70, 170], [0, 33, 150, 260]
     with fastattn.float32_precision("bfloat16"):
         packed = fastattn.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
@@ -165,7 +158,7 @@ def test_varlen_rows_equal_their_own_calls():
 @needs_bf16_dot
 def test_head_dims_the_tiles_do_not_take_multiply_in_float32():
     # Dv not a multiple of two vectors: the call is not rounded and keeps float32 bits.
-    q, k, v = qkv((1, 2, 30, 48), (1, 2, 40, 48), seed=9)
+    q, k, v = make_qkv(np.random.default_rng(9), *qkv_shapes((1,), 2, 2, 30, 40, 48))
     assert not kernel.bf16_dot_takes(48, 48)
     np.testing.assert_array_equal(bf16()(q, k, v), fastattn.attention(q, k, v))
     assert kernel.bf16_dot_takes(64, 64) and kernel.bf16_dot_takes(30, 32)
@@ -173,7 +166,7 @@ def test_head_dims_the_tiles_do_not_take_multiply_in_float32():
 
 @needs_bf16_dot
 def test_backward_uses_the_rounded_inputs():
-    q, k, v = qkv((1, 2, 60, 64), (1, 2, 80, 64), seed=11)
+    q, k, v = make_qkv(np.random.default_rng(11), *qkv_shapes((1,), 2, 2, 60, 80, 64))
     dout = np.random.default_rng(12).standard_normal(q.shape, dtype=np.float32)
     with fastattn.float32_precision("bfloat16"):
         out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
@@ -188,7 +181,7 @@ def test_backward_uses_the_rounded_inputs():
 def test_bfloat16_inputs_use_the_products_and_the_switch_turns_them_off():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     bf = ml_dtypes.bfloat16
-    q, k, v = (a.astype(bf) for a in qkv((2, 4, 90, 64), (2, 4, 130, 64), seed=13))
+    q, k, v = make_qkv(np.random.default_rng(13), *qkv_shapes((2,), 4, 4, 90, 130, 64), bf)
     on = fastattn.attention(q, k, v, causal=True)
     # the float32 opt-in runs the same products on the same values
     wide = [a.astype(np.float32) for a in (q, k, v)]
@@ -227,7 +220,7 @@ def test_backward_of_bfloat16_calls():
     # accuracy of the float64 gradients of the same values.
     ml_dtypes = pytest.importorskip("ml_dtypes")
     bf = ml_dtypes.bfloat16
-    q, k, v = (a.astype(bf) for a in qkv((2, 4, 150, 64), (2, 2, 200, 64), seed=17))
+    q, k, v = make_qkv(np.random.default_rng(17), *qkv_shapes((2,), 4, 2, 150, 200, 64), bf)
     dout = np.random.default_rng(18).standard_normal(q.shape).astype(bf)
     out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
     with fastattn.num_threads(1):
