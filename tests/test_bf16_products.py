@@ -193,8 +193,8 @@ def test_bfloat16_inputs_use_the_products_and_the_switch_turns_them_off():
     finally:
         kernel.set_bf16_dot(old)
     # off: float32 products of the widened values, rounded once
-    np.testing.assert_array_equal(off.view(np.uint16),
-                                  fastattn.attention(*wide, causal=True).astype(bf).view(np.uint16))
+    f32 = fastattn.attention(*wide, causal=True)
+    np.testing.assert_array_equal(off.view(np.uint16), f32.astype(bf).view(np.uint16))
     assert not np.array_equal(on.view(np.uint16), off.view(np.uint16))
     # a decode step over the bfloat16 cache: the prefill row's bits
     step = fastattn.attention(q[:, :, -1:], k, v, causal=True)
