@@ -133,10 +133,7 @@ def _forward(p):
     if target is not None and p.squeeze_heads:
         target = target[None]
     mask = _glue.kernel_mask(p)
-    direct = _glue.writes_in_place(target, cdt, (q, k, v, mask))
-    rdt = p.result_dtype if _glue.kernel_writes(p.result_dtype, cdt) else cdt
-    res = target if direct else np.empty(full_shape, dtype=rdt)
-    lse = np.empty(p.batch + (p.Hq, p.Lq), dtype=cdt) if p.return_lse else None
+    res, lse, direct = _glue.result_arrays(p, target, cdt, full_shape, (q, k, v, mask))
     _kernel.forward(p, q=q, k=k, v=v, out=res, lse=lse, mask=mask,
                     n_threads=_threads.get_num_threads())
     if p.squeeze_heads:
@@ -189,10 +186,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     cdt = p.compute_dtype
     q, k, v = (_glue.kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
     q, k, v = _precision.forward_inputs(q, k, v, cdt, p.D, p.Dv)
-    direct = _glue.writes_in_place(p.out, cdt, (q, k, v))
-    rdt = p.result_dtype if _glue.kernel_writes(p.result_dtype, cdt) else cdt
-    res = p.out if direct else np.empty((p.Hq, p.total_q, p.Dv), dtype=rdt)
-    lse = np.empty((p.Hq, p.total_q), dtype=cdt) if p.return_lse else None
+    res, lse, direct = _glue.result_arrays(p, p.out, cdt, (p.Hq, p.total_q, p.Dv), (q, k, v))
     _kernel.forward(p, q=q, k=k, v=v, out=res, lse=lse, mask=None,
                     n_threads=_threads.get_num_threads())
     res = _glue.result(p.out, res, p.result_dtype, direct)

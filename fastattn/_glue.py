@@ -64,6 +64,19 @@ def kernel_writes(dtype, cdt):
     return dtype == cdt or (cdt == np.float32 and _args.is_16bit(dtype))
 
 
+def result_arrays(p, target, cdt, shape, inputs):
+    """The arrays the kernel writes for the call ``p`` describes: ``(res, lse, direct)``.
+    ``res`` is ``target`` (the caller's ``out``, viewed with the kernel's shape) when the
+    kernel can write it in place (``direct``), else a new array of ``shape`` in the result
+    dtype the kernel writes; ``lse`` is a new array of ``shape[:-1]`` in the compute dtype,
+    or None without ``p.return_lse``."""
+    direct = writes_in_place(target, cdt, inputs)
+    rdt = p.result_dtype if kernel_writes(p.result_dtype, cdt) else cdt
+    res = target if direct else np.empty(shape, dtype=rdt)
+    lse = np.empty(shape[:-1], dtype=cdt) if p.return_lse else None
+    return res, lse, direct
+
+
 def result(out, res, result_dtype, direct):
     """The caller's ``out`` holding ``res`` (copied unless the kernel wrote it there), or
     ``res`` in the result dtype."""

@@ -445,11 +445,8 @@ def _attend(c, q, p):
               for s in (c.k_scale, c.v_scale)]
     # the checked table: the pages each sequence uses, 0 past them (never read)
     block_table = None if c.page is None else np.ascontiguousarray(c.pages, dtype=np.int32)
-    shape = (c.B, c.Hq, c.Lq, c.Dv)
-    direct = _glue.writes_in_place(p.out, cdt, (q, c.k_cache, c.v_cache))
-    rdt = p.result_dtype if _glue.kernel_writes(p.result_dtype, cdt) else cdt
-    res = p.out if direct else np.empty(shape, dtype=rdt)
-    lse = np.empty(shape[:3], dtype=cdt) if p.return_lse else None
+    res, lse, direct = _glue.result_arrays(p, p.out, cdt, (c.B, c.Hq, c.Lq, c.Dv),
+                                           (q, c.k_cache, c.v_cache))
     _kernel.forward_kvcache(p, q=q, k_cache=c.k_cache, v_cache=c.v_cache, out=res, lse=lse,
                             block_table=block_table, k_scale=scales[0], v_scale=scales[1],
                             n_threads=_threads.get_num_threads())

@@ -1,8 +1,8 @@
 """The products of float32 calls: exact float32 (the default) or bfloat16, opt-in.
 
 Calls whose q, k and v are all bfloat16 multiply in bfloat16 pairs where the CPU has
-bfloat16 dot products (AVX512-BF16) and the head dims suit the kernel; see
-:func:`bf16_products`.  Float32 calls do so only when asked, like torch's
+bfloat16 dot products (AVX512-BF16) and the head dims suit the kernel (the kernel's
+``bf16_dot_takes``).  Float32 calls do so only when asked, like torch's
 ``set_float32_matmul_precision("medium")``: q, k and v are then rounded to bfloat16 (to
 nearest even) and run through the same kernel, with a float32 result.  The backward of
 such a call computes with the rounded q, k and v, so its gradients are those of the
@@ -17,6 +17,7 @@ import threading
 
 import numpy as np
 
+from . import _args
 from ._dispatch import kernel
 
 __all__ = ["set_float32_precision", "get_float32_precision", "float32_precision"]
@@ -102,12 +103,6 @@ class float32_precision:
                 _update_active()
 
 
-def bf16_products(D, Dv):
-    """Whether a call whose q, k and v are bfloat16, with head dims D and Dv, multiplies
-    in bfloat16 (the kernel's own rule)."""
-    return kernel.bf16_dot_takes(D, Dv)
-
-
 def rounds_float32(D, Dv):
     """Whether a float32 call with head dims D and Dv is run in bfloat16 now."""
     return get_float32_precision() == "bfloat16" and kernel.bf16_dot_takes(D, Dv)
@@ -135,7 +130,7 @@ def forward_inputs(q, k, v, cdt, D, Dv):
     bits when they run in bfloat16 now."""
     if cdt != np.float32 or not rounds_float32(D, Dv):
         return q, k, v
-    return tuple(a if _is_bfloat16(a) else bfloat16_bits(a) for a in (q, k, v))
+    return tuple(a if _args.is_bfloat16(a.dtype) else bfloat16_bits(a) for a in (q, k, v))
 
 
 def backward_inputs(q, k, v, cdt, D, Dv):
@@ -143,8 +138,4 @@ def backward_inputs(q, k, v, cdt, D, Dv):
     to bfloat16 values when they run in bfloat16 now)."""
     if cdt != np.float32 or not rounds_float32(D, Dv):
         return q, k, v
-    return tuple(a if a.itemsize == 2 else bfloat16_values(a) for a in (q, k, v))
-
-
-def _is_bfloat16(a):
-    return a.dtype.itemsize == 2 and a.dtype != np.float16
+    return tuple(a if _args.is_16bit(a.dtype) else bfloat16_values(a) for a in (q, k, v))
