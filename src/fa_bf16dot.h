@@ -162,8 +162,7 @@ FA_BDP_KEYS16(fa_score_keys16x4_bdp, 4)
 /*
  * Q^T in pairs of dimensions for 16 query rows (bfloat16, D even):
  *   qt[p*ldqt + r] = rows[r][2p] | rows[r][2p+1] << 16
- * A 16 x 16 transpose of 32-bit words per 32 dimensions, done through memory: a tile packs
- * its rows once, so this is not on the hot path.
+ * Word by word: a tile packs its rows once, so this is not on the hot path.
  */
 FA_BDP_NOINLINE void fa_pack_qt_pairs(const uint16_t* const* rows, ptrdiff_t D, uint32_t* qt,
                                       ptrdiff_t ldqt)
