@@ -101,6 +101,7 @@ cdef struct Tile:
     bint bf16_dot                 # products in bfloat16 pairs (Problem.bf16_dot)
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
+    bint q8_in_place              # decode over q8_0 K and V read where stored (fa_q8_0.h)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -141,6 +142,11 @@ cdef struct Tile:
     # The block's K and V rows where they are stored (gathered blocks, bfloat16 products).
     const char* kptr[FA_BK]
     const char* vptr[FA_BK]
+    # q8_0 read in place: the next block's K and V rows (npf of them), which the kernels
+    # request into L2 as they go.
+    const char* kpf[FA_BK]
+    const char* vpf[FA_BK]
+    Py_ssize_t npf
     const char* vrows[32]         # decode: the V rows of krows, to prefetch
 
 
@@ -322,11 +328,15 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # tile; and both for double compute.
     # Rows in pages or in q8_0 are gathered (and widened) a block at a time, except the
     # bfloat16 products', which read them through the block's row pointers.
+    # Decode tiles of float compute read q8_0 K and V through the block's row pointers,
+    # dequantising in registers.
     t.gather = _gathers(P)
+    t.q8_in_place = (floating is float and t.decode and P.k_kind == FA_STORE_Q8_0
+                     and P.v_kind == FA_STORE_Q8_0)
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
-        t.decode and floating is float and not t.gather or t.bf16_dot)
+        t.decode and floating is float and not t.gather or t.bf16_dot or t.q8_in_place)
     t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
-        t.decode and not t.gather or t.bf16_dot
+        t.decode and not t.gather or t.bf16_dot or t.q8_in_place
         or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C and not t.gather)))
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
@@ -391,7 +401,8 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     # 4-row score passes over 16-bit K (_keyrows_pass: rows c .. c+3 with more than 2 of
     # them left) take a whole call of keys in one kernel (fa_score_gqa4).
     t.gqa4 = (floating is float and FA_HAVE_GQA4_16 and t.decode and not t.widen_k
-              and P.k_kind != FA_STORE_NATIVE and D % 8 == 0 and D <= FA_KT8_MAX_D)
+              and (P.k_kind == FA_STORE_F16 or P.k_kind == FA_STORE_BF16)
+              and D % 8 == 0 and D <= FA_KT8_MAX_D)
     # The common case (no causal diagonal, window or per-sequence lengths in the tile) in
     # one flag, so that the per-block stages need not scan the rows.
     # (Blocks of bfloat16 products start at even keys, which may put a key before tile_lo
@@ -433,6 +444,9 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
     cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
     t.kblk_kind = t.vblk_kind = FA_STORE_NATIVE
     t.vblk_esz = sizeof(floating)
+    if floating is float and t.q8_in_place:
+        _gather_q8_0(P, t, w, ws)
+        return
     if t.gather:
         _gather(P, t, w, ws)
     elif not t.widen_k:
@@ -535,6 +549,37 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
                 _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, vdst + u * P.Dv)
         if u + 1 < t.nj:
             _cache_next(P, t, &c)
+
+
+cdef void _gather_q8_0(const Problem* P, Tile* t, const Workspace* w,
+                       float* ws) noexcept nogil:
+    # The block's q8_0 rows for the decode kernels that read them in place, run by run of
+    # evenly spaced rows (a page, or the whole block): their pointers into kptr and vptr,
+    # their scales in float32 into the workspace (kblk, vblk; see fa_q8_0_rows), and the
+    # next block's row pointers into kpf and vpf.
+    cdef Py_ssize_t u = 0, n, nbk = P.D // 32, nbv = P.Dv // 32, b
+    cdef float* ksc = ws + w.kblk
+    cdef float* vsc = ws + w.vblk
+    cdef CacheRows c
+    while u < t.nj:
+        _cache_seek(P, t, &c, t.j0 + u)
+        n = t.nj - u if c.page_left < 0 else min(t.nj - u, c.page_left)
+        fa_q8_0_rows(P.k + c.k, P.k_sj, P.k_scale + c.ks, P.ks_sj, nbk,
+                     P.v + c.v, P.v_sj, P.v_scale + c.vs, P.vs_sj, nbv, n,
+                     t.kptr + u, t.vptr + u, ksc + u, FA_BK, vsc + u * nbv)
+        u += n
+    for u in range(t.nj, _round_up(t.nj, 2 * t.VL)):   # padding keys' lanes: defined zeros
+        for b in range(nbk):
+            ksc[b * FA_BK + u] = 0
+    t.npf = max(0, min(FA_BK, t.tile_hi - t.j1))
+    u = 0
+    while u < t.npf:
+        _cache_seek(P, t, &c, t.j1 + u)
+        n = t.npf - u if c.page_left < 0 else min(t.npf - u, c.page_left)
+        fa_q8_0_next_rows(P.k + c.k, P.k_sj, P.k_scale + c.ks, P.ks_sj, nbk,
+                          P.v + c.v, P.v_sj, P.v_scale + c.vs, P.vs_sj, nbv, n,
+                          t.kpf + u, t.vpf + u)
+        u += n
 
 
 cdef void _gather_v(const Problem* P, Tile* t, const Workspace* w,
@@ -677,6 +722,9 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     cdef int npass
     cdef bint pf_v = (not t.pv_next_v or t.first_blk) and not t.widen_v
     cdef int nk
+    if floating is float and t.q8_in_place:
+        _scores_q8_0(P, t, w, ws)
+        return
     for ig in range((nj + KC - 1) // KC):
         jb = ig * KC
         nk = <int> min(KC, nj - jb)
@@ -705,6 +753,36 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
                           t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind)
             r += nr
             pf_bytes = 0
+    t.first_blk = False
+
+
+cdef void _scores_q8_0(const Problem* P, Tile* t, const Workspace* w,
+                       float* ws) noexcept nogil:
+    # S^T of a decode tile over q8_0 K read in place (fa_score_q8_0_r*): KC keys at a
+    # time as the lanes (zero rows pad the last call), against the rows in passes of
+    # 8/4/2/1.  The first pass of each call requests the next call's K rows into L1 and
+    # the next block's into L2.
+    cdef const char* zrow = <const char*> (ws + w.zrow)
+    cdef Py_ssize_t jb = 0, u, r, nr, KC
+    cdef int nk, npf, nl1
+    KC = fa_score_q8_0_keys(<int> _keyrows_pass(t, t.nrows))
+    for u in range(KC, 32):
+        t.krows[u] = zrow
+    while jb < t.nj:
+        nk = <int> min(KC, t.nj - jb)
+        for u in range(KC):
+            t.krows[u] = t.kptr[jb + u] if u < nk else zrow
+        npf = <int> max(0, min(nk, t.npf - jb))
+        nl1 = <int> max(0, min(KC, t.nj - jb - KC))
+        r = 0
+        while r < t.nrows:
+            nr = _keyrows_pass(t, t.nrows - r)
+            score_q8_0(nr, t.krows, ws + w.kblk + jb, nk, ws + w.qt + r, t.ldqt, P.D,
+                       <float> t.scale_log2, ws + w.s + jb * FA_BQ + r, <int> (t.nrows - r),
+                       t.kpf + jb, npf, t.kptr + jb + KC, nl1)
+            r += nr
+            npf = nl1 = 0
+        jb += KC
     t.first_blk = False
 
 
@@ -964,6 +1042,9 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     cdef Py_ssize_t nr = 4 if t.nrows >= 2 else 1, rg, pf_rows = 0, ja, z
     cdef Py_ssize_t pf_stride, pf_cols
     cdef const char* pf
+    if floating is float and t.q8_in_place:
+        _pv_q8_0(P, t, w, ws, nr)
+        return
     _keys_seen(t, 0, nr, &ja, &z)
     ja = min(max(t.j0, ja), t.j1)
     if t.widen_k or t.widen_v:
@@ -979,6 +1060,24 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     rg = nr
     while rg < t.nrows:
         _pv_rows(t, w, ws, rg, nr, pf, pf_stride, 0, pf_cols)
+        rg += nr
+
+
+cdef void _pv_q8_0(const Problem* P, const Tile* t, const Workspace* w, float* ws,
+                   Py_ssize_t nr) noexcept nogil:
+    # _pv_decode over q8_0 V read in place: rows in groups of nr (4, or 1 for a single
+    # row), each over the keys any of its rows sees; the first group requests the next
+    # block's V rows into L2.
+    cdef Py_ssize_t rg = 0, ja, z, na
+    while rg < t.nrows:
+        _keys_seen(t, rg, rg + nr, &ja, &z)
+        ja = min(max(t.j0, ja), t.j1)
+        na = max(0, min(t.j1, z) - ja)
+        fa_pv_q8_0(ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na,
+                   <const int8_t**> (t.vptr + (ja - t.j0)),
+                   ws + w.vblk + (ja - t.j0) * (P.Dv // 32), P.Dv,
+                   ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
+                   t.vpf, t.npf if rg == 0 else 0)
         rg += nr
 
 

@@ -341,6 +341,42 @@ def test_bits_do_not_depend_on_batch_or_threads(rng, dtype):
         assert_same_bits(alone[0], both[b])
 
 
+def _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv):
+    """A q8_0 cache whose blocks include all-zero blocks (scale 0), float16-subnormal
+    scales and scales near float16's largest, beside ordinary ones."""
+    cache = make_cache(rng, B, Hkv, Lmax, D, Dv, dtype="q8_0")
+    for name in ("k_scale", "v_scale"):
+        s = cache[name]
+        pick = rng.random(s.shape)
+        s[pick < 0.05] = 0
+        s[(pick >= 0.05) & (pick < 0.1)] = np.float16(3e-7)        # subnormal
+        s[(pick >= 0.1) & (pick < 0.12)] = np.float16(200.0)
+    return cache
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("page", [None, 16, 7])
+def test_q8_0_decode_over_long_caches_has_the_bits_of_the_dequantised_keys(rng, group, page):
+    # Decode tiles (up to 8 query rows of a kv head) read q8_0 rows in place, keys past
+    # a chunk of 1024 merged in order: each row has the bits of attention over its
+    # sequence's dequantised keys, whatever the rows per tile and the paging.
+    B, Hkv, D, Dv, Lmax = 2, 2, 64, 96, 2600
+    cache = _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv)
+    seqlens = np.array([2600, 1100])
+    table = None
+    if page:
+        cache, table = paged_from(cache, page, rng)
+    q = rng.standard_normal((B, Hkv * group, 1, D)).astype(np.float32)
+    for kw in ({}, dict(causal=True, window=(700, 0))):
+        got = fastattn.attention_with_kvcache(q, **cache, cache_seqlens=seqlens,
+                                              block_table=table, **kw)
+        if page:
+            flat = contiguous_from(cache, table, B, Lmax)
+        else:
+            flat = cache
+        assert_same_bits(got, _per_sequence(q, flat, seqlens, kw))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, "q8_0"])
 @pytest.mark.parametrize("page", [None, 5])
 def test_decode_steps_give_the_prefill_rows(rng, dtype, page):
