@@ -146,11 +146,23 @@ def qkv_shapes(batch, Hq, Hkv, Lq, Lk, D, Dv=None):
     return (*batch, Hq, Lq, D), (*batch, Hkv, Lk, D), (*batch, Hkv, Lk, D if Dv is None else Dv)
 
 
-def make_qkv(rng, q_shape, k_shape, v_shape, dtype=np.float32, kv_dtype=None):
-    """Random q, k, v of the given shapes: standard normal for floats, small ints otherwise.
+def make_qkv(rng, q_shape=None, k_shape=None, v_shape=None, dtype=np.float32, kv_dtype=None,
+             *, batch=(), Hq=1, Hkv=None, Lq=None, Lk=None, D=None, Dv=None):
+    """Random q, k, v: standard normal for floats, small ints otherwise, drawn in the order
+    q, k, v.
 
-    ``kv_dtype`` (default ``dtype``) is k's and v's dtype.  Drawn in the order q, k, v.
+    ``rng`` is a generator, or an int seed for a fresh one.  The shapes are given whole
+    (``q_shape, k_shape, v_shape``) or by dimension, as :func:`qkv_shapes` lays them out:
+    ``batch`` (a tuple), ``Hq`` query heads, ``Hkv`` key/value heads (default ``Hq``; fewer
+    for GQA/MQA), ``Lq`` and ``Lk`` (default ``Lq``), ``D`` and ``Dv`` (default ``D``).
+    ``kv_dtype`` (default ``dtype``) is k's and v's dtype.
     """
+    if not isinstance(rng, np.random.Generator):
+        rng = np.random.default_rng(rng)
+    if q_shape is None:
+        Hkv = Hq if Hkv is None else Hkv
+        q_shape, k_shape, v_shape = qkv_shapes(batch, Hq, Hkv, Lq, Lq if Lk is None else Lk,
+                                               D, Dv)
     out = []
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     for shape, dt in ((q_shape, dtype), (k_shape, kv_dtype), (v_shape, kv_dtype)):

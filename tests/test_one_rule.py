@@ -13,6 +13,8 @@ import pytest
 import fastattn
 from fastattn import reference as ref
 
+from conftest import make_qkv
+
 
 def _swapped(a):
     """``a`` with the same values in the opposite byte order."""
@@ -22,11 +24,7 @@ def _swapped(a):
 
 @pytest.fixture
 def qkv():
-    rng = np.random.default_rng(7)
-    q = rng.standard_normal((2, 4, 5, 8))
-    k = rng.standard_normal((2, 2, 7, 8))
-    v = rng.standard_normal((2, 2, 7, 6))
-    return q, k, v
+    return make_qkv(7, batch=(2,), Hq=4, Hkv=2, Lq=5, Lk=7, D=8, Dv=6, dtype=np.float64)
 
 
 # --------------------------------------------------------------------------- byte order
