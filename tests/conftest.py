@@ -37,7 +37,7 @@ else:
     #   default   CI: 100 examples per randomised test (hypothesis' own default), no
     #             deadline -- timings on a shared 2-core machine say nothing about bugs.
     #   long      >= 5000 cases over the property tests (1000 per randomised test);
-    #             tests/test_properties.py and tests/test_bad_inputs.py scale their own
+    #             tests/test_properties.py and tests/test_arguments.py scale their own
     #             example counts from max_examples.
     #   thorough  for hunting bugs before a release.
     _quiet = [_HealthCheck.too_slow, _HealthCheck.data_too_large]
