@@ -4,7 +4,8 @@
   ``merge_partials``;
 - inputs: ``make_qkv`` (with ``qkv_shapes``), the ``rng`` fixture;
 - error messages: ``names`` / ``names_any`` (the message names the argument);
-- fresh interpreters: ``run_python``, and ``ROOT``, the repository root;
+- fresh interpreters: ``run_python``, ``run_cli`` (the command line), and ``ROOT``, the
+  repository root;
 - optional packages: ``import_optional``.
 
 Tolerances (``assert_close``) are set per dtype from the arithmetic the kernels do, not
@@ -265,3 +266,9 @@ def run_python(*args, env=None, cwd=None, timeout=600, check=True):
         assert proc.returncode == 0, (
             f"exit status {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_cli(*args, timeout=600):
+    """``python -m fastattn *args`` in a fresh interpreter from the repository root, as a user
+    runs it; the caller checks the exit status."""
+    return run_python("-m", "fastattn", *args, cwd=ROOT, timeout=timeout, check=False)
