@@ -2,9 +2,10 @@
 (and, for shapes, showing them) before any work starts, ``out`` and the inputs are never
 written to, and every entry point applies the rule fastattn._args owns.
 
-By argument: q, k, v (shapes, then dtypes); mask; kv_lengths; window; causal; scale; out;
-return_lse; then the same bad keywords through every entry point, random malformed calls, and
-softmax's x and axis.
+By argument: q, k, v (shapes, then dtypes); mask; kv_lengths; window; causal; scale;
+softcap, alibi_slopes, sinks and q_lengths; out; return_lse; attention_varlen's cu_seqlens;
+then the same bad keywords through every entry point, random malformed calls, and softmax's
+x and axis.
 
 The random ones: hypothesis builds a valid call (random small shapes, dtypes, keywords),
 breaks it with one or two corruptions from the catalogue below (wrong ndim, mismatched dims,
@@ -28,7 +29,7 @@ from hypothesis import given, settings, strategies as st
 import fastattn
 from fastattn import reference as ref
 
-from conftest import make_qkv, names, names_any
+from conftest import make_qkv, names, names_any, qkv_shapes
 
 _UNIT = settings.default.max_examples
 ERRORS = (ValueError, TypeError)
@@ -188,6 +189,27 @@ def test_huge_integer_scale_is_a_value_error():
         fastattn.attention(x, x, x, scale=10 ** 400)
 
 
+# ----------------------------------- softcap, alibi_slopes, sinks, q_lengths
+
+@pytest.mark.parametrize("bad, exc, words", [
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=True), TypeError, "softcap"),
+    (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=np.array(["a", "b"])), TypeError, "alibi_slopes"),
+    (dict(sinks=np.ones((2, 2, 2))), ValueError, "sinks"),
+    (dict(sinks=[np.nan, 0.0]), ValueError, "sinks"),
+    (dict(q_lengths=[5]), ValueError, "q_lengths"),
+    (dict(q_lengths=[1.5]), TypeError, "q_lengths"),
+])
+def test_bad_variant_arguments(rng, bad, exc, words):
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), 2, 2, 4, 6, 8), np.float32)
+    out = np.full((1, 2, 4, 8), 7.0, np.float32)
+    with pytest.raises(exc, match=words):
+        fastattn.attention(q, k, v, out=out, **bad)
+    assert (out == 7.0).all()
+
+
 # ----------------------------------------------------------------------- out
 
 @pytest.mark.parametrize("bad_out, exc", [
@@ -250,6 +272,22 @@ def test_return_lse_must_be_a_bool(flag):
     q = np.ones((2, 3, 4))
     with pytest.raises(TypeError, match="return_lse"):
         fastattn.attention(q, q, q, return_lse=flag)
+
+
+# ----------------------------- cu_seqlens_q, cu_seqlens_k (attention_varlen)
+
+@pytest.mark.parametrize("cu_q, cu_k, exc, words", [
+    ([0, 3, 5], [0, 4], ValueError, "same length"),
+    ([1, 3, 5], [0, 2, 4], ValueError, "start at 0"),
+    ([0, 4, 3, 5], [0, 1, 2, 4], ValueError, "non-decreasing"),
+    ([0, 3, 4], [0, 2, 4], ValueError, "end at"),
+    ([0.0, 3, 5], [0, 2, 4], TypeError, "integer"),
+    ([[0, 3, 5]], [[0, 2, 4]], ValueError, "1-D"),
+])
+def test_varlen_bad_cu_seqlens(rng, cu_q, cu_k, exc, words):
+    q, k, _ = make_qkv(rng, Hq=2, Lq=5, Lk=4, D=8)
+    with pytest.raises(exc, match=words):
+        fastattn.attention_varlen(q, k, k, cu_q, cu_k)
 
 
 # ----------------------------------------------- every entry point, one rule
