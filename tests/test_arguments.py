@@ -29,7 +29,7 @@ from hypothesis import given, settings, strategies as st
 import fastattn
 from fastattn import reference as ref
 
-from conftest import make_qkv, names, names_any, qkv_shapes
+from conftest import make_qkv, names, names_any
 
 _UNIT = settings.default.max_examples
 ERRORS = (ValueError, TypeError)
@@ -203,7 +203,7 @@ def test_huge_integer_scale_is_a_value_error():
     (dict(q_lengths=[1.5]), TypeError, "q_lengths"),
 ])
 def test_bad_variant_arguments(rng, bad, exc, words):
-    q, k, v = make_qkv(rng, *qkv_shapes((1,), 2, 2, 4, 6, 8), np.float32)
+    q, k, v = make_qkv(rng, batch=(1,), Hq=2, Lq=4, Lk=6, D=8)
     out = np.full((1, 2, 4, 8), 7.0, np.float32)
     with pytest.raises(exc, match=words):
         fastattn.attention(q, k, v, out=out, **bad)
