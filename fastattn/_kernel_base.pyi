@@ -1,7 +1,8 @@
-# Type stub of a compiled kernel variant.  fastattn/_kernel_base.pyi, _kernel_avx2.pyi and
-# _kernel_avx512.pyi are identical: the three modules are built from one source
-# (src/_kernel_impl.pxi and the files it includes) with different compiler flags.  Checked
-# against the compiled modules by tests/test_typing.py (mypy.stubtest).
+# Type stub of a compiled kernel variant.  The three variants (_kernel_base, _kernel_avx2,
+# _kernel_avx512) are built from one Cython source (src/) with different compiler flags, so
+# this file holds the signatures of all three: the other two stubs import everything from
+# it.  Checked against each compiled module this CPU runs by tests/test_typing.py
+# (mypy.stubtest).
 from typing import Any, TypedDict
 
 import numpy as np

@@ -4,7 +4,8 @@
   ``merge_partials``;
 - inputs: ``make_qkv`` (with ``qkv_shapes``), the ``rng`` fixture;
 - error messages: ``names`` / ``names_any`` (the message names the argument);
-- fresh interpreters: ``run_python``, and ``ROOT``, the repository root;
+- fresh interpreters: ``run_python``, ``run_cli`` (the command line), and ``ROOT``, the
+  repository root;
 - optional packages: ``import_optional``.
 
 Tolerances (``assert_close``) are set per dtype from the arithmetic the kernels do, not
@@ -37,7 +38,7 @@ else:
     #   default   CI: 100 examples per randomised test (hypothesis' own default), no
     #             deadline -- timings on a shared 2-core machine say nothing about bugs.
     #   long      >= 5000 cases over the property tests (1000 per randomised test);
-    #             tests/test_properties.py and tests/test_bad_inputs.py scale their own
+    #             tests/test_properties.py and tests/test_arguments.py scale their own
     #             example counts from max_examples.
     #   thorough  for hunting bugs before a release.
     _quiet = [_HealthCheck.too_slow, _HealthCheck.data_too_large]
@@ -146,11 +147,23 @@ def qkv_shapes(batch, Hq, Hkv, Lq, Lk, D, Dv=None):
     return (*batch, Hq, Lq, D), (*batch, Hkv, Lk, D), (*batch, Hkv, Lk, D if Dv is None else Dv)
 
 
-def make_qkv(rng, q_shape, k_shape, v_shape, dtype=np.float32, kv_dtype=None):
-    """Random q, k, v of the given shapes: standard normal for floats, small ints otherwise.
+def make_qkv(rng, q_shape=None, k_shape=None, v_shape=None, dtype=np.float32, kv_dtype=None,
+             *, batch=(), Hq=1, Hkv=None, Lq=None, Lk=None, D=None, Dv=None):
+    """Random q, k, v: standard normal for floats, small ints otherwise, drawn in the order
+    q, k, v.
 
-    ``kv_dtype`` (default ``dtype``) is k's and v's dtype.  Drawn in the order q, k, v.
+    ``rng`` is a generator, or an int seed for a fresh one.  The shapes are given whole
+    (``q_shape, k_shape, v_shape``) or by dimension, as :func:`qkv_shapes` lays them out:
+    ``batch`` (a tuple), ``Hq`` query heads, ``Hkv`` key/value heads (default ``Hq``; fewer
+    for GQA/MQA), ``Lq`` and ``Lk`` (default ``Lq``), ``D`` and ``Dv`` (default ``D``).
+    ``kv_dtype`` (default ``dtype``) is k's and v's dtype.
     """
+    if not isinstance(rng, np.random.Generator):
+        rng = np.random.default_rng(rng)
+    if q_shape is None:
+        Hkv = Hq if Hkv is None else Hkv
+        q_shape, k_shape, v_shape = qkv_shapes(batch, Hq, Hkv, Lq, Lq if Lk is None else Lk,
+                                               D, Dv)
     out = []
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     for shape, dt in ((q_shape, dtype), (k_shape, kv_dtype), (v_shape, kv_dtype)):
@@ -253,3 +266,9 @@ def run_python(*args, env=None, cwd=None, timeout=600, check=True):
         assert proc.returncode == 0, (
             f"exit status {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_cli(*args, timeout=600):
+    """``python -m fastattn *args`` in a fresh interpreter from the repository root, as a user
+    runs it; the caller checks the exit status."""
+    return run_python("-m", "fastattn", *args, cwd=ROOT, timeout=timeout, check=False)

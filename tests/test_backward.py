@@ -9,14 +9,7 @@ import pytest
 import fastattn
 from fastattn import reference
 
-from conftest import import_optional
-
-
-def _inputs(rng, B, Hq, Hkv, Lq, Lk, D, Dv, dtype=np.float64):
-    q = rng.standard_normal((B, Hq, Lq, D)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Lk, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Lk, Dv)).astype(dtype)
-    return q, k, v
+from conftest import import_optional, make_qkv, qkv_shapes
 
 
 def _keywords(rng, names, B, Hq, Lq, Lk):
@@ -74,7 +67,7 @@ SHAPES = [  # B, Hq, Hkv, Lq, Lk, D, Dv: edges of blocks, GQA, Lq != Lk, a decod
 def test_float64_against_the_oracle(combo, shape):
     rng = np.random.default_rng(hash(combo) % 2**32)
     B, Hq, Hkv, Lq, Lk, D, Dv = shape
-    q, k, v = _inputs(rng, B, Hq, Hkv, Lq, Lk, D, Dv)
+    q, k, v = make_qkv(rng, *qkv_shapes((B,), Hq, Hkv, Lq, Lk, D, Dv), np.float64)
     kw = _keywords(rng, combo, B, Hq, Lq, Lk)
     got, want = _grads(q, k, v, kw, rng)
     assert len(got) == len(want) == (4 if "sinks" in combo else 3)
@@ -195,7 +188,7 @@ def test_oracle_and_kernel_against_torch_autograd(combo):
     torch = import_optional("torch")
     rng = np.random.default_rng(4)
     B, Hq, Hkv, Lq, Lk, D, Dv = 2, 4, 2, 40, 75, 16, 12
-    q, k, v = _inputs(rng, B, Hq, Hkv, Lq, Lk, D, Dv)
+    q, k, v = make_qkv(rng, *qkv_shapes((B,), Hq, Hkv, Lq, Lk, D, Dv), np.float64)
     kw = _keywords(rng, combo, B, Hq, Lq, Lk)
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
@@ -214,7 +207,7 @@ def test_float32_within_flash_attention_rule(combo):
     torch = import_optional("torch")
     rng = np.random.default_rng(5)
     B, Hq, Hkv, Lq, Lk, D, Dv = 2, 4, 2, 96, 160, 64, 64
-    q, k, v = _inputs(rng, B, Hq, Hkv, Lq, Lk, D, Dv, np.float32)
+    q, k, v = make_qkv(rng, *qkv_shapes((B,), Hq, Hkv, Lq, Lk, D, Dv), np.float32)
     kw = _keywords(rng, combo, B, Hq, Lq, Lk)
     if "float mask" in combo:
         kw["mask"] = kw["mask"].astype(np.float32)
@@ -243,7 +236,7 @@ def test_16bit_inputs(kind):
     else:
         dtype, tol = np.float16, 2.0 ** -10
     rng = np.random.default_rng(6)
-    q, k, v = (a.astype(dtype) for a in _inputs(rng, 2, 4, 2, 70, 90, 32, 16))
+    q, k, v = make_qkv(rng, batch=(2,), Hq=4, Hkv=2, Lq=70, Lk=90, D=32, Dv=16, dtype=dtype)
     kw = dict(causal=True, softcap=5.0, q_lengths=[70, 50])
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
     assert out.dtype == dtype and lse.dtype == np.float32
@@ -267,7 +260,7 @@ def test_16bit_inputs(kind):
 
 def test_hidden_rows_and_keys_get_finite_zeros():
     rng = np.random.default_rng(7)
-    q, k, v = _inputs(rng, 2, 2, 1, 30, 40, 8, 8)
+    q, k, v = make_qkv(rng, batch=(2,), Hq=2, Hkv=1, Lq=30, Lk=40, D=8, dtype=np.float64)
     k[1, :, 25:] = np.nan      # past kv_lengths: garbage that must not be read
     v[1, :, 25:] = np.inf
     mask = np.ones((2, 2, 30, 40), bool)
@@ -301,7 +294,7 @@ def test_the_oracle_takes_the_same_call():
     oracle = inspect.signature(reference.attention_backward).parameters
     assert [(n, p.kind) for n, p in fast.items()] == [(n, p.kind) for n, p in oracle.items()]
     rng = np.random.default_rng(10)
-    q, k, v = _inputs(rng, 2, 2, 1, 7, 9, 8, 4)
+    q, k, v = make_qkv(rng, batch=(2,), Hq=2, Hkv=1, Lq=7, Lk=9, D=8, Dv=4, dtype=np.float64)
     out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True)
     dout = rng.standard_normal(out.shape)
     with_results = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
@@ -326,7 +319,7 @@ def test_a_nan_reaches_the_gradients_as_in_the_oracle(where, dtype):
     # tile of rows and keys: the kernel's products, like the oracle's dense ones, carry
     # 0 * NaN from a hidden key of the tile into a column).  Elsewhere the two agree.
     rng = np.random.default_rng(8)
-    q, k, v = _inputs(rng, 1, 2, 1, 6, 6, 8, 8, dtype)
+    q, k, v = make_qkv(rng, batch=(1,), Hq=2, Hkv=1, Lq=6, D=8, dtype=dtype)
     {"q": q, "k": k, "v": v}[where][0, 0, 1, 3] = np.nan
     kw = dict(causal=True)
     out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
@@ -347,7 +340,7 @@ def test_a_nan_key_gives_nan_gradients_as_torch_does():
     # torch autograd through its SDPA agrees on every row whose out is NaN, and on dk, dv.
     torch = import_optional("torch")
     rng = np.random.default_rng(9)
-    q, k, v = _inputs(rng, 1, 1, 1, 4, 4, 8, 8)
+    q, k, v = make_qkv(rng, batch=(1,), Lq=4, D=8, dtype=np.float64)
     k[0, 0, 1, 3] = np.nan
     out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True)
     dout = rng.standard_normal(out.shape)

@@ -23,12 +23,6 @@ def kernel(request):
     return _load(request.param)
 
 
-def _inputs(dtype, e):
-    q = np.array([1.0, 1 + e, 0.0, 0.0], dtype)
-    k = np.array([-1.0, 1 + e, 0.0, 0.0], dtype)
-    return q, k
-
-
 def _expected_lse(dtype, e, fused):
     # acc after the chain, then the kernel's base-2 score and lse = s ln 2 + log 1.
     t = dtype.type
@@ -46,9 +40,9 @@ def _expected_lse(dtype, e, fused):
 def test_score_chain_rounding_matches_the_build(kernel, dtype, e, Lq):
     fused = kernel.build_info()["fma"]
     assert _expected_lse(dtype, e, True) != _expected_lse(dtype, e, False)
-    q1, k1 = _inputs(dtype, e)
-    q = np.tile(q1, (Lq, 1))[None]                   # (1, Lq, 4): every row the same
-    k = k1[None, None]                               # one key
+    # Hand-made, not random: the score is -1 + (1 + e)^2, the chain the docstring describes.
+    q = np.tile(np.array([1.0, 1 + e, 0.0, 0.0], dtype), (Lq, 1))[None]   # (1, Lq, 4)
+    k = np.array([-1.0, 1 + e, 0.0, 0.0], dtype)[None, None]               # one key
     v = np.ones((1, 1, 4), dtype)
     out, lse = kernel.attention_fast(q, k, v, 1.0, False, True, None, 1)
     np.testing.assert_array_equal(out, v.repeat(Lq, axis=1))

@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import assert_close, import_optional
+from conftest import assert_close, import_optional, make_qkv
 
 torch = import_optional("torch")
 transformers = import_optional("transformers")
@@ -189,12 +189,9 @@ class Layer(torch.nn.Module):
         self.layer_idx = 0
 
 
-def qkv(B, Hq, Hkv, Lq, Lk, D, Dv=None, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Lq, D, generator=g)
-    k = torch.randn(B, Hkv, Lk, D, generator=g)
-    v = torch.randn(B, Hkv, Lk, Dv or D, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+def tensors(arrays, dtype=torch.float32):
+    """NumPy arrays as torch tensors of ``dtype`` (float32 ones share the arrays' memory)."""
+    return tuple(torch.from_numpy(a).to(dtype) for a in arrays)
 
 
 def sdpa64(q, k, v, mask=None, **kw):
@@ -220,7 +217,7 @@ def check(out, expected, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("Hq, Hkv", [(4, 4), (6, 2), (4, 1)])
 def test_function_left_padding_mask(calls, dtype, Hq, Hkv):
-    q, k, v = qkv(3, Hq, Hkv, 9, 9, 16, 8, dtype)
+    q, k, v = tensors(make_qkv(0, batch=(3,), Hq=Hq, Hkv=Hkv, Lq=9, D=16, Dv=8), dtype)
     valid = torch.arange(9)[None, :] >= torch.tensor([0, 3, 8])[:, None]  # left padding
     mask = torch.ones(9, 9, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
     out, weights = fa_tf.attention_forward(Layer(Hq // Hkv), q, k, v, mask, scaling=0.3)
@@ -231,7 +228,7 @@ def test_function_left_padding_mask(calls, dtype, Hq, Hkv):
 
 
 def test_function_is_zero_copy_for_float32(calls):
-    q, k, v = qkv(2, 4, 2, 5, 7, 16)
+    q, k, v = tensors(make_qkv(0, batch=(2,), Hq=4, Hkv=2, Lq=5, Lk=7, D=16))
     # A layer's q and k are views, e.g. a transpose of (B, L, H, D) projections.
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     out, _ = fa_tf.attention_forward(Layer(2), q, k, v, None)
@@ -246,7 +243,7 @@ def test_function_is_zero_copy_for_float32(calls):
 def test_function_without_mask(Lq, Lk):
     # No mask: one query row (decoding) sees all keys; several rows are top-left causal,
     # which hides a static cache's unused tail (keys past Lq) as sdpa does.
-    q, k, v = qkv(2, 4, 2, Lq, Lk, 8)
+    q, k, v = tensors(make_qkv(0, batch=(2,), Hq=4, Hkv=2, Lq=Lq, Lk=Lk, D=8))
     out, _ = fa_tf.attention_forward(Layer(2), q, k, v, None)
     check(out, sdpa64(q, k, v, is_causal=Lq > 1), torch.float32)
     out, _ = fa_tf.attention_forward(Layer(2, is_causal=False), q, k, v, None)
@@ -254,7 +251,7 @@ def test_function_without_mask(Lq, Lk):
 
 
 def test_function_float_mask():
-    q, k, v = qkv(2, 4, 4, 6, 10, 8)
+    q, k, v = tensors(make_qkv(0, batch=(2,), Hq=4, Lq=6, Lk=10, D=8))
     g = torch.Generator().manual_seed(3)
     mask = torch.randn(2, 1, 6, 10, generator=g)
     mask[:, :, :, 7:] = torch.finfo(torch.float32).min
@@ -272,7 +269,7 @@ def test_function_random_bool_masks(calls, seed):
     if seed % 2:
         d = torch.arange(Lk)[None, :] - torch.arange(Lq)[:, None] - (Lk - Lq)
         mask &= (d <= 0) & (d >= -seed)
-    q, k, v = qkv(2, 4, 2, Lq, Lk, 8, seed=seed)
+    q, k, v = tensors(make_qkv(seed, batch=(2,), Hq=4, Hkv=2, Lq=Lq, Lk=Lk, D=8))
     out, _ = fa_tf.attention_forward(Layer(2), q, k, v, mask)
     check(out, sdpa64(q, k, v, mask), torch.float32)
 
@@ -304,7 +301,7 @@ def test_mask_structure(Lq, Lk):
 
 
 def test_mask_structure_is_cached_per_tensor(calls):
-    q, k, v = qkv(1, 2, 2, 5, 5, 8)
+    q, k, v = tensors(make_qkv(0, batch=(1,), Hq=2, Lq=5, D=8))
     mask = _band(5, 5, 1, 0)[None, None].clone()
     fa_tf.attention_forward(Layer(), q, k, v, mask)
     assert calls[-1]["window"] == (1, 0)
@@ -317,7 +314,7 @@ def test_mask_structure_is_cached_per_tensor(calls):
 # --------------------------------------------------------------------------- what it defers
 
 def _deferred_cases():
-    q, k, v = qkv(1, 4, 2, 5, 5, 8)
+    q, k, v = tensors(make_qkv(0, batch=(1,), Hq=4, Hkv=2, Lq=5, D=8))
     meta = [t.to("meta") for t in (q, k, v)]
     return {
         "dropout": ((q, k, v), {"dropout": 0.1}),
@@ -370,8 +367,9 @@ def test_output_attentions_runs_as_eager_and_returns_its_weights(calls, padded):
         assert a.shape == b.shape and torch.equal(a, b)
     assert torch.equal(got.logits, want.logits)
     assert not calls   # fastattn was not called: eager computed the weights
+    q, k, v = tensors(make_qkv(0, batch=(1,), Hq=4, Hkv=2, Lq=5, D=16))
     with pytest.raises(NotImplementedError, match="output_attentions"):
-        fa_tf.attention_forward(fa.model.layers[0].self_attn, *qkv(1, 4, 2, 5, 5, 16), None,
+        fa_tf.attention_forward(fa.model.layers[0].self_attn, q, k, v, None,
                                 output_attentions=True, fallback=None)
 
 
@@ -418,7 +416,7 @@ def test_softcap_matches_eager():
 def test_sinks_match_eager():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    q, k, v = qkv(1, 4, 2, 5, 5, 8)
+    q, k, v = tensors(make_qkv(0, batch=(1,), Hq=4, Hkv=2, Lq=5, D=8))
     sinks = torch.randn(4)
     layer = Layer(2)
     layer.sinks = sinks

@@ -1,17 +1,17 @@
-"""Every entry point applies the same argument rules, and arrays in any byte order compute
-the same numbers.
+"""Arrays in any byte order compute the same numbers on every entry point, and the kernel
+reads the one description of a call that fastattn._args builds.
 
-fastattn._args owns each rule; these tests hold the entry points to it: the same bad
-argument raises the same exception type from the kernel's front end, the reference and
-attention_weights, and a big-endian array gives the bits of its native twin everywhere.
+A big-endian array gives the bits of its native twin everywhere; the compiled entry points
+read the Problem's fields, and the codes they share with fastattn._args.  The argument rules
+themselves: tests/test_arguments.py.
 """
-import re
-
 import numpy as np
 import pytest
 
 import fastattn
 from fastattn import reference as ref
+
+from conftest import make_qkv
 
 
 def _swapped(a):
@@ -22,11 +22,7 @@ def _swapped(a):
 
 @pytest.fixture
 def qkv():
-    rng = np.random.default_rng(7)
-    q = rng.standard_normal((2, 4, 5, 8))
-    k = rng.standard_normal((2, 2, 7, 8))
-    v = rng.standard_normal((2, 2, 7, 6))
-    return q, k, v
+    return make_qkv(7, batch=(2,), Hq=4, Hkv=2, Lq=5, Lk=7, D=8, Dv=6, dtype=np.float64)
 
 
 # --------------------------------------------------------------------------- byte order
@@ -88,78 +84,6 @@ def test_big_endian_on_every_other_entry_point(qkv):
     np.testing.assert_array_equal(
         fastattn.attention_varlen(_swapped(q1), _swapped(k1), _swapped(v1), cu_q, cu_k),
         fastattn.attention_varlen(q1, k1, v1, cu_q, cu_k.astype("=i8")))
-
-
-# --------------------------------------------------------------------------- error types
-
-def _entry_points():
-    """Callables taking (q, k, v, **keywords) for every entry point with those keywords."""
-    return {
-        "attention": fastattn.attention,
-        "reference.attention": ref.attention,
-        "attention_weights": lambda q, k, v, **kw: fastattn.attention_weights(q, k, **kw),
-        "reference.attention_weights": lambda q, k, v, **kw: ref.attention_weights(q, k, **kw),
-    }
-
-
-BAD_ARGUMENTS = [  # (keywords, exception, what the message names)
-    (dict(causal=1.5), TypeError, "causal"),
-    (dict(causal=1), TypeError, "causal"),
-    (dict(causal="left"), ValueError, "causal"),
-    (dict(scale="2"), TypeError, "scale"),
-    (dict(scale=float("nan")), ValueError, "scale"),
-    (dict(window=(1.5, 2)), TypeError, "window"),
-    (dict(window={1: 2, 3: 4}), TypeError, "window"),
-    (dict(window=(1, 2, 3)), ValueError, "window"),
-    (dict(window=(-2, 0)), ValueError, "window"),
-    (dict(mask=np.ones((5, 7), np.int32)), TypeError, "mask"),
-    (dict(mask=np.ones((5, 6), bool)), ValueError, "mask"),
-    (dict(kv_lengths=[1.5, 2.0]), TypeError, "kv_lengths"),
-    (dict(kv_lengths=[8, 2]), ValueError, "kv_lengths"),
-    (dict(q_lengths=[6, 2]), ValueError, "q_lengths"),
-    (dict(softcap=0.0), ValueError, "softcap"),
-    (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
-    (dict(sinks=[np.inf] * 4), ValueError, "sinks"),
-]
-
-
-@pytest.mark.parametrize("entry", list(_entry_points()))
-@pytest.mark.parametrize("keywords, error, name", BAD_ARGUMENTS,
-                         ids=[str(kw) for kw, _, _ in BAD_ARGUMENTS])
-def test_every_entry_point_raises_the_same_error(qkv, entry, keywords, error, name):
-    with pytest.raises(error, match=re.escape(name)):
-        _entry_points()[entry](*qkv, **keywords)
-
-
-@pytest.mark.parametrize("attention", [fastattn.attention, ref.attention])
-def test_out_rules_are_the_same_on_both_sides(qkv, attention):
-    q, k, v = qkv
-    with pytest.raises(TypeError, match="out must have dtype float64"):
-        attention(q, k, v, out=np.empty((2, 4, 5, 6), np.float32))
-    with pytest.raises(ValueError, match=re.escape("out must have shape (2, 4, 5, 6)")):
-        attention(q, k, v, out=np.empty((2, 4, 5, 7)))
-    read_only = np.empty((2, 4, 5, 6))
-    read_only.flags.writeable = False
-    with pytest.raises(ValueError, match="out must be writeable"):
-        attention(q, k, v, out=read_only)
-
-
-@pytest.mark.parametrize("dtype", [np.int8, np.complex64, object])
-def test_the_mask_dtype_error_lists_only_legal_dtypes(qkv, dtype):
-    with pytest.raises(TypeError) as info:
-        fastattn.attention(*qkv, mask=np.ones((5, 7), dtype))
-    message = str(info.value)
-    assert "bool" in message and "floating" in message and "integer" not in message
-
-
-@pytest.mark.parametrize("attention_varlen", [fastattn.attention_varlen, ref.attention_varlen])
-@pytest.mark.parametrize("keywords, error", [(dict(causal=1.5), TypeError),
-                                             (dict(window=(1, 2, 3)), ValueError),
-                                             (dict(return_lse=1), TypeError)])
-def test_varlen_entry_points_share_the_rules(attention_varlen, keywords, error):
-    x = np.ones((2, 5, 4))
-    with pytest.raises(error):
-        attention_varlen(x, x, x, [0, 2, 5], [0, 3, 5], **keywords)
 
 
 def test_merge_attention_takes_big_endian_partials(qkv):

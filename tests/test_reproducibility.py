@@ -38,17 +38,13 @@ SHAPES = [
 DTYPES = [np.float32, np.float64]
 
 
-def _inputs(rng, shape, dtype):
-    return make_qkv(rng, *qkv_shapes(*shape), dtype)
-
-
 # --------------------------------------------------------------------------- threads
 
 @pytest.mark.parametrize("dtype", DTYPES + [np.float16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_thread_count(rng, shape, dtype, causal):
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes(*shape), dtype)
     results = []
     for n in (1, 2, 3):
         with fastattn.num_threads(n):
@@ -70,7 +66,7 @@ def test_num_threads_context_restores():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_batch_of_one_vs_three(rng, dtype, causal):
-    q, k, v = _inputs(rng, ((3,), 4, 2, 65, 300, 32, 32), dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((3,), 4, 2, 65, 300, 32, 32), dtype)
     full = fastattn.attention(q, k, v, causal=causal)
     for b in range(3):
         alone = fastattn.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal)
@@ -85,7 +81,7 @@ def test_batch_of_one_vs_three(rng, dtype, causal):
 def test_single_row_vs_full_call(rng, shape, dtype, window):
     # With bottom-right causal alignment, row i of an (Lq, Lk) call sees keys
     # [0, Lk - Lq + i]: the same as a one-row call against those keys only.
-    q, k, v = _inputs(rng, shape, dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes(*shape), dtype)
     Lq, Lk = q.shape[-2], k.shape[-2]
     full, lse = fastattn.attention(q, k, v, causal=True, window=window, return_lse=True)
     for i in sorted({0, 1, Lq // 2, Lq - 2, Lq - 1} & set(range(Lq))):
@@ -107,7 +103,7 @@ def test_single_row_vs_full_call(rng, shape, dtype, window):
 def test_chunked_prefill(rng, dtype, causal):
     # The first rows computed as their own (shorter) call: other rows in the call (Lq)
     # do not change them.
-    q, k, v = _inputs(rng, ((2,), 4, 2, 300, 300, 64, 64), dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 4, 2, 300, 300, 64, 64), dtype)
     full = fastattn.attention(q, k, v, causal=causal)
     for start, stop in [(0, 5), (0, 129), (5, 6), (100, 300), (257, 300)]:
         n = stop if causal else k.shape[-2]  # keys the chunk may see (bottom-right alignment)
@@ -119,7 +115,7 @@ def test_chunked_prefill(rng, dtype, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gqa_heads_alone(rng, dtype):
     # GQA may put the rows of several query heads in one tile; a head on its own agrees.
-    q, k, v = _inputs(rng, ((2,), 8, 2, 1, 1100, 64, 64), dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 8, 2, 1, 1100, 64, 64), dtype)
     full = fastattn.attention(q, k, v, causal=True)
     for h in range(8):
         g = h // 4
@@ -208,7 +204,7 @@ def test_decode_with_padded_cache(rng, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_masked_rows_alone(rng, dtype):
-    q, k, v = _inputs(rng, ((2,), 2, 2, 40, 300, 16, 16), dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 2, 2, 40, 300, 16, 16), dtype)
     mask = rng.random((40, 300)) < 0.7
     full = fastattn.attention(q, k, v, mask=mask)
     for i in (0, 17, 39):
@@ -223,7 +219,7 @@ def test_concurrent_python_threads(rng):
     for shape, dtype, causal in [(SHAPES[1], np.float32, True), (SHAPES[2], np.float64, True),
                                  (SHAPES[3], np.float32, False), (SHAPES[4], np.float64, True),
                                  (SHAPES[0], np.float16, False), (SHAPES[2], np.float32, False)]:
-        calls.append((*_inputs(rng, shape, dtype), causal))
+        calls.append((*make_qkv(rng, *qkv_shapes(*shape), dtype), causal))
 
     def run(call):
         q, k, v, causal = call
@@ -241,7 +237,7 @@ def test_concurrent_python_threads(rng):
 def test_concurrent_threads_with_own_thread_counts(rng):
     # num_threads() is a thread-local override: threads using different counts at the
     # same time neither disturb each other's setting nor the results.
-    q, k, v = _inputs(rng, SHAPES[1], np.float32)
+    q, k, v = make_qkv(rng, *qkv_shapes(*SHAPES[1]), np.float32)
     expected = fastattn.attention(q, k, v, causal=True)
 
     def run(n):
@@ -261,7 +257,7 @@ def test_omp_num_threads_environment(tmp_path):
     # The default thread count honours OMP_NUM_THREADS, and a process running on one
     # thread reproduces this process's result byte for byte.
     rng = np.random.default_rng(11)
-    q, k, v = _inputs(rng, SHAPES[3], np.float32)
+    q, k, v = make_qkv(rng, *qkv_shapes(*SHAPES[3]), np.float32)
     np.save(tmp_path / "q.npy", q), np.save(tmp_path / "k.npy", k), np.save(tmp_path / "v.npy", v)
     expected = fastattn.attention(q, k, v, causal=True)
     script = (
@@ -307,7 +303,8 @@ def test_results_do_not_depend_on_a_previous_call(rng, dtype):
     # calls after it (padding lanes, odd D and Dv, decode and prefill tiles, sinks).
     small = [((1,), 3, 1, 1, 40, 5, 7), ((1,), 6, 2, 2, 70, 16, 9), ((1,), 2, 2, 33, 65, 3, 3),
              ((1,), 1, 1, 6, 6, 3, 3)]
-    calls = [(*_inputs(rng, s, dtype), causal) for s in small for causal in (False, True)]
+    calls = [(*make_qkv(rng, *qkv_shapes(*s), dtype), causal)
+             for s in small for causal in (False, True)]
     sinks = {len(c[0][0]): rng.standard_normal(len(c[0][0])) for c in calls}
 
     def run(q, k, v, causal):
@@ -315,7 +312,7 @@ def test_results_do_not_depend_on_a_previous_call(rng, dtype):
                 fastattn.attention(q, k, v, causal=causal, sinks=sinks[len(q[0])]))
 
     expected = [run(*c) for c in calls]
-    q, k, v = _inputs(rng, ((1,), 8, 8, 96, 200, 128, 128), dtype)
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), 8, 8, 96, 200, 128, 128), dtype)
     q[..., ::3, :] = np.nan
     k[..., 1::4, :] = np.inf
     v[..., ::5, :] = -np.inf

@@ -13,7 +13,7 @@ import pytest
 import fastattn
 from fastattn._dispatch import kernel
 
-from conftest import make_qkv, qkv_shapes, run_python
+from conftest import make_qkv, run_python
 
 POOL = kernel.pool_info()["backend"]
 
@@ -23,10 +23,6 @@ def fresh_python(code):
     its stdout."""
     return run_python("-c", textwrap.dedent(code),
                       env={"OMP_NUM_THREADS": None, "FASTATTN_POOL": None}, timeout=300).stdout
-
-
-def _inputs(seed=0, L=300, Lk=700):
-    return make_qkv(np.random.default_rng(seed), *qkv_shapes((2,), 4, 2, L, Lk, 64))
 
 
 def test_many_calls_of_every_size_match_one_thread():
@@ -155,12 +151,11 @@ def test_lean_path_asks_for_the_thread_count_only_when_work_can_be_shared():
         asked.append(1)
         return 2
 
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 1, 6, 3)).astype(np.float32) for _ in range(3))
+    q, k, v = make_qkv(0, batch=(1,), Lq=6, D=3)
     one_tile = kernel.attention_fast(q, k, v, None, False, False, None, n_threads)
     np.testing.assert_allclose(one_tile, fastattn.reference.attention(q, k, v), rtol=1e-5, atol=1e-6)
     assert asked == []
-    q, k, v = _inputs()
+    q, k, v = make_qkv(0, batch=(2,), Hq=4, Hkv=2, Lq=300, Lk=700, D=64)
     shared = kernel.attention_fast(q, k, v, None, True, False, None, n_threads)
     assert asked == [1]
     with fastattn.num_threads(1):

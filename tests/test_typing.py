@@ -97,6 +97,27 @@ def test_stubtest(mypy_env):
     assert f"no issues found in {len(modules)} modules" in res.stdout, res.stdout
 
 
+def _public(module):
+    """{name: signature of a function, or type of a constant} of the module's public names."""
+    import inspect
+
+    return {name: str(inspect.signature(obj)) if callable(obj) else type(obj)
+            for name, obj in vars(module).items() if not name.startswith("_")}
+
+
+def test_every_variant_has_the_base_signatures():
+    # _kernel_avx2.pyi and _kernel_avx512.pyi import every name of _kernel_base.pyi, and
+    # stubtest checks imported names one way only (none missing from the stub).  The
+    # variants must then have exactly the base module's names and signatures, which
+    # test_stubtest compares with the stub both ways.
+    import importlib
+
+    base = _public(_kernel_base)
+    assert "forward_kvcache" in base and "bf16_dot_takes" in base
+    for isa in _runnable_variants():
+        assert _public(importlib.import_module(f"fastattn._kernel_{isa}")) == base, isa
+
+
 def test_user_code_types(mypy_env):
     """The overloads give user code precise types (return_lse, cache)."""
     cfg, env, tmp = mypy_env

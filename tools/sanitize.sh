@@ -37,7 +37,7 @@ for a in "$@"; do
     esac
 done
 if [ ${#pytest_args[@]} -eq 0 ]; then
-    pytest_args=(tests/test_attention.py tests/test_errors.py tests/test_bad_inputs.py
+    pytest_args=(tests/test_attention.py tests/test_arguments.py
                  tests/test_properties.py tests/test_reproducibility.py
                  tests/test_attention_variants.py tests/test_hardening.py tests/test_half.py
                  tests/test_backward.py tests/test_backward_variants.py
