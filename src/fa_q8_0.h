@@ -136,12 +136,8 @@ static void fa_q8_0_next_rows(const char* k, ptrdiff_t k_row, const uint16_t* ks
         vpf[u] = v + u * v_row;
     }
     /* the lines from the first row's scales to the last's */
-    const char* ks0 = (const char*)ks;
-    const char* vs0 = (const char*)vs;
-    for (ptrdiff_t o = 0; o < (ptrdiff_t)(((n - 1) * ks_row + nbk) * 2); o += 64)
-        __builtin_prefetch(ks0 + o, 0, 2);
-    for (ptrdiff_t o = 0; o < (ptrdiff_t)(((n - 1) * vs_row + nbv) * 2); o += 64)
-        __builtin_prefetch(vs0 + o, 0, 2);
+    fa_prefetch_l2((const char*)ks, ((n - 1) * ks_row + nbk) * 2);
+    fa_prefetch_l2((const char*)vs, ((n - 1) * vs_row + nbv) * 2);
 }
 
 FA_INLINE ptrdiff_t min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
@@ -150,8 +146,7 @@ FA_INLINE ptrdiff_t min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
 FA_INLINE void fa_q8_0_prefetch_rows(const char* const* pf, ptrdiff_t i0, ptrdiff_t i1,
                                      ptrdiff_t bytes, const int loc)
 {
-    for (ptrdiff_t i = i0; i < i1; i++)
-        for (ptrdiff_t o = 0; o < bytes; o += 64) __builtin_prefetch(pf[i] + o, 0, loc);
+    for (ptrdiff_t i = i0; i < i1; i++) fa_prefetch_lines(pf[i], bytes, loc);
 }
 
 /*
@@ -256,9 +251,8 @@ FA_INLINE void fa_pv_q8_0_cols(const float* p, ptrdiff_t ldp, ptrdiff_t nj,
         const int8_t* x = vr[j] + c0;
         const float* d = vsc + j * nbv + c0 / 32;
         if (j + FA_PV_Q8_0_AHEAD < nj)
-            __builtin_prefetch(vr[j + FA_PV_Q8_0_AHEAD] + c0, 0, 3);
-        if (j < npf)
-            for (ptrdiff_t u = 0; u < pf_bytes; u += 64) __builtin_prefetch(pf[j] + u, 0, 2);
+            fa_prefetch_l1((const char*)(vr[j + FA_PV_Q8_0_AHEAD] + c0), nv * FA_VL_F);
+        if (j < npf) fa_prefetch_l2(pf[j], pf_bytes);
         fa_vf xv[8];
         for (int i = 0; i < nv; i++)
             xv[i] = fa_load_q8_0(x + i * FA_VL_F, fa_bcast_f(d[i * FA_VL_F / 32]));
