@@ -194,15 +194,19 @@ def _check_seqlens(cache_seqlens, B, Lnew, capacity, capacity_text):
     if a.dtype.kind not in "iu":
         raise TypeError(f"cache_seqlens must be an integer array, got dtype {a.dtype} "
                         f"(shape {a.shape})")
-    try:
-        a = np.broadcast_to(a, (B,))
-    except ValueError:
-        raise ValueError(f"cache_seqlens of shape {a.shape} does not broadcast to the batch "
-                         f"(B,) = ({B},)") from None
-    if a.size and a.min() < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {a.min()} "
+    if a.shape != (B,):
+        try:
+            a = np.broadcast_to(a, (B,))
+        except ValueError:
+            raise ValueError(f"cache_seqlens of shape {a.shape} does not broadcast to the "
+                             f"batch (B,) = ({B},)") from None
+    if not a.size:
+        return np.zeros(0, np.intp)
+    low, high = int(a.min()), int(a.max())
+    if low < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {low} "
                          f"(sequence {int(np.argmin(a))})")
-    if a.size and int(a.max()) + Lnew > capacity:
+    if high + Lnew > capacity:
         b = int(np.argmax(a))
         raise ValueError(f"cache_seqlens[{b}] + Lnew = {int(a[b])} + {Lnew} exceeds the "
                          f"cache's capacity {capacity} ({capacity_text})")
@@ -332,6 +336,13 @@ def _value_dtype(c):
     return np.dtype(np.float32) if c.q8_0 else c.k_cache.dtype
 
 
+def _stand_in(dtype, shape):
+    """A read-only array of zeros of any shape in one element's memory."""
+    a = np.ndarray(shape, dtype, np.zeros(1, dtype), 0, (0,) * len(shape))
+    a.flags.writeable = False
+    return a
+
+
 def _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, return_lse, out):
     """The keywords of the attention step, checked by :func:`fastattn.attention`'s own rules
     before anything is written (on stand-in keys of the right shape and dtype, which cost
@@ -341,8 +352,7 @@ def _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, ret
                          "precede the queries); use causal=True")
     lk = int(c.seen.max(initial=0))
     dt = _value_dtype(c)
-    keys = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.D))
-    values = np.broadcast_to(np.zeros((), dt), (c.B, c.Hkv, lk, c.Dv))
+    keys, values = (_stand_in(dt, (c.B, c.Hkv, lk, last)) for last in (c.D, c.Dv))
     p = _args.Problem(c.q, keys, values, scale=scale, causal=causal, window=window,
                       kv_lengths=c.seen, softcap=softcap, alibi_slopes=alibi_slopes,
                       sinks=sinks, return_lse=return_lse, out=out)
