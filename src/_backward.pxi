@@ -8,6 +8,7 @@
 #   dV_j += sum_i P_ij dout_i          dP_ij = dout_i . v_j
 #   dS_ij = P_ij (dP_ij - Delta_i) * (1 - tanh^2 of the capped score, with a softcap)
 #   dQ_i = scale sum_j dS_ij k_j       dK_j = scale sum_i dS_ij q_i
+# and dQ_i divided by the row's sum of P (and its sink's), 1 but for lse's rounding (_write_q).
 # Passes over fastattn's thread pool, each work item owning what it writes, so that no
 # sum depends on the schedule (no atomics, no reduction across threads):
 #   0. Delta of the rows of one (batch element, query head);
@@ -143,8 +144,8 @@ cdef void _bwd_rows(const Problem* P, const Grads* G, Tile* t, const Workspace* 
                     floating* ws, bint q_rows) noexcept nogil:
     # Per row of the block: lse2 = lse log2 e (less the cap shift, as the scores carry it)
     # and Delta, the sum of P from 0, dO as zero-padded rows and packed as dO^T, and
-    # (q_rows) Q as zero-padded rows.  Rows without a gradient get dO = Q = 0, Delta = 0 and lse2 = +inf (so P = 0):
-    # whatever dout holds there has no effect.
+    # (q_rows) Q as zero-padded rows.  Rows without a gradient get dO = Q = 0, Delta = 0
+    # and lse2 = +inf (so P = 0): whatever dout holds there has no effect.
     cdef Py_ssize_t dv_pad = _round_up(P.Dv, t.NL), d_pad = _round_up(P.D, t.NL)
     cdef Py_ssize_t r, h, i, li = 0, u
     cdef floating lse = 0
