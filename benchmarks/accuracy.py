@@ -11,9 +11,11 @@ float64 on the same float32 inputs.  A forward case misses the rule when fastatt
 error exceeds twice torch's plus twice the float32 rounding noise of the reference; a
 gradient case when one of dq, dk, dv exceeds three times torch's (or its forward misses).
 
-Four tables, one per section (plain, variants, varlen, backward): per variant and head dim
-the worst ratio fastattn error / torch error over the cases (for the backward, over dq,
-dk and dv, the worst one named), with the misses counted; the misses are listed below.
+Five tables, one per section (plain, variants, varlen, recipe, backward): per variant and
+head dim the worst ratio fastattn error / torch error over the cases (for the backward,
+over dq, dk and dv, the worst one named), with the misses counted; the misses are listed
+below.  The recipe section is FlashAttention's varlen test as its code draws it (its own
+seeds 0-4, whatever --seeds says).
 
 By default the test's own cases run (~1 min); --full runs every head dim on every pair,
 adding the 1k-2k pairs at batch 1 to the plain section (~15 min per seed); --seeds N
@@ -31,7 +33,7 @@ import torch  # noqa: E402
 from fastattn._dispatch import ISA  # noqa: E402
 import test_flash_rule as fr  # noqa: E402
 
-SECTIONS = ("plain", "variants", "varlen", "backward")
+SECTIONS = ("plain", "variants", "varlen", "recipe", "backward")
 FULL_DIMS = (32, 64, 96, 128)
 
 
@@ -132,6 +134,10 @@ def main():
         elif section == "varlen":
             run_forward(fr.varlen_errors, grid(fr.VARLEN_CASES, fr.VARLEN_SHAPES, varlen, args.full),
                         args.seeds, rows, misses)
+        elif section == "recipe":
+            run_forward(lambda t, *c, seed: fr.recipe_errors(t, *c),
+                        [(f"causal-window-alibi {c[3]}", c[2], c) for c in fr.RECIPE_CASES],
+                        1, rows, misses)
         else:
             cases = grid(fr.GRAD_CASES, fr.GRAD_SHAPES, grads, args.full, FULL_DIMS)
             run_backward(cases, args.seeds, rows, misses)

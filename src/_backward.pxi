@@ -8,6 +8,7 @@
 #   dV_j += sum_i P_ij dout_i          dP_ij = dout_i . v_j
 #   dS_ij = P_ij (dP_ij - Delta_i) * (1 - tanh^2 of the capped score, with a softcap)
 #   dQ_i = scale sum_j dS_ij k_j       dK_j = scale sum_i dS_ij q_i
+# and dQ_i divided by the row's sum of P (and its sink's), 1 but for lse's rounding (_write_q).
 # Passes over fastattn's thread pool, each work item owning what it writes, so that no
 # sum depends on the schedule (no atomics, no reduction across threads):
 #   0. Delta of the rows of one (batch element, query head);
@@ -142,9 +143,9 @@ cdef void _bwd_setup(const Problem* P, Tile* t, const Workspace* w, Py_ssize_t b
 cdef void _bwd_rows(const Problem* P, const Grads* G, Tile* t, const Workspace* w,
                     floating* ws, bint q_rows) noexcept nogil:
     # Per row of the block: lse2 = lse log2 e (less the cap shift, as the scores carry it)
-    # and Delta, dO as zero-padded rows and packed as dO^T, and (q_rows) Q as zero-padded
-    # rows.  Rows without a gradient get dO = Q = 0, Delta = 0 and lse2 = +inf (so P = 0):
-    # whatever dout holds there has no effect.
+    # and Delta, the sum of P from 0, dO as zero-padded rows and packed as dO^T, and
+    # (q_rows) Q as zero-padded rows.  Rows without a gradient get dO = Q = 0, Delta = 0
+    # and lse2 = +inf (so P = 0): whatever dout holds there has no effect.
     cdef Py_ssize_t dv_pad = _round_up(P.Dv, t.NL), d_pad = _round_up(P.D, t.NL)
     cdef Py_ssize_t r, h, i, li = 0, u
     cdef floating lse = 0
@@ -153,6 +154,7 @@ cdef void _bwd_rows(const Problem* P, const Grads* G, Tile* t, const Workspace* 
     for r in range(t.nlanes):
         ws[w.lse2 + r] = INFINITY
         ws[w.delta + r] = 0
+        ws[w.psum + r] = 0
         dst = ws + w.dorows + r * dv_pad
         if r < t.nrows:
             _row_position(P, t, r, &h, &i)
@@ -188,7 +190,7 @@ cdef void _bwd_block(const Problem* P, Tile* t, const Workspace* w,
                      floating* ws) noexcept nogil:
     # Keys [j0, j1) against the rows of the tile: S^T by the forward's stages, dP^T = V dO^T
     # on the same micro-tiles, then P^T (in S^T's place) and dS^T (in dP^T's), per lane
-    # group over the keys some row of it sees (0 elsewhere).
+    # group over the keys some row of it sees (0 elsewhere), P added to the rows' sums.
     cdef Py_ssize_t ig, c, g_lo, g_hi
     cdef int nvec
     cdef const floating* slope
@@ -203,7 +205,7 @@ cdef void _bwd_block(const Problem* P, Tile* t, const Workspace* w,
         g_hi = min(max(t.grp_hi[ig], g_lo), t.j1)
         slope = ws + w.slope + c if w.slope >= 0 else NULL
         bwd_ds(ws + w.s + c, ws + w.dp + c, slope, t.nj, g_lo - t.j0, g_hi - t.j0, nvec,
-               ws + w.lse2 + c, ws + w.delta + c)
+               ws + w.lse2 + c, ws + w.delta + c, ws + w.psum + c)
 
 
 cdef void _reduce_rows(const Tile* t, const floating* pt, const floating* x, Py_ssize_t x_pad,
@@ -369,9 +371,14 @@ cdef void _q_item(const Problem* P, const Grads* G, Py_ssize_t b, Py_ssize_t g,
 
 cdef void _write_q(const Problem* P, const Grads* G, const Tile* t, const Workspace* w,
                    floating* ws) noexcept nogil:
-    # dQ = scale * the accumulated sums; zeros for rows without a gradient.
+    # dQ = scale * the accumulated sums / the row's sum of P over its keys (and its sink);
+    # zeros for rows without a gradient.  lse in the compute type is off by up to an ulp,
+    # which scales all of a row's P alike: where P sits on a few keys (ALiBi, peaked
+    # scores), that is dQ's largest error, and dividing by the sum (1 but for it) removes
+    # it.  dK and dV sum over many rows, whose lse errors do not add up alike.
     cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), r, h, i, c, li
-    cdef floating sc = <floating> P.scale, lse
+    cdef floating lse, sc
+    cdef double psum
     cdef floating* dq
     cdef const floating* acc
     for r in range(t.nrows):
@@ -379,6 +386,10 @@ cdef void _write_q(const Problem* P, const Grads* G, const Tile* t, const Worksp
         dq = <floating*> G.dq + G.dq_boff[t.b] + h * G.dq_sh + i * G.dq_si
         if t.lo[r] < t.hi[r] and _row_lse(P, t.b, h, i, t.q_len, &li, &lse):
             acc = ws + w.dqacc + r * d_pad
+            psum = ws[w.psum + r]
+            if P.sinks != NULL:
+                psum += exp2(P.sinks[t.b * P.Hq + h] * LOG2E - _cap_shift(P) - ws[w.lse2 + r])
+            sc = <floating> (P.scale / psum)
             for c in range(P.D):
                 dq[c] = acc[c] * sc
         else:

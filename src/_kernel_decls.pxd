@@ -608,10 +608,10 @@ cdef extern from "fa_backward.h" nogil:
         FA_BKV_MAX
     void fa_bwd_ds_f(float* s, float* dp, const float* slope, Py_ssize_t lds, Py_ssize_t nj,
                      Py_ssize_t ja, Py_ssize_t jz, int nvec, const float* lse2,
-                     const float* delta)
+                     const float* delta, float* psum)
     void fa_bwd_ds_d(double* s, double* dp, const double* slope, Py_ssize_t lds,
                      Py_ssize_t nj, Py_ssize_t ja, Py_ssize_t jz, int nvec,
-                     const double* lse2, const double* delta)
+                     const double* lse2, const double* delta, double* psum)
     void fa_softcap_slope_f(const float* s, float* g, Py_ssize_t lds, Py_ssize_t nk, int nvec,
                             float c)
     void fa_softcap_slope_d(const double* s, double* g, Py_ssize_t lds, Py_ssize_t nk,
@@ -626,12 +626,13 @@ cdef extern from "fa_backward.h" nogil:
 
 cdef inline void bwd_ds(floating* s, floating* dp, const floating* slope, Py_ssize_t nj,
                         Py_ssize_t ja, Py_ssize_t jz, int nvec, const floating* lse2,
-                        const floating* delta) noexcept nogil:
-    # P and dS of 1 or 2 vectors of rows over a block's nj keys, [ja, jz) seen (fa_bwd_ds).
+                        const floating* delta, floating* psum) noexcept nogil:
+    # P and dS of 1 or 2 vectors of rows over a block's nj keys, [ja, jz) seen, and P added
+    # to the rows' sums psum (fa_bwd_ds).
     if floating is float:
-        fa_bwd_ds_f(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta)
+        fa_bwd_ds_f(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta, psum)
     else:
-        fa_bwd_ds_d(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta)
+        fa_bwd_ds_d(s, dp, slope, FA_BQ, nj, ja, jz, nvec, lse2, delta, psum)
 
 
 cdef inline floating bwd_dot(const floating* a, const floating* b, Py_ssize_t n) noexcept nogil:

@@ -85,7 +85,8 @@ cdef struct Workspace:
     Py_ssize_t qt, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
     Py_ssize_t kblk, vblk, orow, pp, elems
     # The backward pass's (see _carve_backward); slope is -1 without a softcap.
-    Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, ones
+    Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, psum
+    Py_ssize_t ones
     Py_ssize_t dkblk, dvblk, dqblk
 
 
@@ -219,8 +220,9 @@ cdef Py_ssize_t _carve_backward(Workspace* w, const Problem* P, Py_ssize_t VL,
     w.dvblk = o; o += (FA_BK + FA_MR_PV) * dv_pad
     w.dqblk = o; o += FA_BQ * d_pad
     w.kpad = o; o += FA_BK * d_pad              # a block of K, zero-padded
-    w.lse2 = o; o += FA_BQ                      # per row: lse log2 e, Delta
+    w.lse2 = o; o += FA_BQ                      # per row: lse log2 e, Delta, sum of P
     w.delta = o; o += FA_BQ
+    w.psum = o; o += FA_BQ
     w.ones = o; o += FA_MR_PV
     return o
 

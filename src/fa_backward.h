@@ -3,7 +3,8 @@
  * Its products (S, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K) run on the
  * forward's score and output micro-tiles; what is new is here:
  *
- *   fa_bwd_ds        P = 2^(S - lse), dS = P (dP - Delta) [times the softcap's slope]
+ *   fa_bwd_ds        P = 2^(S - lse), dS = P (dP - Delta) [times the softcap's slope],
+ *                    and the rows' running sums of P
  *   fa_softcap_slope 1 - tanh^2 of capped scores: d(capped) / d(raw)
  *   fa_bwd_dot       a row's Delta: dout . out in a fixed order
  *   fa_bwd_transpose a block of S^T (query rows as lanes) to rows of keys, for the
@@ -23,14 +24,16 @@
 #define FA_BWD_KERNELS(SUF, T, V, VL, LOAD, STORE, BCAST, EXP2, LOAD_TRANSPOSE)                              \
 /* Keys [ja, jz) of nvec vectors of rows: s <- P = 2^(s - lse2), dp <- dS =                   \
  * P (dp - delta) (times slope[j] when slope is not NULL); both 0 for the other keys of      \
- * [0, nj), which no row of the vectors sees (their dp was never computed). */                \
+ * [0, nj), which no row of the vectors sees (their dp was never computed).  psum[r] += P    \
+ * of row r's keys, in key order: a row's sum over all its keys is 1 up to lse's rounding. */ \
 static void fa_bwd_ds_##SUF(T* s, T* dp, const T* slope, ptrdiff_t lds, ptrdiff_t nj,        \
                             ptrdiff_t ja, ptrdiff_t jz, int nvec, const T* lse2,              \
-                            const T* delta)                                                   \
+                            const T* delta, T* psum)                                          \
 {                                                                                             \
     const V zero = BCAST(0);                                                                  \
     for (int t = 0; t < nvec; t++) {                                                          \
         const V l2 = LOAD(lse2 + t * VL), dl = LOAD(delta + t * VL);                          \
+        V sum = LOAD(psum + t * VL);                                                          \
         for (ptrdiff_t j = 0; j < nj; j++) {                                                  \
             T* ps = s + j * lds + t * VL;                                                     \
             T* pd = dp + j * lds + t * VL;                                                    \
@@ -42,9 +45,11 @@ static void fa_bwd_ds_##SUF(T* s, T* dp, const T* slope, ptrdiff_t lds, ptrdiff_
             const V p = EXP2(LOAD(ps) - l2);                                                  \
             V ds = p * (LOAD(pd) - dl);                                                       \
             if (slope) ds = ds * LOAD(slope + j * lds + t * VL);                              \
+            sum += p;                                                                         \
             STORE(ps, p);                                                                     \
             STORE(pd, ds);                                                                    \
         }                                                                                     \
+        STORE(psum + t * VL, sum);                                                            \
     }                                                                                         \
 }                                                                                             \
                                                                                               \

@@ -226,6 +226,30 @@ def test_float32_within_flash_attention_rule(combo):
         assert err <= 3 * base, (name, err, base)
 
 
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_dq_does_not_carry_the_rounding_of_lse(sinks):
+    # lse in float32 is off by up to an ulp, which scales all of a row's P alike; where
+    # ALiBi puts P on a few keys, that scale was dq's largest error (3.5x torch float32's
+    # on FlashAttention's causal MQA D 32 case).  dq divides it out: with lse moved by 16
+    # of its ulps, dq stays as close to float64 as with the forward's own lse (before,
+    # 11x further off).  dk and dv sum over many rows, whose lse errors do not add up alike.
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 4, 64, 32), dtype=np.float32) for _ in range(3))
+    kw = dict(causal=True, alibi_slopes=np.array([0.05, 0.2, 0.5, 1.0], np.float32))
+    if sinks:
+        kw["sinks"] = rng.standard_normal(4).astype(np.float32)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape, dtype=np.float32)
+    want = reference.attention_backward(*(x.astype(np.float64) for x in (dout, q, k, v)),
+                                        **{n: x.astype(np.float64) for n, x in kw.items()
+                                           if n != "causal"}, causal=True)[0]
+    moved = (lse.astype(np.float64) + 16 * np.spacing(np.abs(lse))).astype(np.float32)
+    errors = [np.abs(fastattn.attention_backward(dout, q, k, v, out, x, **kw)[0] - want).max()
+              for x in (lse, moved)]
+    assert errors[1] <= 2 * errors[0], errors
+
+
 # --------------------------------------------------------------------------- 16-bit
 
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
