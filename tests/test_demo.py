@@ -11,17 +11,20 @@ from fastattn.cli.main import main
 from conftest import ROOT, run_python
 
 
-def test_demo_prints_the_seed_sentences_and_weights(capsys):
+def test_demo_prints_its_sentences_and_weights(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     for text in ['"A cat sat on the mat"', '"I love you today"',
                  "each session has a chair", "each person has a chair"]:
         assert text in out
-    # Seed 001's weight row for "cat" (printed 0.1385 0.2379 0.2333 0.1240 0.1082 0.1581).
+    # Example 1: the weights of "cat" over "A cat sat on the mat", raw embeddings, no
+    # learned weights (softmax of the scaled dot products, 0.1385 0.2379 0.2333 0.1240
+    # 0.1082 0.1581 to four places).
     assert "cat   0.139   0.238   0.233   0.124   0.108   0.158" in out
-    # Seed 001's context vector for "cat".
+    # Example 1: the context vector of "cat", those weights times the embeddings.
     assert "0.4419   0.6515   0.5683" in out
-    # Seed 000's contextualised "chair" in both sentences.
+    # Example 3: "chair" contextualised in "each session has a chair" and in "each person
+    # has a chair" (the two vectors hold the same values in reverse order).
     assert "3.4882   3.3862   3.1256" in out and "3.1256   3.3862   3.4882" in out
     # Masked (causal) keys print as '.', and all 5 heads of the multi-head example appear.
     assert "each    1.000        .        .        .        ." in out
