@@ -89,9 +89,20 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
     *hi = h;
 }
 
-/* Prefetch every line of [p, p + bytes) into L2 (or L1), whatever p's alignment: rows
- * of NumPy arrays start 16 bytes into a line as often as not, and a 128-byte row then
- * touches three lines. */
+/* Prefetch [p, p + bytes) into L2 (or L1), a line at a time from p: the lines of rows
+ * that follow each other in memory (the decode kernels' streams).  A row that starts
+ * inside a line ends inside one, which the next row's first prefetch covers; a row that
+ * no other follows needs fa_prefetch_lines. */
+static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
+{
+    for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+static inline void fa_prefetch_l1(const char* p, ptrdiff_t bytes)
+{
+    for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+/* Every line of [p, p + bytes), whatever p's alignment (rows of NumPy arrays start 16
+ * bytes into a line as often as not: a 128-byte row then touches three lines). */
 static inline void fa_prefetch_lines(const char* p, ptrdiff_t bytes, const int loc)
 {
     const char* end = p + bytes;
@@ -102,8 +113,6 @@ static inline void fa_prefetch_lines(const char* p, ptrdiff_t bytes, const int l
             __builtin_prefetch(a, 0, 2);
     }
 }
-static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes) { fa_prefetch_lines(p, bytes, 2); }
-static inline void fa_prefetch_l1(const char* p, ptrdiff_t bytes) { fa_prefetch_lines(p, bytes, 3); }
 
 #include "fa_half.h"
 FA_WIDEN_ROWS(f, float)

@@ -136,17 +136,36 @@ static void fa_q8_0_next_rows(const char* k, ptrdiff_t k_row, const uint16_t* ks
         vpf[u] = v + u * v_row;
     }
     /* the lines from the first row's scales to the last's */
-    fa_prefetch_l2((const char*)ks, ((n - 1) * ks_row + nbk) * 2);
-    fa_prefetch_l2((const char*)vs, ((n - 1) * vs_row + nbv) * 2);
+    fa_prefetch_lines((const char*)ks, ((n - 1) * ks_row + nbk) * 2, 2);
+    fa_prefetch_lines((const char*)vs, ((n - 1) * vs_row + nbv) * 2, 2);
 }
 
 FA_INLINE ptrdiff_t min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
 
-/* Rows [i0, i1) of pf (bytes long each) requested into the cache level of locality loc. */
-FA_INLINE void fa_q8_0_prefetch_rows(const char* const* pf, ptrdiff_t i0, ptrdiff_t i1,
-                                     ptrdiff_t bytes, const int loc)
+/* Row pf[i] (bytes long) requested into the cache level of locality loc: its lines from
+ * its start, and its last one unless row i + 1 (< n) follows it (see fa_prefetch_l2). */
+FA_INLINE void fa_q8_0_prefetch_row(const char* const* pf, ptrdiff_t i, ptrdiff_t n,
+                                    ptrdiff_t bytes, const int loc)
 {
-    for (ptrdiff_t i = i0; i < i1; i++) fa_prefetch_lines(pf[i], bytes, loc);
+    for (ptrdiff_t off = 0; off < bytes; off += 64) {
+        if (loc == 3)
+            __builtin_prefetch(pf[i] + off, 0, 3);
+        else
+            __builtin_prefetch(pf[i] + off, 0, 2);
+    }
+    if (i + 1 == n || pf[i + 1] != pf[i] + bytes) {
+        if (loc == 3)
+            __builtin_prefetch(pf[i] + bytes - 1, 0, 3);
+        else
+            __builtin_prefetch(pf[i] + bytes - 1, 0, 2);
+    }
+}
+
+/* Rows [i0, i1) of pf[0 .. n). */
+FA_INLINE void fa_q8_0_prefetch_rows(const char* const* pf, ptrdiff_t i0, ptrdiff_t i1,
+                                     ptrdiff_t n, ptrdiff_t bytes, const int loc)
+{
+    for (ptrdiff_t i = i0; i < i1; i++) fa_q8_0_prefetch_row(pf, i, n, bytes, loc);
 }
 
 /*
@@ -182,8 +201,8 @@ FA_INLINE void fa_score_q8_0_body(const int8_t* const* kr, const float* ksc, ptr
                     a[g][r] = fa_bcast_f(0);
                 }
         const ptrdiff_t step = d0 / FA_VL_F;
-        fa_q8_0_prefetch_rows(pf, step * l2_rows, min_pd(npf, (step + 1) * l2_rows), D, 2);
-        fa_q8_0_prefetch_rows(l1, step * l1_rows, min_pd(nl1, (step + 1) * l1_rows), D, 3);
+        fa_q8_0_prefetch_rows(pf, step * l2_rows, min_pd(npf, (step + 1) * l2_rows), npf, D, 2);
+        fa_q8_0_prefetch_rows(l1, step * l1_rows, min_pd(nl1, (step + 1) * l1_rows), nl1, D, 3);
         fa_q8_0_blk u[2];
         fa_vf d[2];
         for (int g = 0; g < ng; g++) {
@@ -251,8 +270,8 @@ FA_INLINE void fa_pv_q8_0_cols(const float* p, ptrdiff_t ldp, ptrdiff_t nj,
         const int8_t* x = vr[j] + c0;
         const float* d = vsc + j * nbv + c0 / 32;
         if (j + FA_PV_Q8_0_AHEAD < nj)
-            fa_prefetch_l1((const char*)(vr[j + FA_PV_Q8_0_AHEAD] + c0), nv * FA_VL_F);
-        if (j < npf) fa_prefetch_l2(pf[j], pf_bytes);
+            fa_prefetch_lines((const char*)(vr[j + FA_PV_Q8_0_AHEAD] + c0), nv * FA_VL_F, 3);
+        if (j < npf) fa_q8_0_prefetch_row(pf, j, npf, pf_bytes, 2);
         fa_vf xv[8];
         for (int i = 0; i < nv; i++)
             xv[i] = fa_load_q8_0(x + i * FA_VL_F, fa_bcast_f(d[i * FA_VL_F / 32]));
