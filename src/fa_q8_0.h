@@ -4,12 +4,11 @@
  * is x * d, exact in float32 (an 8-bit integer times a float16), so the kernels below
  * dequantise in registers as they load and then run the float kernels' arithmetic: the
  * same chains, hence the same bits, as the float32 kernels over the dequantised cache.
- * Reading 1.0625 bytes per value instead of the 4 of a dequantised copy is the point:
- * decoding is bound by the bytes it reads.
+ * The point is to read 1.0625 bytes per value instead of the 4 of a dequantised copy.
  *
- * Rows are addressed one by one (kr[j], ks[j]: values and scales of key j), so that rows
- * in pages cost what contiguous rows do.  Included by fa_kernels.h after the float
- * kernels (it uses their transpose and vector helpers).
+ * Rows are addressed one pointer per key (kr[j]), so that rows in pages cost what
+ * contiguous rows do; their scales come converted to float32 (fa_q8_0_rows).  Included
+ * by fa_kernels.h after the float kernels (it uses their transpose and vector helpers).
  */
 
 /* VL values of a q8_0 row from x, of the block whose scale is d (broadcast): widened
@@ -41,8 +40,8 @@ FA_INLINE fa_vf fa_load_q8_0(const int8_t* x, fa_vf d)
  * d0 + h VL/2 + i (i < VL/2) as exact floats, not yet scaled.  In halves, the FMAs of two
  * blocks can be interleaved without spilling. */
 #if FA_VBYTES == 64
-/* The 16 x 16 int8 block is transposed as bytes, a quarter of the shuffles of a float
- * transpose: rows t, t + 4, t + 8, t + 12 in the 128-bit lanes of z[t]; byte unpacks
+/* The 16 x 16 int8 block is transposed as bytes, 24 shuffles against the 80 of a float
+ * transpose (then a lane extraction and a sign extension per dim): rows t, t + 4, t + 8, t + 12 in the 128-bit lanes of z[t]; byte unpacks
  * (kept: x[0..1] dims 0-7, x[2..3] dims 8-15) and word unpacks leave in lane g the dims
  * of keys 4g .. 4g + 3, a dword per dim; one dword permutation then gathers a dim's 16
  * keys into one 128-bit lane, which is sign-extended and converted. */
