@@ -140,7 +140,8 @@ cdef struct Tile:
     Py_ssize_t pv_lo[FA_BQ]
     Py_ssize_t pv_hi[FA_BQ]
     const char* krows[32]         # key rows of one score call (FA_MR_K or FA_DEC_KEYS_F)
-    # The block's K and V rows where they are stored (gathered blocks, bfloat16 products).
+    # The block's K and V rows where they are stored (gathered blocks, bfloat16 products,
+    # q8_0 read in place).
     const char* kptr[FA_BK]
     const char* vptr[FA_BK]
     # q8_0 read in place: the next block's K and V rows (npf of them), which the kernels
@@ -328,10 +329,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # broadcast single elements; bfloat16 V, whose shift would compete with the FMAs;
     # float16 V without F16C, whose integer widening would be repeated by every 6-row
     # tile; and both for double compute.
-    # Rows in pages or in q8_0 are gathered (and widened) a block at a time, except the
-    # bfloat16 products', which read them through the block's row pointers.
-    # Decode tiles of float compute read q8_0 K and V through the block's row pointers,
-    # dequantising in registers.
+    # Rows in pages or in q8_0 are gathered (and widened) a block at a time, except where
+    # the kernels read them through the block's row pointers: the bfloat16 products', and
+    # q8_0 K and V in decode tiles of float compute, dequantised in registers.
     t.gather = _gathers(P)
     t.q8_in_place = (floating is float and t.decode and P.k_kind == FA_STORE_Q8_0
                      and P.v_kind == FA_STORE_Q8_0)
