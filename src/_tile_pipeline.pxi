@@ -103,6 +103,7 @@ cdef struct Tile:
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint q8_in_place              # decode over q8_0 K and V read where stored (fa_q8_0.h)
+    bint copy_rows                # decode over paged float rows: copied as stored
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -331,21 +332,24 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # tile; and both for double compute.
     # Rows in pages or in q8_0 are gathered (and widened) a block at a time, except where
     # the kernels read them through the block's row pointers: the bfloat16 products', and
-    # q8_0 K and V in decode tiles of float compute, dequantised in registers.
+    # q8_0 K and V in decode tiles of float compute, dequantised in registers.  Decode
+    # tiles of float compute copy paged float rows as they are stored, for the decode
+    # kernels to widen in registers as they do in place.
     t.gather = _gathers(P)
     t.q8_in_place = (floating is float and t.decode and P.k_kind == FA_STORE_Q8_0
                      and P.v_kind == FA_STORE_Q8_0)
+    t.copy_rows = floating is float and t.decode and t.gather and not t.q8_in_place
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
-        t.decode and floating is float and not t.gather or t.bf16_dot or t.q8_in_place)
+        t.decode and floating is float or t.bf16_dot)
     t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
-        t.decode and not t.gather or t.bf16_dot or t.q8_in_place
+        t.decode or t.bf16_dot
         or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C and not t.gather)))
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
     # prefetches its own keys' V rows, spread over its steps.
     # Gathered V is widened after the scores are done with the widened K: one block of
     # either in L1 at a time (a block of K of 128 dims takes all 32 KiB of it).
-    t.defer_v = t.gather and t.widen_v and not P.backward
+    t.defer_v = t.gather and (t.widen_v or t.copy_rows) and not P.backward
     t.pv_next_v = (t.decode and floating is float and t.nrows == 1
                    and P.v_kind == FA_STORE_NATIVE and not t.gather)
     t.first_blk = True
@@ -459,6 +463,9 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
                    t.kb + t.j1 * t.k_row, nxt)
     if t.widen_k:
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
+    elif t.copy_rows:
+        t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * P.k_isz, P.D
+        t.kblk_kind = P.k_kind
     if t.bf16_dot:
         # K read through row pointers; V in pairs of keys, the layout of the bfloat16
         # output tiles (fa_pack_v_pairs)
@@ -468,6 +475,9 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
+    elif t.copy_rows:
+        t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * P.v_isz, P.Dv
+        t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
     elif not t.widen_v:
         t.vblk, t.vblk_row, t.vblk_sj = t.vb + t.j0 * t.v_row, t.v_row, P.v_sj
         t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
@@ -543,9 +553,16 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
         if u < nxt:
             fa_prefetch_l2(P.k + n.k * P.k_isz, P.D * P.k_isz)
             fa_prefetch_l2(P.v + n.v * P.v_isz, P.Dv * P.v_isz)
+            if n.page_left == 1:   # a page's last row: its last line, which no row after it requests
+                fa_prefetch_l2(P.k + n.k * P.k_isz + P.D * P.k_isz - 1, 1)
+                fa_prefetch_l2(P.v + n.v * P.v_isz + P.Dv * P.v_isz - 1, 1)
             if u + 1 < nxt:   # (never past the last key: its page may be the table's last)
                 _cache_next(P, t, &n)
-        if not t.bf16_dot:
+        if t.copy_rows:
+            memcpy(<char*> kdst + u * P.D * P.k_isz, t.kptr[u], P.D * P.k_isz)
+            if not t.defer_v:
+                memcpy(<char*> vdst + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
+        elif not t.bf16_dot:
             _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, P.D, kdst + u * P.D)
             if not t.defer_v:
                 _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, vdst + u * P.Dv)
@@ -586,13 +603,16 @@ cdef void _gather_q8_0(const Problem* P, Tile* t, const Workspace* w,
 
 cdef void _gather_v(const Problem* P, Tile* t, const Workspace* w,
                     floating* ws) noexcept nogil:
-    # The block's V rows widened (or dequantised) into the workspace, when _gather left
-    # them for after the softmax (defer_v).
+    # The block's V rows widened (or dequantised, or copied: copy_rows) into the
+    # workspace, when _gather left them for after the softmax (defer_v).
     cdef Py_ssize_t u
     cdef CacheRows c
     _cache_seek(P, t, &c, t.j0)
     for u in range(t.nj):
-        _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, ws + w.vblk + u * P.Dv)
+        if t.copy_rows:
+            memcpy(<char*> (ws + w.vblk) + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
+        else:
+            _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, ws + w.vblk + u * P.Dv)
         if u + 1 < t.nj:
             _cache_next(P, t, &c)
 
@@ -713,7 +733,8 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     # call of 16-bit keys: fa_score_gqa4); only rows < nrows are stored.  The first pass
     # prefetches the V rows of its keys, unless the output kernel streams the next
     # block's V instead (pv_next_v; then only for the first block) or the block was
-    # widened (_load_block prefetched it).
+    # widened (_load_block prefetched it); gathered V, widened after the softmax
+    # (defer_v), is requested where it is stored.
     # KC: one vector of lanes, or 32 (4 groups of 8) with 32-byte float vectors.
     cdef floating* s = ws + w.s
     cdef const floating* qt = ws + w.qt
@@ -722,7 +743,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     cdef Py_ssize_t KC = FA_DEC_KEYS_F if floating is float else FA_VL_D
     cdef Py_ssize_t nj = t.nj, nrows = t.nrows, u, r, ig, jb, nr, pf_bytes, ldk
     cdef int npass
-    cdef bint pf_v = (not t.pv_next_v or t.first_blk) and not t.widen_v
+    cdef bint pf_v = (not t.pv_next_v or t.first_blk) and not t.widen_v or t.defer_v
     cdef int nk
     if floating is float and t.q8_in_place:
         _scores_q8_0(P, t, w, ws)
@@ -732,10 +753,16 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
         nk = <int> min(KC, nj - jb)
         for u in range(KC):
             t.krows[u] = t.kblk + (jb + u) * t.kblk_row if jb + u < nj else zrow
-            t.vrows[u] = t.vblk + (jb + u) * t.vblk_row if jb + u < nj else zrow
+            if jb + u >= nj:
+                t.vrows[u] = zrow
+            elif t.defer_v:
+                t.vrows[u] = t.vptr[jb + u]
+            else:
+                t.vrows[u] = t.vblk + (jb + u) * t.vblk_row
         # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
         ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 else 0
-        pf_bytes = P.Dv * t.vblk_esz   # > 0 also turns on the next K rows stream
+        # > 0 also turns on the next K rows stream
+        pf_bytes = P.Dv * (P.v_isz if t.defer_v else t.vblk_esz)
         r = 0
         while r < nrows:
             nr = _keyrows_pass(t, nrows - r)
@@ -1049,7 +1076,7 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
         return
     _keys_seen(t, 0, nr, &ja, &z)
     ja = min(max(t.j0, ja), t.j1)
-    if t.widen_k or t.widen_v:
+    if t.widen_k or t.widen_v or t.gather:
         pf_rows = 0
     elif t.pv_next_v or not (floating is float
                              and (t.nrows <= FA_DEC_SCORES_PREFETCH_K_ROWS_F or t.gqa4)):

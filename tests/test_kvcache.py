@@ -354,14 +354,21 @@ def _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv):
     return cache
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", np.float16, np.float32,
+                                   pytest.param(BF16, id="bfloat16", marks=needs_bf16)])
 @pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("page", [None, 16, 7])
-def test_q8_0_decode_over_long_caches_has_the_bits_of_the_dequantised_keys(rng, group, page):
-    # Decode tiles (up to 8 query rows of a kv head) read q8_0 rows in place, keys past
-    # a chunk of 1024 merged in order: each row has the bits of attention over its
-    # sequence's dequantised keys, whatever the rows per tile and the paging.
+def test_decode_over_long_caches_has_the_bits_of_attention_over_own_keys(rng, dtype, group,
+                                                                          page):
+    # Decode tiles (up to 8 query rows of a kv head) read q8_0 rows in place and copy
+    # paged float rows as stored, keys past a chunk of 1024 merged in order: each row has
+    # the bits of attention over its sequence's own (dequantised) keys, whatever the rows
+    # per tile and the paging.
     B, Hkv, D, Dv, Lmax = 2, 2, 64, 96, 2600
-    cache = _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv)
+    if dtype == "q8_0":
+        cache = _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv)
+    else:
+        cache = make_cache(rng, B, Hkv, Lmax, D, Dv, dtype=dtype)
     seqlens = np.array([2600, 1100])
     table = None
     if page:
