@@ -199,6 +199,13 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_prefetch_l1(const char* p, Py_ssize_t nbytes)
     void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
     void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
+    # the decode output kernel over V rows addressed one pointer per key (paged caches)
+    void fa_pv_ptr_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float** vr,
+                     Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr)
+    void fa_pv_ptr_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t** vr,
+                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr)
+    void fa_pv_ptr_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t** vr,
+                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr)
     # decode kernels reading q8_0 K and V in place (fa_q8_0.h)
     void fa_score_q8_0_r1(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
                           const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
@@ -377,6 +384,19 @@ cdef inline void _score_keyrows_16(Py_ssize_t nr, const uint16_t** kr, Py_ssize_
             fa_score_keyrows2_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
         else:
             fa_score_keyrows1_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+
+
+cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char** vr, Py_ssize_t Dv,
+                        float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                        int kind) noexcept nogil:
+    # acc = acc * alpha + P V for nr (1 or 4) rows over all Dv columns, V rows vr[j]
+    # stored as `kind` (float32, float16 or bfloat16).
+    if kind == FA_STORE_F16:
+        fa_pv_ptr_fh(p, FA_BQ, nj, <const uint16_t**> vr, Dv, acc, ldacc, alpha, nr)
+    elif kind == FA_STORE_BF16:
+        fa_pv_ptr_fb(p, FA_BQ, nj, <const uint16_t**> vr, Dv, acc, ldacc, alpha, nr)
+    else:
+        fa_pv_ptr_f(p, FA_BQ, nj, <const float**> vr, Dv, acc, ldacc, alpha, nr)
 
 
 cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc, int nk,

@@ -103,7 +103,8 @@ cdef struct Tile:
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint q8_in_place              # decode over q8_0 K and V read where stored (fa_q8_0.h)
-    bint copy_rows                # decode over paged float rows: copied as stored
+    bint copy_rows                # decode over paged float rows: K copied as stored
+    bint v_in_place               # and V read through row pointers (fa_pv_ptr)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -339,6 +340,8 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.q8_in_place = (floating is float and t.decode and P.k_kind == FA_STORE_Q8_0
                      and P.v_kind == FA_STORE_Q8_0)
     t.copy_rows = floating is float and t.decode and t.gather and not t.q8_in_place
+    # ... V then read through row pointers, whole vectors of columns (else copied too)
+    t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
         t.decode and floating is float or t.bf16_dot)
     t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
@@ -349,7 +352,7 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # prefetches its own keys' V rows, spread over its steps.
     # Gathered V is widened after the scores are done with the widened K: one block of
     # either in L1 at a time (a block of K of 128 dims takes all 32 KiB of it).
-    t.defer_v = t.gather and (t.widen_v or t.copy_rows) and not P.backward
+    t.defer_v = t.gather and (t.widen_v or t.copy_rows and not t.v_in_place) and not P.backward
     t.pv_next_v = (t.decode and floating is float and t.nrows == 1
                    and P.v_kind == FA_STORE_NATIVE and not t.gather)
     t.first_blk = True
@@ -560,7 +563,7 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
                 _cache_next(P, t, &n)
         if t.copy_rows:
             memcpy(<char*> kdst + u * P.D * P.k_isz, t.kptr[u], P.D * P.k_isz)
-            if not t.defer_v:
+            if not t.defer_v and not t.v_in_place:
                 memcpy(<char*> vdst + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
         elif not t.bf16_dot:
             _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, P.D, kdst + u * P.D)
@@ -755,14 +758,14 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
             t.krows[u] = t.kblk + (jb + u) * t.kblk_row if jb + u < nj else zrow
             if jb + u >= nj:
                 t.vrows[u] = zrow
-            elif t.defer_v:
+            elif t.defer_v or t.v_in_place:
                 t.vrows[u] = t.vptr[jb + u]
             else:
                 t.vrows[u] = t.vblk + (jb + u) * t.vblk_row
         # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
         ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 else 0
         # > 0 also turns on the next K rows stream
-        pf_bytes = P.Dv * (P.v_isz if t.defer_v else t.vblk_esz)
+        pf_bytes = P.Dv * (P.v_isz if t.defer_v or t.v_in_place else t.vblk_esz)
         r = 0
         while r < nrows:
             nr = _keyrows_pass(t, nrows - r)
@@ -1074,6 +1077,9 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     if floating is float and t.q8_in_place:
         _pv_q8_0(P, t, w, ws, nr)
         return
+    if floating is float and t.v_in_place:
+        _pv_rows_ptr(P, t, w, ws, nr)
+        return
     _keys_seen(t, 0, nr, &ja, &z)
     ja = min(max(t.j0, ja), t.j1)
     if t.widen_k or t.widen_v or t.gather:
@@ -1089,6 +1095,20 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     rg = nr
     while rg < t.nrows:
         _pv_rows(t, w, ws, rg, nr, pf, pf_stride, 0, pf_cols)
+        rg += nr
+
+
+cdef void _pv_rows_ptr(const Problem* P, const Tile* t, const Workspace* w, float* ws,
+                       Py_ssize_t nr) noexcept nogil:
+    # _pv_decode over V rows read through the block's row pointers (v_in_place): rows in
+    # groups of nr (4, or 1 for a single row), each over the keys any of its rows sees.
+    cdef Py_ssize_t rg = 0, ja, z, na
+    while rg < t.nrows:
+        _keys_seen(t, rg, rg + nr, &ja, &z)
+        ja = min(max(t.j0, ja), t.j1)
+        na = max(0, min(t.j1, z) - ja)
+        pv_ptr(ws + w.s + (ja - t.j0) * FA_BQ + rg, na, t.vptr + (ja - t.j0), P.Dv,
+               ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr, P.v_kind)
         rg += nr
 
 

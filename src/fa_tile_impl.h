@@ -501,6 +501,61 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     }
 }
 
+/* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
+ * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
+ * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
+ * register file (8 for one row; FA_PV4_NV for four).  Row j + 4 is requested into L1 as
+ * row j is read. */
+FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                     const KV* const* vr, ptrdiff_t c0, T* acc,
+                                     ptrdiff_t ldacc, const T* alpha, const int nr,
+                                     const int nv)
+{
+    V c[4][8];
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < nv; i++) c[r][i] = BCAST(0);
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        if (j + 4 < nj)
+            fa_prefetch_lines((const char*)(vr[j + 4] + c0), nv * VL * (ptrdiff_t)sizeof(KV), 3);
+        V x[8];
+        for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
+        for (int r = 0; r < nr; r++) {
+            const V b = BCAST(p[j * ldp + r]);
+            for (int i = 0; i < nv; i++) c[r][i] += b * x[i];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const V a = BCAST(alpha[r]);
+        T* acc_r = acc + r * ldacc + c0;
+        for (int i = 0; i < nv; i++)
+            STORE(acc_r + i * VL, LOAD(acc_r + i * VL) * a + c[r][i]);
+    }
+}
+#define FA_PV_PTR_PASS(SUF, NR, NV) \
+FA_NOINLINE void FA_FN(fa_pv_ptr_##SUF)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, \
+                                              const KV* const* vr, ptrdiff_t c0, T* acc, \
+                                              ptrdiff_t ldacc, const T* alpha) \
+{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV); }
+FA_PV_PTR_PASS(r1_wide, 1, 8)
+FA_PV_PTR_PASS(r1_v1, 1, 1)
+FA_PV_PTR_PASS(r4_wide, 4, FA_PV4_NV)
+FA_PV_PTR_PASS(r4_v1, 4, 1)
+#undef FA_PV_PTR_PASS
+FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const KV* const* vr,
+                                  ptrdiff_t Dv, T* acc, ptrdiff_t ldacc, const T* alpha, int nr)
+{
+    ptrdiff_t c0 = 0;
+    if (nr == 1) {
+        for (; c0 + 8 * VL <= Dv; c0 += 8 * VL)
+            FA_FN(fa_pv_ptr_r1_wide)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+        for (; c0 < Dv; c0 += VL) FA_FN(fa_pv_ptr_r1_v1)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+        return;
+    }
+    for (; c0 + FA_PV4_NV * VL <= Dv; c0 += FA_PV4_NV * VL)
+        FA_FN(fa_pv_ptr_r4_wide)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+    for (; c0 < Dv; c0 += VL) FA_FN(fa_pv_ptr_r4_v1)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+}
+
 #undef FA_FN
 #undef KV
 #undef LOAD_KV
