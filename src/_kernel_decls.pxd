@@ -155,10 +155,10 @@ cdef extern from "fa_kernels.h" nogil:
                               Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
     # npass passes of 4 query rows over a call of 32 evenly spaced 16-bit keys (builds
     # with FA_HAVE_GQA4_16 only)
-    void fa_score_gqa4_fh(const uint16_t** kr, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
+    void fa_score_gqa4_fh(const uint16_t* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
                           Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
                           const char** pf, Py_ssize_t pf_bytes, int npass)
-    void fa_score_gqa4_fb(const uint16_t** kr, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
+    void fa_score_gqa4_fb(const uint16_t* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
                           Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
                           const char** pf, Py_ssize_t pf_bytes, int npass)
     void fa_pv_tile_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
@@ -386,7 +386,7 @@ cdef inline void _score_keyrows_16(Py_ssize_t nr, const uint16_t** kr, Py_ssize_
             fa_score_keyrows1_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
 
 
-cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char* const* vr, Py_ssize_t Dv,
+cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char** vr, Py_ssize_t Dv,
                         float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
                         int kind) noexcept nogil:
     # acc = acc * alpha + P V for nr (1 or 4) rows over all Dv columns, V rows vr[j]
@@ -416,17 +416,17 @@ cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc,
         fa_score_q8_0_r1(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
 
 
-cdef inline void score_gqa4(const char** krows, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
+cdef inline void score_gqa4(const char* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
                             Py_ssize_t D, float scale, float* s, int nstore, const char** pf,
                             Py_ssize_t pf_bytes, int kind, int npass) noexcept nogil:
     # npass decode score passes of 4 query rows of Q^T (qt[d * ldqt + r]) over a call of
-    # 32 16-bit keys, krows, in groups of 8 evenly spaced keys (ldk elements apart), which
-    # the passes transpose once.
+    # 32 evenly spaced 16-bit keys from k, ldk elements apart, which the passes transpose
+    # once.
     if kind == FA_STORE_F16:
-        fa_score_gqa4_fh(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
+        fa_score_gqa4_fh(<const uint16_t*> k, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
                          pf_bytes, npass)
     else:
-        fa_score_gqa4_fb(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
+        fa_score_gqa4_fb(<const uint16_t*> k, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
                          pf_bytes, npass)
 
 

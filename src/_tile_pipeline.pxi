@@ -103,8 +103,8 @@ cdef struct Tile:
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint q8_in_place              # decode over q8_0 K and V read where stored (fa_q8_0.h)
-    bint rows_in_place            # decode over paged float rows: K read through row pointers,
-    bint v_in_place               # V too (fa_pv_ptr), else V copied as stored
+    bint copy_rows                # decode over paged float rows: K copied as stored
+    bint v_in_place               # and V read through row pointers (fa_pv_ptr)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -333,14 +333,15 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # tile; and both for double compute.
     # Rows in pages or in q8_0 are gathered (and widened) a block at a time, except where
     # the kernels read them through the block's row pointers: the bfloat16 products', and
-    # q8_0 K and V in decode tiles of float compute, dequantised in registers, and paged
-    # float K and V there, widened in registers as contiguous rows are (V is copied as
-    # stored when its rows are not whole vectors of columns).
+    # q8_0 K and V in decode tiles of float compute, dequantised in registers.  Decode
+    # tiles of float compute copy paged float rows as they are stored, for the decode
+    # kernels to widen in registers as they do in place.
     t.gather = _gathers(P)
     t.q8_in_place = (floating is float and t.decode and P.k_kind == FA_STORE_Q8_0
                      and P.v_kind == FA_STORE_Q8_0)
-    t.rows_in_place = floating is float and t.decode and t.gather and not t.q8_in_place
-    t.v_in_place = t.rows_in_place and P.Dv % (2 * t.VL) == 0
+    t.copy_rows = floating is float and t.decode and t.gather and not t.q8_in_place
+    # ... V then read through row pointers, whole vectors of columns (else copied too)
+    t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
         t.decode and floating is float or t.bf16_dot)
     t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
@@ -351,7 +352,7 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # prefetches its own keys' V rows, spread over its steps.
     # Gathered V is widened after the scores are done with the widened K: one block of
     # either in L1 at a time (a block of K of 128 dims takes all 32 KiB of it).
-    t.defer_v = t.gather and (t.widen_v or t.rows_in_place and not t.v_in_place) and not P.backward
+    t.defer_v = t.gather and (t.widen_v or t.copy_rows and not t.v_in_place) and not P.backward
     t.pv_next_v = (t.decode and floating is float and t.nrows == 1
                    and P.v_kind == FA_STORE_NATIVE and not t.gather)
     t.first_blk = True
@@ -465,8 +466,9 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
                    t.kb + t.j1 * t.k_row, nxt)
     if t.widen_k:
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
-    elif t.rows_in_place:
-        t.kblk_kind = P.k_kind                  # (K through kptr, see _scores_decode)
+    elif t.copy_rows:
+        t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * P.k_isz, P.D
+        t.kblk_kind = P.k_kind
     if t.bf16_dot:
         # K read through row pointers; V in pairs of keys, the layout of the bfloat16
         # output tiles (fa_pack_v_pairs)
@@ -476,7 +478,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
-    elif t.rows_in_place:
+    elif t.copy_rows:
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * P.v_isz, P.Dv
         t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
     elif not t.widen_v:
@@ -559,7 +561,8 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
                 fa_prefetch_l2(P.v + n.v * P.v_isz + P.Dv * P.v_isz - 1, 1)
             if u + 1 < nxt:   # (never past the last key: its page may be the table's last)
                 _cache_next(P, t, &n)
-        if t.rows_in_place:
+        if t.copy_rows:
+            memcpy(<char*> kdst + u * P.D * P.k_isz, t.kptr[u], P.D * P.k_isz)
             if not t.defer_v and not t.v_in_place:
                 memcpy(<char*> vdst + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
         elif not t.bf16_dot:
@@ -603,13 +606,13 @@ cdef void _gather_q8_0(const Problem* P, Tile* t, const Workspace* w,
 
 cdef void _gather_v(const Problem* P, Tile* t, const Workspace* w,
                     floating* ws) noexcept nogil:
-    # The block's V rows widened (or dequantised, or copied: rows_in_place) into the
+    # The block's V rows widened (or dequantised, or copied: copy_rows) into the
     # workspace, when _gather left them for after the softmax (defer_v).
     cdef Py_ssize_t u
     cdef CacheRows c
     _cache_seek(P, t, &c, t.j0)
     for u in range(t.nj):
-        if t.rows_in_place:
+        if t.copy_rows:
             memcpy(<char*> (ws + w.vblk) + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
         else:
             _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, ws + w.vblk + u * P.Dv)
@@ -752,24 +755,15 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
         jb = ig * KC
         nk = <int> min(KC, nj - jb)
         for u in range(KC):
-            if jb + u >= nj:
-                t.krows[u] = zrow
-            elif t.rows_in_place:
-                t.krows[u] = t.kptr[jb + u]
-            else:
-                t.krows[u] = t.kblk + (jb + u) * t.kblk_row
+            t.krows[u] = t.kblk + (jb + u) * t.kblk_row if jb + u < nj else zrow
             if jb + u >= nj:
                 t.vrows[u] = zrow
             elif t.defer_v or t.v_in_place:
                 t.vrows[u] = t.vptr[jb + u]
             else:
                 t.vrows[u] = t.vblk + (jb + u) * t.vblk_row
-        # A whole call of keys in groups of 8 evenly spaced rows of K: say so (kernels may
-        # use it); pages keep such groups whole when their size is a multiple of 8.
-        if t.rows_in_place:
-            ldk = P.k_sj if nk == KC and P.page % 8 == 0 and (t.j0 + jb) % 8 == 0 else 0
-        else:
-            ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 else 0
+        # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
+        ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 else 0
         # > 0 also turns on the next K rows stream
         pf_bytes = P.Dv * (P.v_isz if t.defer_v or t.v_in_place else t.vblk_esz)
         r = 0
@@ -780,7 +774,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
                     # a second 4-row pass follows (more than 2 rows after these 4): one
                     # call takes both, widening the keys once
                     npass = 2 if nrows - r > 6 else 1
-                    score_gqa4(t.krows, ldk, qt + r, t.ldqt, P.D, scale,
+                    score_gqa4(t.krows[0], ldk, qt + r, t.ldqt, P.D, scale,
                                s + jb * FA_BQ + r, <int> (nrows - r),
                                t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind, npass)
                     r += 4 * npass

@@ -208,14 +208,6 @@ FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_
     p->k_step = p->lin ? p->k_lines / nsteps : 0;
 }
 
-/* ldk for the next-rows stream of a call of 32 keys whose groups of 8 are ldk apart
- * (see fa_score_keys32): the call's own stride when all 32 are evenly spaced, else 0 (no
- * stream: the next rows are in other pages). */
-FA_INLINE ptrdiff_t fa_dec_call_stride(const void* const* kr, ptrdiff_t ldk, ptrdiff_t esz)
-{
-    return ldk && (const char*)kr[31] == (const char*)kr[0] + 31 * ldk * esz ? ldk : 0;
-}
-
 /* This step's share of each stream. */
 FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
 {
@@ -302,11 +294,10 @@ FA_INLINE void fa_transpose_h8x8(const __m256i* x, __m256i* y)
  * from d0, dim d0 + e at kh + 8 (d0 + 2 (e % 8) + e / 8), the two 128-bit lanes of the
  * transpose side by side; a last block of 8 dims (D % 16 == 8) in order.  Not inlined:
  * inside the score kernel GCC keeps the 8 row offsets on the stack and reloads them. */
-FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrdiff_t D,
-                                  uint16_t* kh)
+FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D, uint16_t* kh)
 {
     for (int g = 0; g < 4; g++) {
-        const uint16_t* r = kr[8 * g];
+        const uint16_t* r = k + 8 * g * ldk;
         uint16_t* o = kh + 8 * g * D;
         __m256i x[8], y[8];
         ptrdiff_t d0 = 0;
@@ -353,16 +344,16 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrd
 /* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt8)
  * over a whole call of evenly spaced keys. */
 #define FA_HAVE_GQA4_16 1
-FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
+FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* k, ptrdiff_t ldk, const float* qt,
                                   ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
-FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
+{ fa_score_keys32_kt8_fh(k, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float* qt,
                                   ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+{ fa_score_keys32_kt8_fb(k, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
 #endif
 /* The 4- and 8-row passes: fa_score_keys32_wide with AVX2.  SSE2's 16 xmm registers do
  * not hold 4 rows x 8-lane accumulators beside the 8x4 transposes (they spill), and with

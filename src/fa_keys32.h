@@ -54,7 +54,7 @@ FA_INLINE void K32(fa_keys32_step)(const KE* const* kr, ptrdiff_t ldk, int g, pt
 {
     fa_vf8 t[4];
     if (ldk)
-        K32(fa_load_transpose_8x4s)(kr[8 * g], ldk, d0, t);
+        K32(fa_load_transpose_8x4s)(kr[0] + 8 * g * ldk, ldk, d0, t);
     else
         K32(fa_load_transpose_8x4)(kr + 8 * g, d0, t);
     for (int i = 0; i < 4; i++) {
@@ -158,16 +158,15 @@ FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, p
  * reads, which a transpose up front exposes.)
  * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
  * then * scale. */
-FA_INLINE void K32(fa_score_keys32_kt8)(const KE* const* kr, ptrdiff_t ldk, const float* qt,
+FA_INLINE void K32(fa_score_keys32_kt8)(const KE* k, ptrdiff_t ldk, const float* qt,
                                        ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                        ptrdiff_t lds, int nstore, const char* const* pf,
                                        ptrdiff_t pf_bytes, int npass, const int nr)
 {
     KE kh[32 * FA_KT8_MAX_D] __attribute__((aligned(32)));
-    fa_kt8_transpose(kr, ldk, D, kh);
+    fa_kt8_transpose(k, ldk, D, kh);
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf: issued by the first pass */
-    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], fa_dec_call_stride((const void* const*)kr, ldk, sizeof(KE)),
-                   sizeof(KE), D,
+    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)k, ldk, sizeof(KE), D,
                    (nr >= 4 ? 2 : 1) * (D / 8));
     /* ldqt is one vector of lanes in decode tiles: as a constant, the score loop addresses
      * q from one pointer, where a variable ldqt takes a register per dimension of the
@@ -190,8 +189,8 @@ FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int
     const int ng = nr >= 4 ? 1 : 4 / nr;
     const fa_vf8 sc = fa_bcast_f8(scale);
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
-    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], nk == 32 ? fa_dec_call_stride((const void* const*)kr, ldk, sizeof(KE)) : 0,
-                   sizeof(KE), D, (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng));
+    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, sizeof(KE), D,
+                   (D / 4) * ((((nk + 7) / 8) + ng - 1) / ng));
     for (int g0 = 0; g0 < 4 && 8 * g0 < nk; g0 += ng) {
         fa_vf8 a[4][8];   /* nr <= 4 is called; 8 keeps the unused 8-row wrapper in bounds */
         float part[4][8][8];   /* the sums of the chunks before the current one */
@@ -240,8 +239,7 @@ FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int
         }
     }
 }
-/* ldk != 0: kr[8g + t] = kr[8g] + t * ldk for each group g of 8 keys in a full call (all
- * 32 rows evenly spaced, or groups in pages whose size is a multiple of 8),
+/* ldk != 0: kr[t] = kr[0] + t * ldk for all 32 rows (a full call of evenly spaced keys),
  * the common case; the body is instantiated for it and for arbitrary row pointers. */
 FA_INLINE void K32(fa_score_keys32)(const KE* const* kr, ptrdiff_t ldk, int nk,
                                  const float* qt, ptrdiff_t ldqt, ptrdiff_t D, float scale,
@@ -250,7 +248,7 @@ FA_INLINE void K32(fa_score_keys32)(const KE* const* kr, ptrdiff_t ldk, int nk,
 {
 #if defined(KE_LOAD8W)
     if (ldk && nk == 32 && nr == 2 && D % 8 == 0 && D <= FA_KT8_MAX_D) {
-        K32(fa_score_keys32_kt8)(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes,
+        K32(fa_score_keys32_kt8)(kr[0], ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes,
                                  1, nr);
         return;
     }
@@ -303,12 +301,11 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
         return;
     }
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf */
-    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], fa_dec_call_stride((const void* const*)kr, ldk, sizeof(KE)),
-                   sizeof(KE), D, 2 * (D / 4));
+    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, sizeof(KE), D, 2 * (D / 4));
     const fa_vf8 sc = fa_bcast_f8(scale);
     for (int h = 0; h < 2; h++) {
-        const KE* b = kr[16 * h];                  /* group 0: keys 16h .. 16h+7 */
-        const KE* c = kr[16 * h + 8];              /* group 1: the next 8 */
+        const KE* b = kr[0] + 16 * h * ldk;        /* group 0: keys 16h .. 16h+7 */
+        const KE* c = b + 8 * ldk;                 /* group 1: the next 8 */
         fa_vf8 a0[4], a1[4];
         float part[4][16];   /* the sums of the chunks before the current one */
         for (int r = 0; r < 4; r++) a0[r] = a1[r] = fa_bcast_f8(0);
