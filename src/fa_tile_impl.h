@@ -504,8 +504,8 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
- * register file (8 for one row; FA_PV4_NV for four).  Row j + 4 is requested into L1 as
- * row j is read. */
+ * register file (up to 8 for one row, so that as many chains run at once; FA_PV4_NV for
+ * four).  Row j + 4 is requested into L1 as row j is read. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                      const KV* const* vr, ptrdiff_t c0, T* acc,
                                      ptrdiff_t ldacc, const T* alpha, const int nr,
@@ -537,6 +537,8 @@ FA_NOINLINE void FA_FN(fa_pv_ptr_##SUF)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                               ptrdiff_t ldacc, const T* alpha) \
 { FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV); }
 FA_PV_PTR_PASS(r1_wide, 1, 8)
+FA_PV_PTR_PASS(r1_v4, 1, 4)
+FA_PV_PTR_PASS(r1_v2, 1, 2)
 FA_PV_PTR_PASS(r1_v1, 1, 1)
 FA_PV_PTR_PASS(r4_wide, 4, FA_PV4_NV)
 FA_PV_PTR_PASS(r4_v1, 4, 1)
@@ -548,6 +550,10 @@ FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const
     if (nr == 1) {
         for (; c0 + 8 * VL <= Dv; c0 += 8 * VL)
             FA_FN(fa_pv_ptr_r1_wide)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+        for (; c0 + 4 * VL <= Dv; c0 += 4 * VL)
+            FA_FN(fa_pv_ptr_r1_v4)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+        for (; c0 + 2 * VL <= Dv; c0 += 2 * VL)
+            FA_FN(fa_pv_ptr_r1_v2)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
         for (; c0 < Dv; c0 += VL) FA_FN(fa_pv_ptr_r1_v1)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
         return;
     }
