@@ -354,17 +354,25 @@ def _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv):
     return cache
 
 
-@pytest.mark.parametrize("dtype", ["q8_0", np.float16, np.float32,
-                                   pytest.param(BF16, id="bfloat16", marks=needs_bf16)])
+# q8_0 needs Dv a multiple of 32; paged float V rows are read by pointer when Dv is a
+# multiple of two vectors, else copied (Dv 40).
+LONG_CACHE_DTYPES = [("q8_0", 96)] + [
+    pytest.param(dt, dv, id=f"{name}-{dv}", marks=marks)
+    for name, dt, marks in (("float16", np.float16, ()), ("float32", np.float32, ()),
+                            ("bfloat16", BF16, needs_bf16))
+    for dv in (96, 40)]
+
+
+@pytest.mark.parametrize("dtype, Dv", LONG_CACHE_DTYPES)
 @pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("page", [None, 16, 7])
-def test_decode_over_long_caches_has_the_bits_of_attention_over_own_keys(rng, dtype, group,
-                                                                          page):
+def test_decode_over_long_caches_has_the_bits_of_attention_over_own_keys(rng, dtype, Dv,
+                                                                          group, page):
     # Decode tiles (up to 8 query rows of a kv head) read q8_0 rows in place and copy
     # paged float rows as stored, keys past a chunk of 1024 merged in order: each row has
     # the bits of attention over its sequence's own (dequantised) keys, whatever the rows
     # per tile and the paging.
-    B, Hkv, D, Dv, Lmax = 2, 2, 64, 96, 2600
+    B, Hkv, D, Lmax = 2, 2, 64, 2600
     if dtype == "q8_0":
         cache = _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv)
     else:
