@@ -197,6 +197,7 @@ cdef extern from "fa_kernels.h" nogil:
     # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
     void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
     void fa_prefetch_l1(const char* p, Py_ssize_t nbytes)
+    void fa_prefetch_row(const char* p, Py_ssize_t nbytes, int run_ends, int loc)
     void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
     void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     # the decode output kernel over V rows addressed one pointer per key (paged caches)

@@ -554,11 +554,9 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
         t.kptr[u] = P.k + c.k * P.k_isz
         t.vptr[u] = P.v + c.v * P.v_isz
         if u < nxt:
-            fa_prefetch_l2(P.k + n.k * P.k_isz, P.D * P.k_isz)
-            fa_prefetch_l2(P.v + n.v * P.v_isz, P.Dv * P.v_isz)
-            if n.page_left == 1:   # a page's last row: its last line, which no row after it requests
-                fa_prefetch_l2(P.k + n.k * P.k_isz + P.D * P.k_isz - 1, 1)
-                fa_prefetch_l2(P.v + n.v * P.v_isz + P.Dv * P.v_isz - 1, 1)
+            # (a page's last row ends its run: page_left 1)
+            fa_prefetch_row(P.k + n.k * P.k_isz, P.D * P.k_isz, n.page_left == 1, 2)
+            fa_prefetch_row(P.v + n.v * P.v_isz, P.Dv * P.v_isz, n.page_left == 1, 2)
             if u + 1 < nxt:   # (never past the last key: its page may be the table's last)
                 _cache_next(P, t, &n)
         if t.copy_rows:

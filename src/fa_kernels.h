@@ -92,7 +92,7 @@ static inline void fa_key_interval(ptrdiff_t i, ptrdiff_t Lq, ptrdiff_t kv_len, 
 /* Prefetch [p, p + bytes) into L2 (or L1), a line at a time from p: the lines of rows
  * that follow each other in memory (the decode kernels' streams).  A row that starts
  * inside a line ends inside one, which the next row's first prefetch covers; a row that
- * no other follows needs fa_prefetch_lines. */
+ * no other follows needs its last line too (fa_prefetch_row). */
 static inline void fa_prefetch_l2(const char* p, ptrdiff_t bytes)
 {
     for (ptrdiff_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
@@ -112,6 +112,17 @@ static inline void fa_prefetch_lines(const char* p, ptrdiff_t bytes, const int l
         else
             __builtin_prefetch(a, 0, 2);
     }
+}
+/* One row of a run of rows that follow each other in memory (a page, a contiguous
+ * block), into L2 (or L1 for loc 3): its lines from its start, and where the run ends
+ * (run_ends: no row follows it) its last line as well. */
+static inline void fa_prefetch_row(const char* p, ptrdiff_t bytes, int run_ends, const int loc)
+{
+    if (loc == 3)
+        fa_prefetch_l1(p, bytes);
+    else
+        fa_prefetch_l2(p, bytes);
+    if (run_ends) fa_prefetch_lines(p + bytes - 1, 1, loc);
 }
 
 #include "fa_half.h"

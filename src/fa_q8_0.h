@@ -141,23 +141,12 @@ static void fa_q8_0_next_rows(const char* k, ptrdiff_t k_row, const uint16_t* ks
 
 FA_INLINE ptrdiff_t min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
 
-/* Row pf[i] (bytes long) requested into the cache level of locality loc: its lines from
- * its start, and its last one unless row i + 1 (< n) follows it (see fa_prefetch_l2). */
+/* Row pf[i] (bytes long) requested into the cache level of locality loc; its run of
+ * rows ends unless row i + 1 (< n) follows it in memory (see fa_prefetch_row). */
 FA_INLINE void fa_q8_0_prefetch_row(const char* const* pf, ptrdiff_t i, ptrdiff_t n,
                                     ptrdiff_t bytes, const int loc)
 {
-    for (ptrdiff_t off = 0; off < bytes; off += 64) {
-        if (loc == 3)
-            __builtin_prefetch(pf[i] + off, 0, 3);
-        else
-            __builtin_prefetch(pf[i] + off, 0, 2);
-    }
-    if (i + 1 == n || pf[i + 1] != pf[i] + bytes) {
-        if (loc == 3)
-            __builtin_prefetch(pf[i] + bytes - 1, 0, 3);
-        else
-            __builtin_prefetch(pf[i] + bytes - 1, 0, 2);
-    }
+    fa_prefetch_row(pf[i], bytes, i + 1 == n || pf[i + 1] != pf[i] + bytes, loc);
 }
 
 /* Rows [i0, i1) of pf[0 .. n). */
