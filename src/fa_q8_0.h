@@ -139,7 +139,7 @@ static void fa_q8_0_next_rows(const char* k, ptrdiff_t k_row, const uint16_t* ks
     fa_prefetch_lines((const char*)vs, ((n - 1) * vs_row + nbv) * 2, 2);
 }
 
-FA_INLINE ptrdiff_t min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
+FA_INLINE ptrdiff_t fa_min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
 
 /* Row pf[i] (bytes long) requested into the cache level of locality loc; its run of
  * rows ends unless row i + 1 (< n) follows it in memory (see fa_prefetch_row). */
@@ -189,8 +189,8 @@ FA_INLINE void fa_score_q8_0_body(const int8_t* const* kr, const float* ksc, ptr
                     a[g][r] = fa_bcast_f(0);
                 }
         const ptrdiff_t step = d0 / FA_VL_F;
-        fa_q8_0_prefetch_rows(pf, step * l2_rows, min_pd(npf, (step + 1) * l2_rows), npf, D, 2);
-        fa_q8_0_prefetch_rows(l1, step * l1_rows, min_pd(nl1, (step + 1) * l1_rows), nl1, D, 3);
+        fa_q8_0_prefetch_rows(pf, step * l2_rows, fa_min_pd(npf, (step + 1) * l2_rows), npf, D, 2);
+        fa_q8_0_prefetch_rows(l1, step * l1_rows, fa_min_pd(nl1, (step + 1) * l1_rows), nl1, D, 3);
         fa_q8_0_blk u[2];
         fa_vf d[2];
         for (int g = 0; g < ng; g++) {
