@@ -153,14 +153,14 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_score_keyrows8_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
                               Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
                               Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    # npass passes of 4 query rows over a call of 32 evenly spaced 16-bit keys (builds
-    # with FA_HAVE_GQA4_16 only)
-    void fa_score_gqa4_fh(const uint16_t* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
-                          Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
-                          const char** pf, Py_ssize_t pf_bytes, int npass)
-    void fa_score_gqa4_fb(const uint16_t* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
-                          Py_ssize_t D, float scale, float* s, Py_ssize_t lds, int nstore,
-                          const char** pf, Py_ssize_t pf_bytes, int npass)
+    # npass passes of 4 query rows over a call of 32 16-bit keys, evenly spaced (ldk) or
+    # through row pointers (ldk 0) (builds with FA_HAVE_GQA4_16 only)
+    void fa_score_gqa4_fh(const uint16_t** kr, Py_ssize_t ldk, const float* qt,
+                          Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds,
+                          int nstore, const char** pf, Py_ssize_t pf_bytes, int npass)
+    void fa_score_gqa4_fb(const uint16_t** kr, Py_ssize_t ldk, const float* qt,
+                          Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds,
+                          int nstore, const char** pf, Py_ssize_t pf_bytes, int npass)
     void fa_pv_tile_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
     void fa_pv_tile_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
@@ -201,12 +201,15 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
     void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     # the decode output kernel over V rows addressed one pointer per key (paged caches)
-    void fa_pv_ptr_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float** vr,
-                     Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr)
-    void fa_pv_ptr_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t** vr,
-                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr)
-    void fa_pv_ptr_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t** vr,
-                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr)
+    void fa_pv_ptr_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* const* vr,
+                     Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                     const char* const* pf, Py_ssize_t npf)
+    void fa_pv_ptr_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* const* vr,
+                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                      const char* const* pf, Py_ssize_t npf)
+    void fa_pv_ptr_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* const* vr,
+                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                      const char* const* pf, Py_ssize_t npf)
     # decode kernels reading q8_0 K and V in place (fa_q8_0.h)
     void fa_score_q8_0_r1(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
                           const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
@@ -387,17 +390,20 @@ cdef inline void _score_keyrows_16(Py_ssize_t nr, const uint16_t** kr, Py_ssize_
             fa_score_keyrows1_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
 
 
-cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char** vr, Py_ssize_t Dv,
+cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char* const* vr, Py_ssize_t Dv,
                         float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
-                        int kind) noexcept nogil:
+                        int kind, const char* const* pf, Py_ssize_t npf) noexcept nogil:
     # acc = acc * alpha + P V for nr (1 or 4) rows over all Dv columns, V rows vr[j]
-    # stored as `kind` (float32, float16 or bfloat16).
+    # stored as `kind` (float32, float16 or bfloat16); requests the npf rows pf (the next
+    # block's V) into L2 as it goes.
     if kind == FA_STORE_F16:
-        fa_pv_ptr_fh(p, FA_BQ, nj, <const uint16_t**> vr, Dv, acc, ldacc, alpha, nr)
+        fa_pv_ptr_fh(p, FA_BQ, nj, <const uint16_t* const*> vr, Dv, acc, ldacc, alpha, nr, pf,
+                     npf)
     elif kind == FA_STORE_BF16:
-        fa_pv_ptr_fb(p, FA_BQ, nj, <const uint16_t**> vr, Dv, acc, ldacc, alpha, nr)
+        fa_pv_ptr_fb(p, FA_BQ, nj, <const uint16_t* const*> vr, Dv, acc, ldacc, alpha, nr, pf,
+                     npf)
     else:
-        fa_pv_ptr_f(p, FA_BQ, nj, <const float**> vr, Dv, acc, ldacc, alpha, nr)
+        fa_pv_ptr_f(p, FA_BQ, nj, <const float* const*> vr, Dv, acc, ldacc, alpha, nr, pf, npf)
 
 
 cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc, int nk,
@@ -417,18 +423,19 @@ cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc,
         fa_score_q8_0_r1(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
 
 
-cdef inline void score_gqa4(const char* k, Py_ssize_t ldk, const float* qt, Py_ssize_t ldqt,
-                            Py_ssize_t D, float scale, float* s, int nstore, const char** pf,
-                            Py_ssize_t pf_bytes, int kind, int npass) noexcept nogil:
+cdef inline void score_gqa4(const char** krows, Py_ssize_t ldk, const float* qt,
+                            Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, int nstore,
+                            const char** pf, Py_ssize_t pf_bytes, int kind,
+                            int npass) noexcept nogil:
     # npass decode score passes of 4 query rows of Q^T (qt[d * ldqt + r]) over a call of
-    # 32 evenly spaced 16-bit keys from k, ldk elements apart, which the passes transpose
-    # once.
+    # 32 16-bit keys, which the passes transpose once: krows[0] + i ldk elements when ldk
+    # != 0, else the rows krows[i].
     if kind == FA_STORE_F16:
-        fa_score_gqa4_fh(<const uint16_t*> k, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
-                         pf_bytes, npass)
+        fa_score_gqa4_fh(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore,
+                         pf, pf_bytes, npass)
     else:
-        fa_score_gqa4_fb(<const uint16_t*> k, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf,
-                         pf_bytes, npass)
+        fa_score_gqa4_fb(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore,
+                         pf, pf_bytes, npass)
 
 
 cdef inline void hide_keys(floating* s, Py_ssize_t nk, int nvec) noexcept nogil:

@@ -104,7 +104,9 @@ cdef struct Tile:
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint q8_in_place              # decode over q8_0 K and V read where stored (fa_q8_0.h)
     bint copy_rows                # decode over paged float rows: K copied as stored
+    bint k_in_place               # (16-bit K: read through row pointers instead)
     bint v_in_place               # and V read through row pointers (fa_pv_ptr)
+    bint spread_next              # the kernels request the next block's rows (kpf, vpf)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
@@ -146,8 +148,8 @@ cdef struct Tile:
     # q8_0 read in place).
     const char* kptr[FA_BK]
     const char* vptr[FA_BK]
-    # q8_0 read in place: the next block's K and V rows (npf of them), which the kernels
-    # request into L2 as they go.
+    # q8_0 read in place, and spread_next: the next block's K and V rows (npf of them),
+    # which the kernels request into L2 as they go.
     const char* kpf[FA_BK]
     const char* vpf[FA_BK]
     Py_ssize_t npf
@@ -340,8 +342,15 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.q8_in_place = (floating is float and t.decode and P.k_kind == FA_STORE_Q8_0
                      and P.v_kind == FA_STORE_Q8_0)
     t.copy_rows = floating is float and t.decode and t.gather and not t.q8_in_place
-    # ... V then read through row pointers, whole vectors of columns (else copied too)
+    # ... 16-bit K rows then read where they are by the score kernels, which transpose or
+    # widen them anyway; V read through row pointers, whole vectors of columns (else
+    # copied too)
+    t.k_in_place = t.copy_rows and (P.k_kind == FA_STORE_F16 or P.k_kind == FA_STORE_BF16)
     t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
+    # With both read in place, the kernels request the next block's rows as they go (K:
+    # the score kernel, V: the output kernel); when K is copied, _gather requests them
+    # as it copies, which measured faster there.
+    t.spread_next = t.k_in_place and t.v_in_place
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
         t.decode and floating is float or t.bf16_dot)
     t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
@@ -542,7 +551,8 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
     # The block's K and V rows looked up one by one (pages), into kptr and vptr, and,
     # unless the bfloat16 products read them there, widened (or dequantised from q8_0)
     # into the workspace; meanwhile the next block's rows are requested into L2, since
-    # no hardware prefetcher follows rows across pages.
+    # no hardware prefetcher follows rows across pages (or, spread_next, looked up into
+    # kpf and vpf for the kernels to request).
     cdef Py_ssize_t u, nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
     cdef floating* kdst = ws + w.kblk
     cdef floating* vdst = ws + w.vblk
@@ -550,17 +560,24 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
     _cache_seek(P, t, &c, t.j0)
     if nxt:
         _cache_seek(P, t, &n, t.j1)
+    t.npf = min(nxt, t.nj) if t.spread_next else 0
     for u in range(t.nj):
         t.kptr[u] = P.k + c.k * P.k_isz
         t.vptr[u] = P.v + c.v * P.v_isz
         if u < nxt:
-            # (a page's last row ends its run: page_left 1)
-            fa_prefetch_row(P.k + n.k * P.k_isz, P.D * P.k_isz, n.page_left == 1, 2)
-            fa_prefetch_row(P.v + n.v * P.v_isz, P.Dv * P.v_isz, n.page_left == 1, 2)
+            if t.spread_next:
+                # requested as the kernels go: K by the score kernel, V by the output one
+                t.kpf[u] = P.k + n.k * P.k_isz
+                t.vpf[u] = P.v + n.v * P.v_isz
+            else:
+                # (a page's last row ends its run: page_left 1)
+                fa_prefetch_row(P.k + n.k * P.k_isz, P.D * P.k_isz, n.page_left == 1, 2)
+                fa_prefetch_row(P.v + n.v * P.v_isz, P.Dv * P.v_isz, n.page_left == 1, 2)
             if u + 1 < nxt:   # (never past the last key: its page may be the table's last)
                 _cache_next(P, t, &n)
         if t.copy_rows:
-            memcpy(<char*> kdst + u * P.D * P.k_isz, t.kptr[u], P.D * P.k_isz)
+            if not t.k_in_place:
+                memcpy(<char*> kdst + u * P.D * P.k_isz, t.kptr[u], P.D * P.k_isz)
             if not t.defer_v and not t.v_in_place:
                 memcpy(<char*> vdst + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
         elif not t.bf16_dot:
@@ -735,7 +752,8 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     # prefetches the V rows of its keys, unless the output kernel streams the next
     # block's V instead (pv_next_v; then only for the first block) or the block was
     # widened (_load_block prefetched it); gathered V, widened after the softmax
-    # (defer_v), is requested where it is stored.
+    # (defer_v), is requested where it is stored.  With spread_next it requests the next
+    # block's K rows instead.
     # KC: one vector of lanes, or 32 (4 groups of 8) with 32-byte float vectors.
     cdef floating* s = ws + w.s
     cdef const floating* qt = ws + w.qt
@@ -744,7 +762,8 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     cdef Py_ssize_t KC = FA_DEC_KEYS_F if floating is float else FA_VL_D
     cdef Py_ssize_t nj = t.nj, nrows = t.nrows, u, r, ig, jb, nr, pf_bytes, ldk
     cdef int npass
-    cdef bint pf_v = (not t.pv_next_v or t.first_blk) and not t.widen_v or t.defer_v
+    cdef bint pf_v = ((not t.pv_next_v or t.first_blk) and not t.widen_v or t.defer_v
+                      or t.spread_next)
     cdef int nk
     if floating is float and t.q8_in_place:
         _scores_q8_0(P, t, w, ws)
@@ -753,26 +772,36 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
         jb = ig * KC
         nk = <int> min(KC, nj - jb)
         for u in range(KC):
-            t.krows[u] = t.kblk + (jb + u) * t.kblk_row if jb + u < nj else zrow
             if jb + u >= nj:
+                t.krows[u] = zrow
+            elif t.k_in_place:
+                t.krows[u] = t.kptr[jb + u]
+            else:
+                t.krows[u] = t.kblk + (jb + u) * t.kblk_row
+            if t.spread_next:
+                t.vrows[u] = t.kpf[jb + u] if jb + u < t.npf else zrow
+            elif jb + u >= nj:
                 t.vrows[u] = zrow
             elif t.defer_v or t.v_in_place:
                 t.vrows[u] = t.vptr[jb + u]
             else:
                 t.vrows[u] = t.vblk + (jb + u) * t.vblk_row
         # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
-        ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 else 0
+        ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 and not t.k_in_place else 0
         # > 0 also turns on the next K rows stream
-        pf_bytes = P.Dv * (P.v_isz if t.defer_v or t.v_in_place else t.vblk_esz)
+        if t.spread_next:
+            pf_bytes = P.D * P.k_isz + 63      # every line of a row, however it is aligned
+        else:
+            pf_bytes = P.Dv * (P.v_isz if t.defer_v or t.v_in_place else t.vblk_esz)
         r = 0
         while r < nrows:
             nr = _keyrows_pass(t, nrows - r)
             if floating is float:
-                if nr == 4 and ldk != 0 and t.gqa4:
+                if nr == 4 and (ldk != 0 or t.k_in_place) and t.gqa4:
                     # a second 4-row pass follows (more than 2 rows after these 4): one
                     # call takes both, widening the keys once
                     npass = 2 if nrows - r > 6 else 1
-                    score_gqa4(t.krows[0], ldk, qt + r, t.ldqt, P.D, scale,
+                    score_gqa4(t.krows, ldk, qt + r, t.ldqt, P.D, scale,
                                s + jb * FA_BQ + r, <int> (nrows - r),
                                t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind, npass)
                     r += 4 * npass
@@ -1106,7 +1135,8 @@ cdef void _pv_rows_ptr(const Problem* P, const Tile* t, const Workspace* w, floa
         ja = min(max(t.j0, ja), t.j1)
         na = max(0, min(t.j1, z) - ja)
         pv_ptr(ws + w.s + (ja - t.j0) * FA_BQ + rg, na, t.vptr + (ja - t.j0), P.Dv,
-               ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr, P.v_kind)
+               ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr, P.v_kind,
+               t.vpf, t.npf if rg == 0 else 0)
         rg += nr
 
 

@@ -299,32 +299,38 @@ FA_INLINE void fa_transpose_h8x8(const __m256i* x, __m256i* y)
     }
 }
 
-/* The 32 keys k + i ldk (i < 32; D 16-bit elements each, D % 8 == 0) transposed, as bits,
- * for the 16-bit decode score kernel (fa_score_keys32_kt8): the 8 keys of group g
- * (keys 8g .. 8g+7) at kh + 8 g D, 8 elements per dimension; in each block of 16 dims
- * from d0, dim d0 + e at kh + 8 (d0 + 2 (e % 8) + e / 8), the two 128-bit lanes of the
- * transpose side by side; a last block of 8 dims (D % 16 == 8) in order.  Not inlined:
- * inside the score kernel GCC keeps the 8 row offsets on the stack and reloads them. */
-FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D, uint16_t* kh)
+/* The 8 keys r[0..7] (D 16-bit elements each, D % 8 == 0) transposed, as bits, into o:
+ * 8 elements per dimension; in each block of 16 dims from d0, dim d0 + e at
+ * o + 8 (d0 + 2 (e % 8) + e / 8), the two 128-bit lanes of the transpose side by side; a
+ * last block of 8 dims (D % 16 == 8) in order. */
+FA_INLINE void fa_kt8_group(const uint16_t* const* r, ptrdiff_t D, uint16_t* o)
+{
+    __m256i x[8], y[8];
+    ptrdiff_t d0 = 0;
+    for (; d0 + 16 <= D; d0 += 16) {
+        for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_si256((const __m256i*)(r[i] + d0));
+        fa_transpose_h8x8(x, y);
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i*)(o + 8 * d0 + 16 * j), y[j]);
+    }
+    if (d0 < D) {
+        for (int i = 0; i < 8; i++)
+            x[i] = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(r[i] + d0)));
+        fa_transpose_h8x8(x, y);
+        for (int j = 0; j < 8; j++)
+            _mm_store_si128((__m128i*)(o + 8 * d0 + 8 * j), _mm256_castsi256_si128(y[j]));
+    }
+}
+/* The 32 keys kr[i] (i < 32; or kr[0] + i ldk when ldk != 0) transposed for the 16-bit
+ * decode score kernel (fa_score_keys32_kt8): the 8 keys of group g (keys 8g .. 8g+7) at
+ * kh + 8 g D, as fa_kt8_group lays them out.  Not inlined: inside the score kernel GCC
+ * keeps the 8 row offsets on the stack and reloads them. */
+FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrdiff_t D,
+                                  uint16_t* kh)
 {
     for (int g = 0; g < 4; g++) {
-        const uint16_t* r = k + 8 * g * ldk;
-        uint16_t* o = kh + 8 * g * D;
-        __m256i x[8], y[8];
-        ptrdiff_t d0 = 0;
-        for (; d0 + 16 <= D; d0 += 16) {
-            for (int i = 0; i < 8; i++)
-                x[i] = _mm256_loadu_si256((const __m256i*)(r + i * ldk + d0));
-            fa_transpose_h8x8(x, y);
-            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i*)(o + 8 * d0 + 16 * j), y[j]);
-        }
-        if (d0 < D) {
-            for (int i = 0; i < 8; i++)
-                x[i] = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(r + i * ldk + d0)));
-            fa_transpose_h8x8(x, y);
-            for (int j = 0; j < 8; j++)
-                _mm_store_si128((__m128i*)(o + 8 * d0 + 8 * j), _mm256_castsi256_si128(y[j]));
-        }
+        const uint16_t* r[8];
+        for (int i = 0; i < 8; i++) r[i] = ldk ? kr[0] + (8 * g + i) * ldk : kr[8 * g + i];
+        fa_kt8_group(r, D, kh + 8 * g * D);
     }
 }
 #endif
@@ -353,18 +359,18 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* k, ptrdiff_t ldk, ptrdiff_t D,
 #include "fa_keys32.h"
 #if defined(__AVX2__) && defined(__F16C__)
 /* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt8)
- * over a whole call of evenly spaced keys. */
+ * over a whole call of keys: kr[0] + i ldk, or the rows kr[i] when ldk is 0. */
 #define FA_HAVE_GQA4_16 1
-FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* k, ptrdiff_t ldk, const float* qt,
+FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
                                   ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fh(k, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
-FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* k, ptrdiff_t ldk, const float* qt,
+{ fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
                                   ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fb(k, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+{ fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
 #endif
 /* The 4- and 8-row passes: fa_score_keys32_wide with AVX2.  SSE2's 16 xmm registers do
  * not hold 4 rows x 8-lane accumulators beside the 8x4 transposes (they spill), and with

@@ -158,15 +158,15 @@ FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, p
  * reads, which a transpose up front exposes.)
  * Per score the same chain as the other kernels: acc += k[d] * q[d], chunk sums in order,
  * then * scale. */
-FA_INLINE void K32(fa_score_keys32_kt8)(const KE* k, ptrdiff_t ldk, const float* qt,
+FA_INLINE void K32(fa_score_keys32_kt8)(const KE* const* kr, ptrdiff_t ldk, const float* qt,
                                        ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                        ptrdiff_t lds, int nstore, const char* const* pf,
                                        ptrdiff_t pf_bytes, int npass, const int nr)
 {
     KE kh[32 * FA_KT8_MAX_D] __attribute__((aligned(32)));
-    fa_kt8_transpose(k, ldk, D, kh);
+    fa_kt8_transpose(kr, ldk, D, kh);
     fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf: issued by the first pass */
-    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)k, ldk, sizeof(KE), D,
+    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, sizeof(KE), D,
                    (nr >= 4 ? 2 : 1) * (D / 8));
     /* ldqt is one vector of lanes in decode tiles: as a constant, the score loop addresses
      * q from one pointer, where a variable ldqt takes a register per dimension of the
@@ -248,7 +248,7 @@ FA_INLINE void K32(fa_score_keys32)(const KE* const* kr, ptrdiff_t ldk, int nk,
 {
 #if defined(KE_LOAD8W)
     if (ldk && nk == 32 && nr == 2 && D % 8 == 0 && D <= FA_KT8_MAX_D) {
-        K32(fa_score_keys32_kt8)(kr[0], ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes,
+        K32(fa_score_keys32_kt8)(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes,
                                  1, nr);
         return;
     }

@@ -505,16 +505,20 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
  * register file (up to 8 for one row, so that as many chains run at once; FA_PV4_NV for
- * four).  Row j + 4 is requested into L1 as row j is read. */
+ * four).  Row j + 4 is requested into L1 as row j is read, and row j of pf (npf rows
+ * of pf_bytes, the next block's) into L2, every line of it; rows of pf past nj after
+ * the loop. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                      const KV* const* vr, ptrdiff_t c0, T* acc,
                                      ptrdiff_t ldacc, const T* alpha, const int nr,
-                                     const int nv)
+                                     const int nv, const char* const* pf, ptrdiff_t npf,
+                                     ptrdiff_t pf_bytes)
 {
     V c[4][8];
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < nv; i++) c[r][i] = BCAST(0);
     for (ptrdiff_t j = 0; j < nj; j++) {
+        if (j < npf) fa_prefetch_lines(pf[j], pf_bytes, 2);
         if (j + 4 < nj)
             fa_prefetch_lines((const char*)(vr[j + 4] + c0), nv * VL * (ptrdiff_t)sizeof(KV), 3);
         V x[8];
@@ -530,12 +534,15 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         for (int i = 0; i < nv; i++)
             STORE(acc_r + i * VL, LOAD(acc_r + i * VL) * a + c[r][i]);
     }
+    for (ptrdiff_t j = nj; j < npf; j++) fa_prefetch_lines(pf[j], pf_bytes, 2);
 }
 #define FA_PV_PTR_PASS(SUF, NR, NV) \
 FA_NOINLINE void FA_FN(fa_pv_ptr_##SUF)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, \
                                               const KV* const* vr, ptrdiff_t c0, T* acc, \
-                                              ptrdiff_t ldacc, const T* alpha) \
-{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV); }
+                                              ptrdiff_t ldacc, const T* alpha, \
+                                              const char* const* pf, ptrdiff_t npf, \
+                                              ptrdiff_t pf_bytes) \
+{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV, pf, npf, pf_bytes); }
 FA_PV_PTR_PASS(r1_wide, 1, 8)
 FA_PV_PTR_PASS(r1_v4, 1, 4)
 FA_PV_PTR_PASS(r1_v2, 1, 2)
@@ -543,23 +550,26 @@ FA_PV_PTR_PASS(r1_v1, 1, 1)
 FA_PV_PTR_PASS(r4_wide, 4, FA_PV4_NV)
 FA_PV_PTR_PASS(r4_v1, 4, 1)
 #undef FA_PV_PTR_PASS
+/* pf: the next block's V rows (npf of them), requested into L2 by the first pass, a row
+ * per key. */
 FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const KV* const* vr,
-                                  ptrdiff_t Dv, T* acc, ptrdiff_t ldacc, const T* alpha, int nr)
+                                  ptrdiff_t Dv, T* acc, ptrdiff_t ldacc, const T* alpha, int nr,
+                                  const char* const* pf, ptrdiff_t npf)
 {
     ptrdiff_t c0 = 0;
+#define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL, npf = 0) \
+        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, pf, npf, \
+                               Dv * (ptrdiff_t)sizeof(KV))
     if (nr == 1) {
-        for (; c0 + 8 * VL <= Dv; c0 += 8 * VL)
-            FA_FN(fa_pv_ptr_r1_wide)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
-        for (; c0 + 4 * VL <= Dv; c0 += 4 * VL)
-            FA_FN(fa_pv_ptr_r1_v4)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
-        for (; c0 + 2 * VL <= Dv; c0 += 2 * VL)
-            FA_FN(fa_pv_ptr_r1_v2)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
-        for (; c0 < Dv; c0 += VL) FA_FN(fa_pv_ptr_r1_v1)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+        FA_PASS(r1_wide, 8);
+        FA_PASS(r1_v4, 4);
+        FA_PASS(r1_v2, 2);
+        FA_PASS(r1_v1, 1);
         return;
     }
-    for (; c0 + FA_PV4_NV * VL <= Dv; c0 += FA_PV4_NV * VL)
-        FA_FN(fa_pv_ptr_r4_wide)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
-    for (; c0 < Dv; c0 += VL) FA_FN(fa_pv_ptr_r4_v1)(p, ldp, nj, vr, c0, acc, ldacc, alpha);
+    FA_PASS(r4_wide, FA_PV4_NV);
+    FA_PASS(r4_v1, 1);
+#undef FA_PASS
 }
 
 #undef FA_FN
