@@ -100,6 +100,29 @@ FA_INLINE void fa_q8_0_half(const fa_q8_0_blk* u, const int h, fa_vf* t)
 }
 #endif
 
+#if FA_VBYTES == 64
+/* The float32 scales of 16 keys x 4 blocks (D = 128), stored key by key (ks, 64 float16
+ * values), transposed block by block into ksc[b * ldksc + u]. */
+FA_INLINE void fa_q8_0_ksc16x4(const uint16_t* ks, float* ksc, ptrdiff_t ldksc)
+{
+    __m512 a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 16 * i)));
+    /* lane m: block (m >> 3) (+ 2 for hi) of key m & 7 of the pair a[0], a[1] (a[2], a[3]) */
+    const __m512i lo = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28,
+                                         1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(2));
+    const __m512 t_lo = _mm512_permutex2var_ps(a[0], lo, a[1]);
+    const __m512 t_hi = _mm512_permutex2var_ps(a[0], hi, a[1]);
+    const __m512 s_lo = _mm512_permutex2var_ps(a[2], lo, a[3]);
+    const __m512 s_hi = _mm512_permutex2var_ps(a[2], hi, a[3]);
+    _mm512_storeu_ps(ksc, _mm512_shuffle_f32x4(t_lo, s_lo, 0x44));
+    _mm512_storeu_ps(ksc + ldksc, _mm512_shuffle_f32x4(t_lo, s_lo, 0xEE));
+    _mm512_storeu_ps(ksc + 2 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0x44));
+    _mm512_storeu_ps(ksc + 3 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0xEE));
+}
+#endif
+
 /* n consecutive rows of a q8_0 K and V (a page, or a contiguous run of a cache) for the
  * kernels below: row pointers kptr[u] = k + u k_row (likewise vptr), and the scales in
  * float32: K's transposed, ksc[b * ldksc + u] (a vector then holds consecutive keys'
@@ -114,8 +137,13 @@ static void fa_q8_0_rows(const char* k, ptrdiff_t k_row, const uint16_t* ks, ptr
         kptr[u] = k + u * k_row;
         vptr[u] = v + u * v_row;
     }
+    ptrdiff_t u0 = 0;
+#if FA_VBYTES == 64
+    if (nbk == 4 && ks_row == 4)
+        for (; u0 + 16 <= n; u0 += 16) fa_q8_0_ksc16x4(ks + 4 * u0, ksc + u0, ldksc);
+#endif
     for (ptrdiff_t b = 0; b < nbk; b++)
-        for (ptrdiff_t u = 0; u < n; u++) ksc[b * ldksc + u] = fa_f16_to_f32(ks[u * ks_row + b]);
+        for (ptrdiff_t u = u0; u < n; u++) ksc[b * ldksc + u] = fa_f16_to_f32(ks[u * ks_row + b]);
     if (vs_row == nbv) {
         fa_widen_f(FA_STORE_F16, vs, n * nbv, vsc);
         return;

@@ -374,6 +374,7 @@ def test_decode_over_long_caches_has_the_bits_of_attention_over_own_keys(rng, dt
     # per tile and the paging.
     B, Hkv, D, Lmax = 2, 2, 64, 2600
     if dtype == "q8_0":
+        D = 128             # 4 scales per row: their transpose 16 keys at a time
         cache = _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv)
     else:
         cache = make_cache(rng, B, Hkv, Lmax, D, Dv, dtype=dtype)
