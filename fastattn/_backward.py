@@ -32,27 +32,30 @@ def _reduce_to(g, shape, dtype):
 
 
 def _delta64(dout, out, dlse):
-    """Delta = rowsum(dout * out) - dlse of every row, in float64 (the products are exact),
-    a chunk of rows at a time so that no float64 copy of dout is made; each row's sum is
-    NumPy's pairwise one over that row alone, whatever the batch."""
-    Dv = out.shape[-1]
-    dout, out = dout.reshape(-1, Dv), out.reshape(-1, Dv)
-    delta = np.empty(len(out), np.float64)
+    """Delta = rowsum(dout * out) - dlse of every row (the shape of dlse, out's without
+    its last axis), in float64 (the products are exact), a chunk of rows at a time so
+    that no float64 copy of dout is made; each row's sum is NumPy's pairwise one over
+    that row alone, whatever the batch."""
+    rows, Dv = out.shape[:-1], out.shape[-1]
+    n = int(np.prod(rows))
+    dout, out = dout.reshape(n, Dv), out.reshape(n, Dv)
+    delta = np.empty(n, np.float64)
     step = max(1, 2**15 // max(Dv, 1))
-    for s in range(0, len(out), step):
+    for s in range(0, n, step):
         delta[s:s + step] = np.multiply(dout[s:s + step], out[s:s + step],
                                         dtype=np.float64).sum(axis=-1)
-    return delta if dlse is None else delta - dlse.reshape(-1)
+    delta = delta.reshape(rows)
+    return delta if dlse is None else delta - dlse
 
 
-def _dsinks(sinks, lse, dout, out, dlse, shape, sinks_dtype):
-    """-sum over rows of exp(sink - lse) Delta, per (batch element, head), as ``shape``
-    (the sinks argument's) in the gradient dtype of ``sinks_dtype``; rows that saw nothing
-    and no sink (lse = -inf) count 0."""
+def _dsinks(sinks, lse, delta, shape, sinks_dtype):
+    """-sum over rows of exp(sink - lse) Delta (delta: _delta64's), per (batch element,
+    head), as ``shape`` (the sinks argument's) in the gradient dtype of ``sinks_dtype``;
+    rows that saw nothing and no sink (lse = -inf) count 0."""
     sink = np.asarray(sinks, dtype=np.float64)[..., None]
     lse = lse.astype(np.float64)
     none = np.isneginf(lse)
-    delta = np.where(none, 0.0, _delta64(dout, out, dlse).reshape(lse.shape))
+    delta = np.where(none, 0.0, delta.reshape(lse.shape))
     with np.errstate(over="ignore", invalid="ignore"):
         w = np.where(none, 0.0, np.exp(sink - np.where(none, 0, lse)))
     g = -np.add.reduce(w * delta, axis=-1)
@@ -84,7 +87,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     dout, out, lse, dlse = _args.check_forward_result(
         p.result_shape(p.Dv), p.result_dtype, cdt, dout, out, lse, dlse)
     batch, Hq, Lq = p.batch, p.Hq, p.Lq
-    checked = dout, out, lse, dlse
+    delta64 = None if p.sinks is None else _delta64(dout, out, dlse)
     dout, out = (kernel_ready(a.reshape(batch + (Hq, Lq, p.Dv)), cdt) for a in (dout, out))
     lse, dlse = (None if a is None else np.ascontiguousarray(a.reshape(batch + (Hq, Lq)), cdt)
                  for a in (lse, dlse))
@@ -102,8 +105,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
         g = _reduce_to(g, a.shape, _args.grad_dtype(a.dtype, cdt))
         grads.append(g[0] if p.squeeze_heads else g)
     if p.sinks is not None:
-        grads.append(_dsinks(p.sinks.reshape(batch + (Hq,)), lse, *checked[:2], checked[3],
-                             np.shape(sinks), _args.as_array(sinks, "sinks").dtype))
+        grads.append(_dsinks(p.sinks.reshape(batch + (Hq,)), lse, delta64, np.shape(sinks),
+                             _args.as_array(sinks, "sinks").dtype))
     return tuple(grads)
 
 
@@ -123,7 +126,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     cdt = p.compute_dtype
     dout, out, lse, dlse = _args.check_forward_result(
         (p.Hq, p.total_q, p.Dv), p.result_dtype, cdt, dout, out, lse, dlse)
-    checked = dout, out, lse, dlse
+    delta64 = None if p.sinks is None else _delta64(dout, out, dlse)
     dout, out = (kernel_ready(a, cdt) for a in (dout, out))
     lse, dlse = (None if a is None else np.ascontiguousarray(a, cdt) for a in (lse, dlse))
     q, k, v = (kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
@@ -137,6 +140,6 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     grads = [_reduce_to(g, a.shape, _args.grad_dtype(a.dtype, cdt))
              for g, a in zip((dq, dk, dv), (p.q, p.k, p.v))]
     if p.sinks is not None:
-        grads.append(_dsinks(_args.check_sinks(sinks, (), p.Hq)[0], lse, *checked[:2],
-                             checked[3], np.shape(sinks), _args.as_array(sinks, "sinks").dtype))
+        grads.append(_dsinks(_args.check_sinks(sinks, (), p.Hq)[0], lse, delta64,
+                             np.shape(sinks), _args.as_array(sinks, "sinks").dtype))
     return tuple(grads)

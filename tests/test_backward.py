@@ -270,6 +270,21 @@ def test_dsinks_adds_no_rounding_to_that_of_out_and_lse(seed):
     assert np.abs(dsinks - exact).max() <= 1.25 * floor, (np.abs(dsinks - exact).max(), floor)
 
 
+def test_dsinks_with_empty_value_rows():
+    # Dv = 0: out is empty, so Delta is -dlse alone; the sinks still get their gradient.
+    rng = np.random.default_rng(9)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 4, 2, 6, 9, 8, 0), np.float32)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, causal=True, sinks=sinks)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    got = fastattn.attention_backward(np.zeros_like(out), q, k, v, out, lse, dlse=dlse,
+                                      causal=True, sinks=sinks)
+    want = reference.attention_backward(np.zeros_like(out), q, k, v, dlse=dlse, causal=True,
+                                        sinks=sinks)
+    assert got[2].shape == v.shape
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-6, atol=1e-7)
+
+
 # --------------------------------------------------------------------------- 16-bit
 
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
