@@ -348,8 +348,8 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.k_in_place = t.copy_rows and (P.k_kind == FA_STORE_F16 or P.k_kind == FA_STORE_BF16)
     t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
     # With both read in place, the kernels request the next block's rows as they go (K:
-    # the score kernel, V: the output kernel); when K is copied, _gather requests them
-    # as it copies, which measured faster there.
+    # the score kernel, V: the output kernel), spread over their steps; when K is copied,
+    # _gather requests them as it copies, the faster order for that path.
     t.spread_next = t.k_in_place and t.v_in_place
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
         t.decode and floating is float or t.bf16_dot)

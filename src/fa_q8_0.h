@@ -41,10 +41,11 @@ FA_INLINE fa_vf fa_load_q8_0(const int8_t* x, fa_vf d)
  * blocks can be interleaved without spilling. */
 #if FA_VBYTES == 64
 /* The 16 x 16 int8 block is transposed as bytes, 24 shuffles against the 80 of a float
- * transpose (then a lane extraction and a sign extension per dim): rows t, t + 4, t + 8, t + 12 in the 128-bit lanes of z[t]; byte unpacks
- * (kept: x[0..1] dims 0-7, x[2..3] dims 8-15) and word unpacks leave in lane g the dims
- * of keys 4g .. 4g + 3, a dword per dim; one dword permutation then gathers a dim's 16
- * keys into one 128-bit lane, which is sign-extended and converted. */
+ * transpose (then a lane extraction and a sign extension per dim): rows t, t + 4, t + 8,
+ * t + 12 in the 128-bit lanes of z[t]; byte unpacks (kept: x[0..1] dims 0-7, x[2..3]
+ * dims 8-15) and word unpacks leave in lane g the dims of keys 4g .. 4g + 3, a dword per
+ * dim; one dword permutation then gathers a dim's 16 keys into one 128-bit lane, which
+ * is sign-extended and converted. */
 typedef struct { __m512i x[4]; } fa_q8_0_blk;
 
 FA_INLINE void fa_q8_0_load(const int8_t* const* kr, ptrdiff_t d0, fa_q8_0_blk* u)
