@@ -10,6 +10,9 @@ Each configuration hashes the bytes of ``out`` and ``lse`` for 1 and 2 threads (
 agree with each other too).  The configurations cover prefill and decode tiles, GQA groups,
 both causal alignments, windows, bool and float masks, kv_lengths, Dv != D, head dims that
 are not a multiple of the vector width, flash-decoding key chunks and both dtypes.
+Then every storage type of K and V: float16 and bfloat16 inputs (prefill and decode
+tiles), and KV caches of float32, float16, bfloat16 and q8_0, contiguous and paged, in
+decode steps (1, 4 and 8 rows per kv head) and short prefills.
 """
 import hashlib
 import itertools
@@ -68,11 +71,81 @@ def _run(shape, var, dtype, threads):
     return h.hexdigest()[:20]
 
 
+def _storage_configs():
+    import ml_dtypes
+    shapes = [  # (Hq, Hkv, Lq, Lk, D, Dv)
+        (4, 4, 1, 700, 64, 64),
+        (8, 2, 1, 1300, 128, 128),
+        (16, 2, 1, 300, 128, 128),
+        (6, 2, 7, 200, 32, 64),
+        (4, 2, 100, 150, 64, 64),
+    ]
+    variants = [dict(), dict(causal=True, window=(90, -1)), dict(softcap=5.0)]
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        for shape, var in itertools.product(shapes, variants):
+            yield "input", shape, var, dtype
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, "q8_0"):
+        for shape, var in itertools.product(shapes, variants[:2]):
+            for paged in (False, True):
+                yield ("paged" if paged else "cache"), shape, var, dtype
+
+
+def _run_storage(kind, shape, var, dtype, threads):
+    Hq, Hkv, Lq, Lk, D, Dv = shape
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    rng = np.random.default_rng(zlib.crc32(repr((kind == "input", shape, name)).encode()))
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    q, k, v = f(2, Hq, Lq, D), f(2, Hkv, Lk, D), f(2, Hkv, Lk, Dv)
+    with fastattn.num_threads(threads):
+        if kind == "input":
+            out, lse = fastattn.attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
+                                          return_lse=True, **var)
+        else:
+            out, lse = _run_cache(kind == "paged", q, k, v, dtype, var, rng)
+    h = hashlib.sha256(np.ascontiguousarray(out).tobytes())
+    h.update(np.ascontiguousarray(lse).tobytes())
+    return h.hexdigest()[:20]
+
+
+def _run_cache(paged, q, k, v, dtype, var, rng):
+    """attention_with_kvcache over a cache holding k, v (2 sequences of Lk and Lk // 3 keys)."""
+    B, Hkv, Lk, _ = k.shape
+    scales = {}
+    if dtype == "q8_0":
+        k, ks = fastattn.quantize_q8_0(k)
+        v, vs = fastattn.quantize_q8_0(v)
+        scales = dict(k_scale=ks, v_scale=vs)
+    else:
+        k, v = k.astype(dtype), v.astype(dtype)
+    kw = dict(cache_seqlens=[Lk, Lk // 3], return_lse=True, **var)
+    if not paged:
+        return fastattn.attention_with_kvcache(q, k, v, **kw, **scales)
+    page = 16
+    npg = (Lk + page - 1) // page
+    order = rng.permutation(B * npg)
+    table = order.reshape(B, npg)
+
+    def pool(a):
+        pad = np.zeros(a.shape[:2] + (npg * page,) + a.shape[3:], a.dtype)
+        pad[:, :, :Lk] = a
+        pages = pad.reshape(B, a.shape[1], npg, page, *a.shape[3:]).swapaxes(1, 2)
+        out = np.empty((B * npg,) + pages.shape[2:], a.dtype)
+        out[table.reshape(-1)] = pages.reshape((B * npg,) + pages.shape[2:])
+        return out
+    scales = {name: pool(s) for name, s in scales.items()}
+    return fastattn.attention_with_kvcache(q, pool(k), pool(v), block_table=table, **kw,
+                                           **scales)
+
+
 def fingerprints():
     fp = {}
-    for shape, var, dtype in _configs():
-        key = f"{shape} {sorted(var.items())} {dtype.__name__}"
-        one, two = _run(shape, var, dtype, 1), _run(shape, var, dtype, 2)
+    runs = [(f"{shape} {sorted(var.items())} {dtype.__name__}", _run, (shape, var, dtype))
+            for shape, var, dtype in _configs()]
+    runs += [(f"{kind} {shape} {sorted(var.items())} "
+              f"{dtype if isinstance(dtype, str) else np.dtype(dtype).name}", _run_storage,
+              (kind, shape, var, dtype)) for kind, shape, var, dtype in _storage_configs()]
+    for key, run, args in runs:
+        one, two = run(*args, 1), run(*args, 2)
         if one != two:
             raise SystemExit(f"threads change the bits: {key}")
         fp[key] = one
