@@ -360,17 +360,20 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrd
 #if defined(__AVX2__) && defined(__F16C__)
 /* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt8)
  * over a whole call of keys: kr[0] + i ldk, or the rows kr[i] when ldk is 0. */
-#define FA_HAVE_GQA4_16 1
-FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
-                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
-                                  ptrdiff_t lds, int nstore, const char* const* pf,
-                                  ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
-FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
-                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
-                                  ptrdiff_t lds, int nstore, const char* const* pf,
-                                  ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+#define FA_SCORE_GQA4(SUF)                                                                  \
+FA_NOINLINE void fa_score_gqa4##SUF(const char* const* kr, ptrdiff_t ldk, const void* qt,  \
+                                    ptrdiff_t ldqt, ptrdiff_t D, double scale, void* s,     \
+                                    ptrdiff_t lds, int nstore, const char* const* pf,       \
+                                    ptrdiff_t pf_bytes, int npass)                          \
+{                                                                                           \
+    fa_score_keys32_kt8##SUF((const uint16_t* const*) kr, ldk, (const float*) qt, ldqt, D,  \
+                             (float) scale, (float*) s, lds, nstore, pf, pf_bytes, npass, 4); \
+}
+FA_SCORE_GQA4(_fh)
+FA_SCORE_GQA4(_fb)
+#undef FA_SCORE_GQA4
+#define FA_GQA4_FH fa_score_gqa4_fh
+#define FA_GQA4_FB fa_score_gqa4_fb
 #endif
 /* The 4- and 8-row passes: fa_score_keys32_wide with AVX2.  SSE2's 16 xmm registers do
  * not hold 4 rows x 8-lane accumulators beside the 8x4 transposes (they spill), and with
@@ -385,13 +388,51 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, cons
 #endif
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_f)
 #define KEYROWS_IMPL fa_score_keys32_f
-#ifndef FA_HAVE_GQA4_16
-/* Builds without that kernel never call it (the tile pipeline checks FA_HAVE_GQA4_16);
- * the names exist so that the pipeline compiles the same in every build. */
-#define FA_HAVE_GQA4_16 0
-#define fa_score_gqa4_fh(...) ((void)0)
-#define fa_score_gqa4_fb(...) ((void)0)
+#ifndef FA_GQA4_FH
+#define FA_GQA4_FH NULL   /* builds without that kernel: no entry in the tables */
+#define FA_GQA4_FB NULL
 #endif
+
+/* ---- storage types as traits ----
+ * Each storage type of K and V is one instantiation of the tile template (fa_tile_impl.h):
+ * the template's kernels that read K or V, with that type's loads.  An instantiation ends
+ * with its row of this table, as a ggml type's traits are a row of its table: the tile
+ * pipeline looks up the rows of the block's K and V (fa_kv_ops_of) once per block and calls
+ * through them, so no stage branches on how the keys are stored, and a new storage type
+ * adds an instantiation and a row, not a copy of the stages.
+ * Like ggml's vec_dot, the entries take the compute type's arrays as void pointers and the
+ * scale as a double (converted to the compute type exactly where the kernel starts), so that
+ * one row type serves float and double compute; K and V rows are byte pointers, each
+ * kernel reading them as its storage type. */
+typedef struct {
+    /* score micro-tiles (query rows as lanes): 6 keys x 2 vectors, 4 x 2, 6 x 1 */
+    void (*score_tile[3])(const char* const* kr, const void* qt, ptrdiff_t ldqt, ptrdiff_t D,
+                          double scale, void* s, ptrdiff_t lds);
+    /* decode score passes (keys as lanes) of 1, 2, 4 and 8 rows (fa_rows_slot) */
+    void (*score_keyrows[4])(const char* const* kr, ptrdiff_t ldk, int nk, const void* qt,
+                             ptrdiff_t ldqt, ptrdiff_t D, double scale, void* s, ptrdiff_t lds,
+                             int nstore, const char* const* pf, ptrdiff_t pf_bytes);
+    /* npass passes of 4 rows over a call of 32 keys transposed once; NULL where none */
+    void (*score_gqa4)(const char* const* kr, ptrdiff_t ldk, const void* qt, ptrdiff_t ldqt,
+                       ptrdiff_t D, double scale, void* s, ptrdiff_t lds, int nstore,
+                       const char* const* pf, ptrdiff_t pf_bytes, int npass);
+    /* output micro-tiles: FA_MR_PV rows x 2 vectors, 1 row x 2 vectors */
+    void (*pv_tile[2])(const void* p, ptrdiff_t ldp, ptrdiff_t nj, const char* v, ptrdiff_t ldv,
+                       void* acc, ptrdiff_t ldacc, const void* alpha);
+    /* decode output tiles: 1 row x 8 vectors, 4 rows x 4 vectors */
+    void (*pv_wide[2])(const void* p, ptrdiff_t ldp, ptrdiff_t nj, const char* v, ptrdiff_t ldv,
+                       void* acc, ptrdiff_t ldacc, const void* alpha, const char* pf,
+                       ptrdiff_t pf_stride, ptrdiff_t pf_rows, ptrdiff_t pf_bytes);
+    /* decode output over V rows one pointer per key (vsc: their scales, for types with) */
+    void (*pv_ptr)(const void* p, ptrdiff_t ldp, ptrdiff_t nj, const char* const* vr,
+                   const float* vsc, ptrdiff_t Dv, void* acc, ptrdiff_t ldacc,
+                   const void* alpha, int nr, const char* const* pf, ptrdiff_t npf);
+    /* element c of a row, widened (V's zero-padded last strip) */
+    double (*elem)(const char* row, ptrdiff_t c);
+} fa_kv_ops;
+
+/* The slot of a decode score pass of nr (1, 2, 4 or 8) rows in score_keyrows. */
+FA_INLINE int fa_rows_slot(ptrdiff_t nr) { return nr >= 8 ? 3 : nr >= 4 ? 2 : (int) nr - 1; }
 
 /* ---- micro-kernels, float compute ----
  * K and V are read through the storage-type macros (KV, LOAD_KV, KV_SCALAR,
@@ -424,6 +465,7 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, cons
 #define LOAD_TRANSPOSE_KV fa_load_transpose_vfh
 #define KEYROWS_IMPL fa_score_keys32_fh
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fh)
+#define SCORE_GQA4 FA_GQA4_FH
 #include "fa_tile_impl.h"
 #define KV uint16_t
 #define FA_FN(name) name##_fb
@@ -432,6 +474,7 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, cons
 #define LOAD_TRANSPOSE_KV fa_load_transpose_vfb
 #define KEYROWS_IMPL fa_score_keys32_fb
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fb)
+#define SCORE_GQA4 FA_GQA4_FB
 #include "fa_tile_impl.h"
 #undef FA_KV_KERNELS_ONLY
 /*
@@ -531,6 +574,20 @@ FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdi
 #undef SELECT
 #undef EXP2
 #undef LOAD_TRANSPOSE
+
+/* The row of the table for K or V stored as `kind`, read by kernels of float compute
+ * (double_compute 0) or double; NULL for a pair no kernel reads (double compute widens
+ * every other type a block at a time, into double rows). */
+static const fa_kv_ops* fa_kv_ops_of(int kind, int double_compute)
+{
+    static const fa_kv_ops* const f[FA_STORE_KINDS] = {
+        [FA_STORE_NATIVE] = &fa_kv_ops_f, [FA_STORE_F16] = &fa_kv_ops_fh,
+        [FA_STORE_BF16] = &fa_kv_ops_fb,
+    };
+    static const fa_kv_ops* const d[FA_STORE_KINDS] = {[FA_STORE_NATIVE] = &fa_kv_ops_d};
+    if (kind < 0 || kind >= FA_STORE_KINDS) return NULL;
+    return double_compute ? d[kind] : f[kind];
+}
 
 /* ---- score modifiers (the finish-scores stage; scores are in base 2) ----
  * Each works on nk keys of nvec whole vectors of rows, per lane only, so a row gets the

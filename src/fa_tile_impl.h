@@ -6,6 +6,9 @@
  *   KV, LOAD_KV, KV_SCALAR, LOAD_TRANSPOSE_KV    how K and V are stored and widened to T
  *   FA_KV_KERNELS_ONLY (optional)  only the kernels that read K or V (another storage type
  *                                  for a compute type whose other kernels already exist)
+ *   KEYROWS_IMPL, KEYROWS_IMPL_WIDE, SCORE_GQA4 (optional)  ISA-specific decode score bodies
+ * The kernels that read K or V end as this storage type's row of the table of storage types,
+ * FA_FN(fa_kv_ops) (see fa_kv_ops in fa_kernels.h).
  * FA_FN and the storage-type macros are undefined at the end (each instantiation names its
  * own); the compute-type macros stay for the next storage type.
  *
@@ -40,96 +43,57 @@ FA_INLINE void FA_FN(fa_chunk_out)(T* p, V a, int first, int last, V sc)
     STORE(p, last ? a * sc : a);
 }
 
-FA_NOINLINE void FA_FN(fa_score_tile)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
-                                     ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
-{
-    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
-    const V sc = BCAST(scale);
-    ptrdiff_t d0 = 0;
-    do {
-        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
-        const int first = d0 == 0, last = d1 == D;
-        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
-        V a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
-        for (ptrdiff_t d = d0; d < d1; d++) {
-            const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
-            V b;
-            b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
-            b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
-            b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
-            b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
-            b = BCAST(KV_SCALAR(k4[d])); a40 += b * q0; a41 += b * q1;
-            b = BCAST(KV_SCALAR(k5[d])); a50 += b * q0; a51 += b * q1;
-        }
-#define OUT(j, a0, a1) FA_FN(fa_chunk_out)(s + j * lds, a0, first, last, sc); \
-                       FA_FN(fa_chunk_out)(s + j * lds + VL, a1, first, last, sc);
-        OUT(0, a00, a01) OUT(1, a10, a11) OUT(2, a20, a21)
-        OUT(3, a30, a31) OUT(4, a40, a41) OUT(5, a50, a51)
-#undef OUT
-        d0 = d1;
-    } while (d0 < D);
+/* The score micro-tiles, one body: 6 keys x 2 vectors of rows (fa_score_tile), 6 keys x 1
+ * vector (fa_score_tile1, the last lane group of a tile) and 4 keys x 2 vectors
+ * (fa_score_tile4, the last 4 keys of a block: 64 = 10 x 6 + 4, so that no padding keys
+ * are computed), per lane the identical chains.  The accumulators are named, one per key
+ * and vector, rather than an array: an array compiles to the same AVX2 loop but spills
+ * more in the SSE2 build.  KEYS45(x) is x for 6 keys, nothing for 4; with one vector, the
+ * second vector's chains are dead code and compiled away. */
+#define FA_KEEP(...) __VA_ARGS__
+#define FA_DROP(...)
+#define FA_ST_KEY(j) \
+    b = BCAST(KV_SCALAR(k##j[d])); a##j##0 += b * q0; a##j##1 += b * q1;
+#define FA_ST_OUT(j) \
+    FA_FN(fa_chunk_out)(s + j * lds, a##j##0, first, last, sc); \
+    if (nvec == 2) FA_FN(fa_chunk_out)(s + j * lds + VL, a##j##1, first, last, sc);
+#define FA_SCORE_TILE(NAME, NVEC, KEYS45)                                                      \
+FA_NOINLINE void FA_FN(NAME)(const char* const* kr, const void* qt_, ptrdiff_t ldqt,           \
+                             ptrdiff_t D, double scale, void* s_, ptrdiff_t lds)               \
+{                                                                                            \
+    const T* qt = (const T*) qt_;                                                            \
+    T* s = (T*) s_;                                                                          \
+    const KV *k0 = (const KV*) kr[0], *k1 = (const KV*) kr[1];                               \
+    const KV *k2 = (const KV*) kr[2], *k3 = (const KV*) kr[3];                               \
+    KEYS45(const KV *k4 = (const KV*) kr[4], *k5 = (const KV*) kr[5];)                       \
+    const V sc = BCAST((T) scale);                                                           \
+    const int nvec = NVEC;                                                                   \
+    ptrdiff_t d0 = 0;                                                                        \
+    do {                                                                                     \
+        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;                        \
+        const int first = d0 == 0, last = d1 == D;                                           \
+        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};                  \
+        V a30 = {0}, a31 = {0};                                                              \
+        KEYS45(V a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};)                                \
+        for (ptrdiff_t d = d0; d < d1; d++) {                                                \
+            const V q0 = LOAD(qt + d * ldqt), q1 = NVEC == 2 ? LOAD(qt + d * ldqt + VL) : q0; \
+            V b;                                                                             \
+            FA_ST_KEY(0) FA_ST_KEY(1) FA_ST_KEY(2) FA_ST_KEY(3)                              \
+            KEYS45(FA_ST_KEY(4) FA_ST_KEY(5))                                                \
+        }                                                                                    \
+        FA_ST_OUT(0) FA_ST_OUT(1) FA_ST_OUT(2) FA_ST_OUT(3)                                  \
+        KEYS45(FA_ST_OUT(4) FA_ST_OUT(5))                                                    \
+        d0 = d1;                                                                             \
+    } while (d0 < D);                                                                        \
 }
-
-/* The same score micro-tile for a single vector of query rows (the last lane group of a
- * tile): per lane, the identical chains as fa_score_tile. */
-FA_NOINLINE void FA_FN(fa_score_tile1)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
-                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
-{
-    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
-    const V sc = BCAST(scale);
-    ptrdiff_t d0 = 0;
-    do {
-        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
-        const int first = d0 == 0, last = d1 == D;
-        V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
-        for (ptrdiff_t d = d0; d < d1; d++) {
-            const V q0 = LOAD(qt + d * ldqt);
-            a0 += BCAST(KV_SCALAR(k0[d])) * q0;
-            a1 += BCAST(KV_SCALAR(k1[d])) * q0;
-            a2 += BCAST(KV_SCALAR(k2[d])) * q0;
-            a3 += BCAST(KV_SCALAR(k3[d])) * q0;
-            a4 += BCAST(KV_SCALAR(k4[d])) * q0;
-            a5 += BCAST(KV_SCALAR(k5[d])) * q0;
-        }
-        FA_FN(fa_chunk_out)(s + 0 * lds, a0, first, last, sc);
-        FA_FN(fa_chunk_out)(s + 1 * lds, a1, first, last, sc);
-        FA_FN(fa_chunk_out)(s + 2 * lds, a2, first, last, sc);
-        FA_FN(fa_chunk_out)(s + 3 * lds, a3, first, last, sc);
-        FA_FN(fa_chunk_out)(s + 4 * lds, a4, first, last, sc);
-        FA_FN(fa_chunk_out)(s + 5 * lds, a5, first, last, sc);
-        d0 = d1;
-    } while (d0 < D);
-}
-
-/* The score micro-tile for the last 4 keys of a block (64 = 10 x 6 + 4), so that no
- * padding keys are computed: 8 accumulators, per lane the identical chains.  Written
- * out like fa_score_tile rather than sharing a body over an accumulator array: that form
- * compiles to the same AVX2 loop but spills more in the SSE2 build. */
-FA_NOINLINE void FA_FN(fa_score_tile4)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
-                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
-{
-    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3];
-    const V sc = BCAST(scale);
-    ptrdiff_t d0 = 0;
-    do {
-        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
-        const int first = d0 == 0, last = d1 == D;
-        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
-        for (ptrdiff_t d = d0; d < d1; d++) {
-            const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
-            V b;
-            b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
-            b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
-            b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
-            b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
-        }
-#define OUT(j, a0, a1) FA_FN(fa_chunk_out)(s + j * lds, a0, first, last, sc); \
-                       FA_FN(fa_chunk_out)(s + j * lds + VL, a1, first, last, sc);
-        OUT(0, a00, a01) OUT(1, a10, a11) OUT(2, a20, a21) OUT(3, a30, a31)
-#undef OUT
-        d0 = d1;
-    } while (d0 < D);
-}
+FA_SCORE_TILE(fa_score_tile, 2, FA_KEEP)
+FA_SCORE_TILE(fa_score_tile1, 1, FA_KEEP)
+FA_SCORE_TILE(fa_score_tile4, 2, FA_DROP)
+#undef FA_SCORE_TILE
+#undef FA_ST_KEY
+#undef FA_ST_OUT
+#undef FA_KEEP
+#undef FA_DROP
 
 #ifndef FA_KV_KERNELS_ONLY
 /* -inf for nk keys of nvec whole vectors of rows: keys hidden from every row of a lane
@@ -261,10 +225,13 @@ FA_NOINLINE void FA_FN(fa_merge_acc)(T* ACC, const T* acc, ptrdiff_t n, T a, T b
  * p == 0 contribute exactly nothing, so callers may shorten [0, nj) to the keys visible
  * to any of these rows.
  */
-FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                const KV* v, ptrdiff_t ldv,
-                                T* acc, ptrdiff_t ldacc, const T* alpha)
+FA_NOINLINE void FA_FN(fa_pv_tile)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
+                                const char* v_, ptrdiff_t ldv,
+                                void* acc_, ptrdiff_t ldacc, const void* alpha_)
 {
+    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
+    const KV* v = (const KV*) v_;
+    T* acc = (T*) acc_;
 #define FA_PV_LOAD_ROW(r) V c##r##0 = {0}, c##r##1 = {0};
     FA_PV_LOAD_ROW(0) FA_PV_LOAD_ROW(1) FA_PV_LOAD_ROW(2)
     FA_PV_LOAD_ROW(3) FA_PV_LOAD_ROW(4) FA_PV_LOAD_ROW(5)
@@ -290,11 +257,14 @@ FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 
 /* The output micro-tile for one query row (decode steps, rows left over by the 6-row
  * tiles): per element, the identical sequence as fa_pv_tile. */
-FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                   const KV* v, ptrdiff_t ldv,
-                                   T* acc, ptrdiff_t ldacc, const T* alpha)
+FA_NOINLINE void FA_FN(fa_pv_tile1)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
+                                   const char* v_, ptrdiff_t ldv,
+                                   void* acc_, ptrdiff_t ldacc, const void* alpha_)
 {
     (void)ldacc;
+    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
+    const KV* v = (const KV*) v_;
+    T* acc = (T*) acc_;
     V c0 = {0}, c1 = {0};
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
@@ -395,11 +365,14 @@ FA_INLINE void FA_FN(fa_score_keyrows_split)(const KV* const* kr, ptrdiff_t ldk,
 #define KEYROWS_IMPL_WIDE KEYROWS_IMPL
 #endif
 #define FA_SCORE_KEYROWS_NR(NR, IMPL) \
-FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const KV* const* kr, ptrdiff_t ldk, int nk, const T* qt, \
-                                            ptrdiff_t ldqt, ptrdiff_t D, T scale, T* s, \
-                                            ptrdiff_t lds, int nstore, \
+FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const char* const* kr, ptrdiff_t ldk, int nk, \
+                                            const void* qt, ptrdiff_t ldqt, ptrdiff_t D, \
+                                            double scale, void* s, ptrdiff_t lds, int nstore, \
                                             const char* const* pf, ptrdiff_t pf_bytes) \
-{ IMPL(kr, ldk, nk, qt, ldqt, D, scale, s, lds, NR, nstore, pf, pf_bytes); }
+{ \
+    IMPL((const KV* const*) kr, ldk, nk, (const T*) qt, ldqt, D, (T) scale, (T*) s, lds, NR, \
+         nstore, pf, pf_bytes); \
+}
 FA_SCORE_KEYROWS_NR(1, KEYROWS_IMPL)
 FA_SCORE_KEYROWS_NR(2, KEYROWS_IMPL)
 FA_SCORE_KEYROWS_NR(4, KEYROWS_IMPL_WIDE)
@@ -421,11 +394,15 @@ FA_SCORE_KEYROWS_NR(8, KEYROWS_IMPL_WIDE)   /* called only when FA_DEC_NR_MAX >=
  * requested into L1 about 4 KiB of rows ahead. */
 #define FA_PV_L1_AHEAD (4096 / (8 * VL * (ptrdiff_t)sizeof(KV)))
 #endif
-FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                  const KV* v, ptrdiff_t ldv, T* acc, const T* alpha,
-                                  const char* pf, ptrdiff_t pf_stride, ptrdiff_t pf_rows,
-                                  ptrdiff_t pf_bytes)
+FA_NOINLINE void FA_FN(fa_pv_row8)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
+                                  const char* v_, ptrdiff_t ldv, void* acc_, ptrdiff_t ldacc,
+                                  const void* alpha_, const char* pf, ptrdiff_t pf_stride,
+                                  ptrdiff_t pf_rows, ptrdiff_t pf_bytes)
 {
+    (void)ldacc;
+    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
+    const KV* v = (const KV*) v_;
+    T* acc = (T*) acc_;
     const V a = BCAST(alpha[0]);
     V c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
     for (ptrdiff_t j = 0; j < nj; j++) {
@@ -469,11 +446,14 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 #define FA_PV4_NV 1
 #endif
 #endif
-FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                   const KV* v, ptrdiff_t ldv, T* acc, ptrdiff_t ldacc,
-                                   const T* alpha, const char* pf, ptrdiff_t pf_stride,
+FA_NOINLINE void FA_FN(fa_pv_rows4)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
+                                   const char* v_, ptrdiff_t ldv, void* acc_, ptrdiff_t ldacc,
+                                   const void* alpha_, const char* pf, ptrdiff_t pf_stride,
                                    ptrdiff_t pf_rows, ptrdiff_t pf_bytes)
 {
+    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
+    const KV* v = (const KV*) v_;
+    T* acc = (T*) acc_;
     for (int c0 = 0; c0 < 4; c0 += FA_PV4_NV) {
         T* const acc_c = acc + c0 * VL;
         const KV* const v_c = v + c0 * VL;
@@ -552,10 +532,15 @@ FA_PV_PTR_PASS(r4_v1, 4, 1)
 #undef FA_PV_PTR_PASS
 /* pf: the next block's V rows (npf of them), requested into L2 by the first pass, a row
  * per key. */
-FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const KV* const* vr,
-                                  ptrdiff_t Dv, T* acc, ptrdiff_t ldacc, const T* alpha, int nr,
+FA_NOINLINE void FA_FN(fa_pv_ptr)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
+                                  const char* const* vr_, const float* vsc, ptrdiff_t Dv,
+                                  void* acc_, ptrdiff_t ldacc, const void* alpha_, int nr,
                                   const char* const* pf, ptrdiff_t npf)
 {
+    (void)vsc;
+    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
+    const KV* const* vr = (const KV* const*) vr_;
+    T* acc = (T*) acc_;
     ptrdiff_t c0 = 0;
 #define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL, npf = 0) \
         FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, pf, npf, \
@@ -572,8 +557,27 @@ FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const
 #undef FA_PASS
 }
 
+FA_NOINLINE double FA_FN(fa_kv_elem)(const char* row, ptrdiff_t c)
+{ return KV_SCALAR(((const KV*) row)[c]); }
+
+#ifndef SCORE_GQA4
+#define SCORE_GQA4 NULL
+#endif
+/* This storage type's row of the table of storage types (fa_kv_ops). */
+static const fa_kv_ops FA_FN(fa_kv_ops) = {
+    .score_tile = {FA_FN(fa_score_tile), FA_FN(fa_score_tile4), FA_FN(fa_score_tile1)},
+    .score_keyrows = {FA_FN(fa_score_keyrows1), FA_FN(fa_score_keyrows2),
+                      FA_FN(fa_score_keyrows4), FA_FN(fa_score_keyrows8)},
+    .score_gqa4 = SCORE_GQA4,
+    .pv_tile = {FA_FN(fa_pv_tile), FA_FN(fa_pv_tile1)},
+    .pv_wide = {FA_FN(fa_pv_row8), FA_FN(fa_pv_rows4)},
+    .pv_ptr = FA_FN(fa_pv_ptr),
+    .elem = FA_FN(fa_kv_elem),
+};
+
 #undef FA_FN
 #undef KV
 #undef LOAD_KV
 #undef KV_SCALAR
 #undef LOAD_TRANSPOSE_KV
+#undef SCORE_GQA4
