@@ -110,22 +110,12 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
     void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     # decode kernels reading q8_0 K and V in place (fa_q8_0.h)
-    void fa_score_q8_0_r1(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
-    void fa_score_q8_0_r2(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
-    void fa_score_q8_0_r4(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
-    void fa_score_q8_0_r8(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
+    ctypedef void (*fa_score_q8_0_fn)(const int8_t** kr, const float* ksc, Py_ssize_t ldksc,
+                                      int nk, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                                      float scale, float* s, Py_ssize_t lds, int nstore,
+                                      const char** pf, int npf, const char** l1,
+                                      int nl1) noexcept nogil
+    fa_score_q8_0_fn fa_score_q8_0[4]
     int fa_score_q8_0_keys(int nr)
     void fa_q8_0_rows(const char* k, Py_ssize_t k_row, const uint16_t* ks, Py_ssize_t ks_row,
                       Py_ssize_t nbk, const char* v, Py_ssize_t v_row, const uint16_t* vs,
@@ -135,9 +125,6 @@ cdef extern from "fa_kernels.h" nogil:
                            Py_ssize_t ks_row, Py_ssize_t nbk, const char* v, Py_ssize_t v_row,
                            const uint16_t* vs, Py_ssize_t vs_row, Py_ssize_t nbv, Py_ssize_t n,
                            const char** kpf, const char** vpf)
-    void fa_pv_q8_0(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const int8_t** vr,
-                    const float* vsc, Py_ssize_t Dv, float* acc, Py_ssize_t ldacc,
-                    const float* alpha, int nr, const char** pf, Py_ssize_t npf)
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
                          Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,
                          Py_ssize_t pf_rows)
@@ -238,15 +225,8 @@ cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc,
                             int nl1) noexcept nogil:
     # One decode score pass of nr (8, 4, 2 or 1) query rows over fa_score_q8_0_keys(nr)
     # keys (lanes) of q8_0 K read in place: values krows, scales ksc (see fa_score_q8_0_r1).
-    cdef const int8_t** kr = <const int8_t**> krows
-    if nr == 8:
-        fa_score_q8_0_r8(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
-    elif nr == 4:
-        fa_score_q8_0_r4(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
-    elif nr == 2:
-        fa_score_q8_0_r2(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
-    else:
-        fa_score_q8_0_r1(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
+    fa_score_q8_0[fa_rows_slot(nr)](<const int8_t**> krows, ksc, FA_BK, nk, qt, ldqt, D, scale,
+                                    s, FA_BQ, nstore, pf, npf, l1, nl1)
 
 
 cdef inline void score_gqa4(const fa_kv_ops* ops, const char** krows, Py_ssize_t ldk,

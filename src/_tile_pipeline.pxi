@@ -134,6 +134,7 @@ cdef struct Tile:
     Py_ssize_t kblk_sj, vblk_sj, kblk_row, vblk_row, vblk_esz
     const fa_kv_ops* kops         # how the kernels read them: native, or as stored
     const fa_kv_ops* vops
+    const float* vsc              # V's scales in float32, Dv / 32 a row (q8_0 in place)
     # Per row: visible keys [lo, hi); per vector of rows: the union of its rows' intervals.
     Py_ssize_t* lo
     Py_ssize_t* hi
@@ -350,9 +351,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.copy_rows = floating is float and t.decode and t.gather and not t.q8_in_place
     # ... 16-bit K rows then read where they are by the score kernels, which transpose or
     # widen them anyway; V read through row pointers, whole vectors of columns (else
-    # copied too)
+    # copied too), as q8_0's V always is
     t.k_in_place = t.copy_rows and (P.k_kind == FA_STORE_F16 or P.k_kind == FA_STORE_BF16)
-    t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
+    t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0 or t.q8_in_place
     # With both read in place, the kernels request the next block's rows as they go (K:
     # the score kernel, V: the output kernel), spread over their steps; when K is copied,
     # _gather requests them as it copies, the faster order for that path.
@@ -468,9 +469,11 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
     # float32), so the kernels compute the same bits whichever way a value arrives.
     cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
     t.kops = t.vops = t.native
+    t.vsc = NULL
     t.vblk_esz = sizeof(floating)
     if floating is float and t.q8_in_place:
         _gather_q8_0(P, t, w, ws)
+        t.vops, t.vsc = t.v_stored, ws + w.vblk
         return
     if t.gather:
         _gather(P, t, w, ws)
@@ -1108,9 +1111,6 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     cdef Py_ssize_t nr = 4 if t.nrows >= 2 else 1, rg, pf_rows = 0, ja, z
     cdef Py_ssize_t pf_stride, pf_cols
     cdef const char* pf
-    if floating is float and t.q8_in_place:
-        _pv_q8_0(P, t, w, ws, nr)
-        return
     if floating is float and t.v_in_place:
         _pv_rows_ptr(P, t, w, ws, nr)
         return
@@ -1134,34 +1134,18 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
 
 cdef void _pv_rows_ptr(const Problem* P, const Tile* t, const Workspace* w, float* ws,
                        Py_ssize_t nr) noexcept nogil:
-    # _pv_decode over V rows read through the block's row pointers (v_in_place): rows in
-    # groups of nr (4, or 1 for a single row), each over the keys any of its rows sees.
+    # _pv_decode over V rows read through the block's row pointers (v_in_place; with their
+    # scales vsc, q8_0's): rows in groups of nr (4, or 1 for a single row), each over the
+    # keys any of its rows sees; the first group requests the next block's V rows into L2.
     cdef Py_ssize_t rg = 0, ja, z, na
     while rg < t.nrows:
         _keys_seen(t, rg, rg + nr, &ja, &z)
         ja = min(max(t.j0, ja), t.j1)
         na = max(0, min(t.j1, z) - ja)
-        t.vops.pv_ptr(ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na, t.vptr + (ja - t.j0), NULL,
-                      P.Dv, ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
+        t.vops.pv_ptr(ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na, t.vptr + (ja - t.j0),
+                      t.vsc + (ja - t.j0) * (P.Dv // 32) if t.vsc != NULL else NULL, P.Dv,
+                      ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
                       t.vpf, t.npf if rg == 0 else 0)
-        rg += nr
-
-
-cdef void _pv_q8_0(const Problem* P, const Tile* t, const Workspace* w, float* ws,
-                   Py_ssize_t nr) noexcept nogil:
-    # _pv_decode over q8_0 V read in place: rows in groups of nr (4, or 1 for a single
-    # row), each over the keys any of its rows sees; the first group requests the next
-    # block's V rows into L2.
-    cdef Py_ssize_t rg = 0, ja, z, na
-    while rg < t.nrows:
-        _keys_seen(t, rg, rg + nr, &ja, &z)
-        ja = min(max(t.j0, ja), t.j1)
-        na = max(0, min(t.j1, z) - ja)
-        fa_pv_q8_0(ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na,
-                   <const int8_t**> (t.vptr + (ja - t.j0)),
-                   ws + w.vblk + (ja - t.j0) * (P.Dv // 32), P.Dv,
-                   ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
-                   t.vpf, t.npf if rg == 0 else 0)
         rg += nr
 
 

@@ -6,6 +6,10 @@
  *   KV, LOAD_KV, KV_SCALAR, LOAD_TRANSPOSE_KV    how K and V are stored and widened to T
  *   FA_KV_KERNELS_ONLY (optional)  only the kernels that read K or V (another storage type
  *                                  for a compute type whose other kernels already exist)
+ *   FA_KV_PTR_ONLY (optional)  only the kernels that read rows one pointer per key (a
+ *                              block-quantised type, whose values need their rows' scales)
+ *   LOAD_V_ROW(vr, j, c, vsc, nbv) (optional)  VL values of V row j from column c, widened;
+ *                              vsc: the rows' float32 scales, nbv a row (types with scales)
  *   KEYROWS_IMPL, KEYROWS_IMPL_WIDE, SCORE_GQA4 (optional)  ISA-specific decode score bodies
  * The kernels that read K or V end as this storage type's row of the table of storage types,
  * FA_FN(fa_kv_ops) (see fa_kv_ops in fa_kernels.h).
@@ -30,10 +34,7 @@
  * Broadcast-FMA: one key element broadcast (straight from K's rows, any row stride), times a
  * contiguous vector of packed queries; 12 accumulators + 2 query vectors + 1 broadcast fit
  * the 16 registers of AVX2.
- * The canonical order of a score, whichever kernel computes it: a sequential FMA chain
- * over each chunk of FA_DCHUNK (16) dimensions, the chunks' sums added in order, then one
- * multiply by scale.  Chunking bounds the rounding error of a score by about
- * (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D.
+ * Each score in the canonical order (see FA_SCORE_FOLD in fa_kernels.h).
  */
 /* One chunk's sums a into the scores at p: the first chunk stores, later ones add to what
  * is there; the last one also applies the scale. */
@@ -43,6 +44,7 @@ FA_INLINE void FA_FN(fa_chunk_out)(T* p, V a, int first, int last, V sc)
     STORE(p, last ? a * sc : a);
 }
 
+#ifndef FA_KV_PTR_ONLY
 /* The score micro-tiles, one body: 6 keys x 2 vectors of rows (fa_score_tile), 6 keys x 1
  * vector (fa_score_tile1, the last lane group of a tile) and 4 keys x 2 vectors
  * (fa_score_tile4, the last 4 keys of a block: 64 = 10 x 6 + 4, so that no padding keys
@@ -309,10 +311,7 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int n
     for (int r = 0; r < nr; r++) a[r] = BCAST(0);
 #define FA_FOLD(d) \
     if ((d) && (d) % FA_DCHUNK == 0) \
-        for (int r = 0; r < nr; r++) { \
-            STORE(part[r], (d) == FA_DCHUNK ? a[r] : LOAD(part[r]) + a[r]); \
-            a[r] = BCAST(0); \
-        }
+        for (int r = 0; r < nr; r++) FA_SCORE_FOLD(a[r], part[r], d, LOAD, STORE, BCAST(0));
     ptrdiff_t d0 = 0;
     for (; d0 + VL <= D; d0 += VL) {
         FA_FOLD(d0)
@@ -337,7 +336,7 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int n
     const V sc = BCAST(scale);
     for (int r = 0; r < nr && r < nstore; r++) {
         T out[VL];
-        STORE(out, (D > FA_DCHUNK ? LOAD(part[r]) + a[r] : a[r]) * sc);
+        STORE(out, FA_SCORE_SUM(a[r], part[r], D, LOAD) * sc);
         for (int t = 0; t < nk; t++) s[t * lds + r] = out[t];
     }
 }
@@ -437,15 +436,6 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
  * accumulators, the V vectors and a broadcast fit the register file: all 4 at once with
  * 32 zmm registers; 2 with 16 ymm (4 x 4 accumulators would spill there, doubling the
  * time per key); 1 with SSE2's 16 xmm (a vector is 2 of them). */
-#ifndef FA_PV4_NV
-#if FA_VBYTES == 64
-#define FA_PV4_NV 4
-#elif defined(__AVX__)
-#define FA_PV4_NV 2
-#else
-#define FA_PV4_NV 1
-#endif
-#endif
 FA_NOINLINE void FA_FN(fa_pv_rows4)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
                                    const char* v_, ptrdiff_t ldv, void* acc_, ptrdiff_t ldacc,
                                    const void* alpha_, const char* pf, ptrdiff_t pf_stride,
@@ -481,6 +471,11 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
     }
 }
 
+#endif /* FA_KV_PTR_ONLY */
+
+#ifndef LOAD_V_ROW
+#define LOAD_V_ROW(vr, j, c, vsc, nbv) LOAD_KV((vr)[j] + (c))
+#endif
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
@@ -489,10 +484,10 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
  * of pf_bytes, the next block's) into L2, every line of it; rows of pf past nj after
  * the loop. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                     const KV* const* vr, ptrdiff_t c0, T* acc,
-                                     ptrdiff_t ldacc, const T* alpha, const int nr,
-                                     const int nv, const char* const* pf, ptrdiff_t npf,
-                                     ptrdiff_t pf_bytes)
+                                     const KV* const* vr, const float* vsc, ptrdiff_t nbv,
+                                     ptrdiff_t c0, T* acc, ptrdiff_t ldacc, const T* alpha,
+                                     const int nr, const int nv, const char* const* pf,
+                                     ptrdiff_t npf, ptrdiff_t pf_bytes)
 {
     V c[4][8];
     for (int r = 0; r < nr; r++)
@@ -502,7 +497,7 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         if (j + 4 < nj)
             fa_prefetch_lines((const char*)(vr[j + 4] + c0), nv * VL * (ptrdiff_t)sizeof(KV), 3);
         V x[8];
-        for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
+        for (int i = 0; i < nv; i++) x[i] = LOAD_V_ROW(vr, j, c0 + i * VL, vsc, nbv);
         for (int r = 0; r < nr; r++) {
             const V b = BCAST(p[j * ldp + r]);
             for (int i = 0; i < nv; i++) c[r][i] += b * x[i];
@@ -518,11 +513,14 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 }
 #define FA_PV_PTR_PASS(SUF, NR, NV) \
 FA_NOINLINE void FA_FN(fa_pv_ptr_##SUF)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, \
-                                              const KV* const* vr, ptrdiff_t c0, T* acc, \
-                                              ptrdiff_t ldacc, const T* alpha, \
-                                              const char* const* pf, ptrdiff_t npf, \
-                                              ptrdiff_t pf_bytes) \
-{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV, pf, npf, pf_bytes); }
+                                        const KV* const* vr, const float* vsc, ptrdiff_t nbv, \
+                                        ptrdiff_t c0, T* acc, ptrdiff_t ldacc, const T* alpha, \
+                                        const char* const* pf, ptrdiff_t npf, \
+                                        ptrdiff_t pf_bytes) \
+{ \
+    FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, vsc, nbv, c0, acc, ldacc, alpha, NR, NV, pf, npf, \
+                          pf_bytes); \
+}
 FA_PV_PTR_PASS(r1_wide, 1, 8)
 FA_PV_PTR_PASS(r1_v4, 1, 4)
 FA_PV_PTR_PASS(r1_v2, 1, 2)
@@ -531,19 +529,18 @@ FA_PV_PTR_PASS(r4_wide, 4, FA_PV4_NV)
 FA_PV_PTR_PASS(r4_v1, 4, 1)
 #undef FA_PV_PTR_PASS
 /* pf: the next block's V rows (npf of them), requested into L2 by the first pass, a row
- * per key. */
+ * per key.  vsc: the rows' scales, Dv / 32 a row, for types with scales (else unread). */
 FA_NOINLINE void FA_FN(fa_pv_ptr)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
                                   const char* const* vr_, const float* vsc, ptrdiff_t Dv,
                                   void* acc_, ptrdiff_t ldacc, const void* alpha_, int nr,
                                   const char* const* pf, ptrdiff_t npf)
 {
-    (void)vsc;
     const T *p = (const T*) p_, *alpha = (const T*) alpha_;
     const KV* const* vr = (const KV* const*) vr_;
     T* acc = (T*) acc_;
     ptrdiff_t c0 = 0;
 #define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL, npf = 0) \
-        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, pf, npf, \
+        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, vsc, Dv / 32, c0, acc, ldacc, alpha, pf, npf, \
                                Dv * (ptrdiff_t)sizeof(KV))
     if (nr == 1) {
         FA_PASS(r1_wide, 8);
@@ -557,22 +554,26 @@ FA_NOINLINE void FA_FN(fa_pv_ptr)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
 #undef FA_PASS
 }
 
+#ifndef FA_KV_PTR_ONLY
 FA_NOINLINE double FA_FN(fa_kv_elem)(const char* row, ptrdiff_t c)
 { return KV_SCALAR(((const KV*) row)[c]); }
+#endif
 
 #ifndef SCORE_GQA4
 #define SCORE_GQA4 NULL
 #endif
 /* This storage type's row of the table of storage types (fa_kv_ops). */
 static const fa_kv_ops FA_FN(fa_kv_ops) = {
+#ifndef FA_KV_PTR_ONLY
     .score_tile = {FA_FN(fa_score_tile), FA_FN(fa_score_tile4), FA_FN(fa_score_tile1)},
     .score_keyrows = {FA_FN(fa_score_keyrows1), FA_FN(fa_score_keyrows2),
                       FA_FN(fa_score_keyrows4), FA_FN(fa_score_keyrows8)},
-    .score_gqa4 = SCORE_GQA4,
     .pv_tile = {FA_FN(fa_pv_tile), FA_FN(fa_pv_tile1)},
     .pv_wide = {FA_FN(fa_pv_row8), FA_FN(fa_pv_rows4)},
-    .pv_ptr = FA_FN(fa_pv_ptr),
     .elem = FA_FN(fa_kv_elem),
+#endif
+    .score_gqa4 = SCORE_GQA4,
+    .pv_ptr = FA_FN(fa_pv_ptr),
 };
 
 #undef FA_FN
@@ -580,4 +581,5 @@ static const fa_kv_ops FA_FN(fa_kv_ops) = {
 #undef LOAD_KV
 #undef KV_SCALAR
 #undef LOAD_TRANSPOSE_KV
+#undef LOAD_V_ROW
 #undef SCORE_GQA4
