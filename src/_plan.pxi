@@ -266,8 +266,13 @@ cdef class KVCachePlanBase:
             return None
         cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache, ka = None, va = None
         cdef int q_kind = _float_kind(qa), c_kind
-        if q_kind < 0 or not _shape_is(qa, self.batch, -1, -1, -1):
+        if q_kind < 0 or cnp.PyArray_NDIM(qa) != 4:
             return None
+        if cnp.PyArray_DIM(qa, 0) != self.batch:
+            try:        # one length for every sequence: the plan takes q's batch
+                self._batch_of(cnp.PyArray_DIM(qa, 0))
+            except ValueError:
+                return None
         cdef Py_ssize_t B = self.batch, Hq = cnp.PyArray_DIM(qa, 1), Lq = cnp.PyArray_DIM(qa, 2)
         cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3)
         if not (_shape_is(kc, -1, -1, -1, D) and cnp.PyArray_NDIM(vc) == 4):
