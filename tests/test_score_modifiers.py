@@ -1,5 +1,7 @@
-"""The kernel's variants (softcap, ALiBi, sinks, q_lengths) against the reference, alone and
-composed with the other options, and their bitwise reproducibility."""
+"""The score modifiers (softcap, ALiBi, sinks, q_lengths) of the kernel against the reference,
+alone and composed with the other options, and softcap's vector tanh.  Their bitwise
+reproducibility: tests/test_reproducibility.py; the reference's own modifiers against
+independent oracles: tests/test_reference_modifiers.py."""
 import numpy as np
 import pytest
 
@@ -98,40 +100,6 @@ def test_q_lengths_padding_rows(rng):
     np.testing.assert_array_equal(out[1:, :, :2], alone)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_bits_independent_of_threads_lq_and_decode(rng, dtype):
-    # Every variant at once; each row of a prefill call equals the same row computed alone
-    # as a decode step, and the result does not depend on the thread count.
-    Hq, Hkv, L, D = 8, 2, 150, 48
-    q, k, v = make_qkv(rng, *qkv_shapes((1,), Hq, Hkv, L, L, D), dtype)
-    kw = dict(softcap=3.0, alibi_slopes=2.0 ** -np.arange(1, Hq + 1),
-              sinks=rng.standard_normal(Hq), causal=True)
-    with fastattn.num_threads(1):
-        full, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
-    with fastattn.num_threads(2):
-        full2, lse2 = fastattn.attention(q, k, v, return_lse=True, **kw)
-    np.testing.assert_array_equal(full, full2)
-    np.testing.assert_array_equal(lse, lse2)
-    for i in (0, 63, 64, 149):
-        step, step_lse = fastattn.attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1],
-                                            return_lse=True, **kw)
-        np.testing.assert_array_equal(step[:, :, 0], full[:, :, i])
-        np.testing.assert_array_equal(step_lse[:, :, 0], lse[:, :, i])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_q_lengths_padding_does_not_change_bits(rng, dtype):
-    # A right-padded batch gives each real row the bits of the unpadded call.
-    q, k, v = make_qkv(rng, *qkv_shapes((3,), 4, 4, 20, 33, 16), dtype)
-    q_len, kv_len = np.array([20, 5, 13]), np.array([33, 9, 20])
-    kw = dict(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625], softcap=5.0)
-    out = fastattn.attention(q, k, v, q_lengths=q_len, kv_lengths=kv_len, **kw)
-    for b in range(3):
-        alone = fastattn.attention(q[b, :, :q_len[b]], k[b, :, :kv_len[b]],
-                                   v[b, :, :kv_len[b]], **kw)
-        np.testing.assert_array_equal(out[b, :, :q_len[b]], alone)
-
-
 @pytest.fixture(params=available_variants())
 def kernel(request):
     return _load(request.param)
@@ -155,70 +123,4 @@ def test_vector_tanh_accuracy(kernel):
 
 # --------------------------------------------------------------------------- packed sequences
 
-def _packed(rng, lens_q, lens_k, Hq, Hkv, D, dtype):
-    q = rng.standard_normal((Hq, sum(lens_q), D)).astype(dtype)
-    k = rng.standard_normal((Hkv, sum(lens_k), D)).astype(dtype)
-    v = rng.standard_normal((Hkv, sum(lens_k), D + 3)).astype(dtype)
-    return q, k, v, np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(5, 0)),
-                                dict(causal=True, softcap=2.0, alibi_slopes="slopes",
-                                     sinks="sinks")], ids=["plain", "causal", "window", "all"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_varlen_rows_equal_separate_calls(rng, dtype, kw, threads):
-    # Lengths that put sequence ends inside tiles and key blocks, an empty sequence, a
-    # single-row one (a decode tile) and more keys than queries.
-    lens_q, lens_k = [70, 0, 1, 130, 9], [70, 4, 300, 130, 20]
-    Hq, Hkv = 4, 2
-    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, Hq, Hkv, 24, dtype)
-    kw = dict(kw)
-    if kw.get("alibi_slopes") == "slopes":
-        kw["alibi_slopes"] = 2.0 ** -np.arange(1, Hq + 1)
-    if kw.get("sinks") == "sinks":
-        kw["sinks"] = rng.standard_normal(Hq)
-    with fastattn.num_threads(threads):
-        out, lse = fastattn.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
-    for s in range(len(lens_q)):
-        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        alone, alone_lse = fastattn.attention(q[:, rq], k[:, rk], v[:, rk], return_lse=True, **kw)
-        np.testing.assert_array_equal(out[:, rq], alone)
-        np.testing.assert_array_equal(lse[:, rq], alone_lse)
-    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, **kw)
-    assert_close(out, ref)
-
-
-def test_varlen_reads_total_h_d_views(rng):
-    # A (total, H, D) array's transpose(1, 0, 2) view is read in place.
-    qt = rng.standard_normal((50, 3, 16)).astype(np.float32)
-    view = qt.transpose(1, 0, 2)
-    cu = np.array([0, 20, 50])
-    out = fastattn.attention_varlen(view, view, view, cu, cu, causal=True)
-    want = fastattn.attention_varlen(np.ascontiguousarray(view), np.ascontiguousarray(view),
-                                     np.ascontiguousarray(view), cu, cu, causal=True)
-    np.testing.assert_array_equal(out, want)
-
-
-def test_sinks_on_the_lean_path_give_the_validated_path_bits(rng):
-    # A plain call with sinks of one batch element runs in the lean path; the same call
-    # through the validated path (kv_lengths = Lk changes nothing) gives the same bits,
-    # and invalid sinks still get the validated path's errors.
-    from fastattn._dispatch import kernel
-    q = rng.standard_normal((1, 8, 3, 32)).astype(np.float32)
-    k = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
-    v = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
-    sinks = rng.standard_normal(8)
-    sinks[3] = -np.inf
-    assert kernel.attention_fast(q, k, v, None, True, False, None, 1, sinks) is not None
-    for s in (sinks, sinks.astype(np.float32), list(sinks)):
-        fast, fast_lse = fastattn.attention(q, k, v, causal=True, sinks=s, return_lse=True)
-        slow, slow_lse = fastattn.attention(q, k, v, causal=True, sinks=s, return_lse=True,
-                                            kv_lengths=np.array([300]))
-        assert fast.tobytes() == slow.tobytes() and fast_lse.tobytes() == slow_lse.tobytes()
-    bad = sinks.copy()
-    bad[0] = np.nan
-    with pytest.raises(ValueError, match="sinks"):
-        fastattn.attention(q, k, v, sinks=bad)
-    with pytest.raises(ValueError, match="sinks"):
-        fastattn.attention(q, k, v, sinks=np.zeros(5))
