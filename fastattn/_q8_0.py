@@ -75,17 +75,24 @@ def quantize_q8_0(x):
     >>> values[:4], scales
     (array([-127, -119, -111, -102], dtype=int8), array([0.00787], dtype=float16))
     """
-    x = _args.as_array(x, "x")
-    _args.check_dtype(x, "x")
+    return quantize(x, "x")
+
+
+def quantize(x, name):
+    """:func:`quantize_q8_0` of the argument the caller calls ``name`` (``k``, ``v``): its
+    errors name that argument."""
+    x = _args.as_array(x, name)
+    _args.check_dtype(x, name)
     if x.ndim == 0:
-        raise ValueError("x must have shape (..., D) with D a multiple of 32, got a scalar")
-    check_block_dim(x.shape[-1], "x", x.shape)
+        raise ValueError(f"{name} must have shape (..., D) with D a multiple of 32, got a "
+                         "scalar")
+    check_block_dim(x.shape[-1], name, x.shape)
     x32 = x.astype(np.float32)
     blocks = x32.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
     amax = np.abs(blocks).max(axis=-1, initial=np.float32(0))
     if not np.all(np.isfinite(amax)) or (amax.size and float(amax.max()) > _MAX_ABS):
         bad = amax[~(np.isfinite(amax) & (amax <= _MAX_ABS))]
-        raise ValueError(f"x must be finite with |x| <= 127 * 65504 = {_MAX_ABS:g} to be "
+        raise ValueError(f"{name} must be finite with |x| <= 127 * 65504 = {_MAX_ABS:g} to be "
                          f"stored as q8_0 (a float16 scale per 32 values), got a block with "
                          f"max |x| = {float(bad.flat[0]):g} (shape {x.shape})")
     d = amax / np.float32(127)
