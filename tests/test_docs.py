@@ -3,7 +3,8 @@
 The rules of a page's Python blocks (``run_page`` applies them; run as a script, this file
 runs the page given):
 
-- Each page runs in one fresh interpreter, its blocks in order, each as ``__main__``.
+- Each page runs in one fresh interpreter, in a scratch folder, its blocks in order, each
+  as ``__main__``.
 - A block starts from an empty namespace, as it does for a user who copies it alone.  A
   block that uses what an earlier block of its page defined says so on its first line,
   ``# continues the block above (the names it uses)``, and runs in that block's namespace.
@@ -101,8 +102,10 @@ _runs = {}
 def page_run(page):
     """(stdout, report) of ``run_page(page)`` in a fresh interpreter, run once per session."""
     if page not in _runs:
+        import tempfile
         from conftest import run_python
-        proc = run_python(__file__, page, cwd=ROOT, timeout=300)
+        with tempfile.TemporaryDirectory() as scratch:     # what a block writes goes there
+            proc = run_python(__file__, page, cwd=scratch, timeout=300)
         out, _, report = proc.stdout.rpartition(REPORT)
         _runs[page] = out, json.loads(report)
     return _runs[page]
