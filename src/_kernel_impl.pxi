@@ -17,6 +17,7 @@
 from libc.string cimport memset, memcpy
 from cpython.mem cimport PyMem_RawMalloc, PyMem_RawFree
 from libc.math cimport log, exp2, sqrt, isfinite, INFINITY
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 cimport cython
 cimport numpy as cnp

@@ -266,8 +266,13 @@ cdef class KVCachePlanBase:
             return None
         cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache, ka = None, va = None
         cdef int q_kind = _float_kind(qa), c_kind
-        if q_kind < 0 or not _shape_is(qa, self.batch, -1, -1, -1):
+        if q_kind < 0 or cnp.PyArray_NDIM(qa) != 4:
             return None
+        if cnp.PyArray_DIM(qa, 0) != self.batch:
+            try:        # one length for every sequence: the plan takes q's batch
+                self._batch_of(cnp.PyArray_DIM(qa, 0))
+            except ValueError:
+                return None
         cdef Py_ssize_t B = self.batch, Hq = cnp.PyArray_DIM(qa, 1), Lq = cnp.PyArray_DIM(qa, 2)
         cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3)
         if not (_shape_is(kc, -1, -1, -1, D) and cnp.PyArray_NDIM(vc) == 4):
@@ -473,3 +478,27 @@ cdef class KVCachePlanBase:
                 _free_offsets(offs, small)
             PyMem_RawFree(seen)
         return 0
+
+
+def quantize_q8_0_rows(cnp.ndarray x, cnp.ndarray values, cnp.ndarray scales):
+    """Quantise rows to q8_0 (fastattn._q8_0.quantize): ``x`` float32, float16 or bfloat16
+    ``(n, D)``, D a multiple of 32, into ``values`` int8 ``(n, D)`` and ``scales`` float16
+    ``(n, D // 32)``, all C-contiguous (nothing is checked here).  False, with the rows up to
+    the refused one written, when a value is not finite or beyond 127 * 65504."""
+    cdef Py_ssize_t n = cnp.PyArray_DIM(x, 0), D = cnp.PyArray_DIM(x, 1), r
+    cdef int kind = _float_kind(x), bad = 0
+    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(x)
+    cdef const char* src = <const char*> cnp.PyArray_DATA(x)
+    cdef int8_t* qs = <int8_t*> cnp.PyArray_DATA(values)
+    cdef uint16_t* ds = <uint16_t*> cnp.PyArray_DATA(scales)
+    cdef float* row = <float*> PyMem_RawMalloc(D * sizeof(float) + 64)
+    if row == NULL:
+        raise MemoryError("fastattn: cannot allocate a row")
+    with nogil:
+        for r in range(n):
+            fa_load_row(kind, src + r * D * isz, isz, D, row)
+            if fa_quantize_q8_0_row(row, D, qs + r * D, ds + r * (D // 32)) < 0:
+                bad = 1
+                break
+    PyMem_RawFree(row)
+    return not bad

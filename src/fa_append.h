@@ -74,8 +74,13 @@ FA_INLINE float fa_load_one(int kind, const char* p)
 static inline void fa_load_row(int kind, const char* src, ptrdiff_t stride, ptrdiff_t n,
                                float* dst)
 {
-    for (ptrdiff_t i = 0; i < n; i++)
-        dst[i] = fa_load_one(kind, src + i * stride);
+    if (kind == FA_STORE_NATIVE && stride == 4)
+        memcpy(dst, src, n * sizeof(float));
+    else if (kind != FA_STORE_NATIVE && stride == 2)
+        fa_widen_f(kind, (const uint16_t*)src, n, dst);
+    else
+        for (ptrdiff_t i = 0; i < n; i++)
+            dst[i] = fa_load_one(kind, src + i * stride);
 }
 
 /* x[0 .. 2 half) rotated in place by the angles of one position: pairs (i, i + half), or
@@ -126,16 +131,19 @@ static inline int fa_quantize_q8_0_row(const float* x, ptrdiff_t n, int8_t* qs, 
 {
     for (ptrdiff_t b = 0; b < n; b += FA_Q8_0_BLOCK) {
         float amax = 0.0f;
+        int bad = 0;
         for (int j = 0; j < FA_Q8_0_BLOCK; j++) {
             const float a = fabsf(x[b + j]);
-            if (!(a <= FA_Q8_0_MAX_ABS))
-                return -1;
+            bad |= !(a <= FA_Q8_0_MAX_ABS);
             amax = a > amax ? a : amax;
         }
+        if (bad)
+            return -1;
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* x * id is rounded once, then to the nearest integer: nothing to fuse it into */
         for (int j = 0; j < FA_Q8_0_BLOCK; j++)
-            qs[b + j] = (int8_t)roundf(fa_rounded(x[b + j] * id));
+            qs[b + j] = (int8_t)roundf(x[b + j] * id);
         ds[b / FA_Q8_0_BLOCK] = fa_f32_to_f16(d);
     }
     return 0;
