@@ -10,8 +10,8 @@ function the forward computed.  Where the CPU lacks the bfloat16 products, float
 stay exact whatever the setting: rounding would cost accuracy and buy no speed.
 
 The setting is process-wide (:func:`set_float32_precision`); :class:`float32_precision`
-overrides it for the calling thread within a ``with`` block, which is how the torch
-integrations follow torch's own setting.
+overrides it for the calling thread within a ``with`` block.  The torch integrations
+follow this setting too, never torch's ``set_float32_matmul_precision``.
 """
 import threading
 

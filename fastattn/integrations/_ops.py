@@ -81,11 +81,9 @@ def constant(t, float_dtypes=(torch.float32, torch.float64)):
 
 
 def tensor(a, dtype):
-    """The NumPy result ``a`` as a tensor of ``dtype`` (its memory, when it has that dtype)."""
-    if bfloat16_dtype() is not None and a.dtype == bfloat16_dtype():
-        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(np.ascontiguousarray(a))
+    """The NumPy result ``a`` as a contiguous tensor of ``dtype`` (its memory, when it is
+    contiguous and of that dtype)."""
+    t = tensor_view(np.ascontiguousarray(a))
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -101,18 +99,36 @@ def compute_dtype(*tensors):
                                 for t in tensors) else torch.float32
 
 
-def heads_last(batch, Hq, Lq, Dv, dtype):
-    """An empty ``(*batch, Hq, Lq, Dv)`` result laid out ``(*batch, Lq, Hq, Dv)`` in memory."""
-    return torch.empty((*batch, Lq, Hq, Dv), dtype=dtype).transpose(-3, -2)
-
-
 def out_like(q, k, v, dtype):
-    """The empty result of attention over ``q``, ``k``, ``v``; broadcast batch dims."""
+    """The empty result of attention over ``q``, ``k``, ``v`` (batch dims broadcast),
+    laid out ``(*batch, Lq, Hq, Dv)`` in memory."""
     Lq, Dv = q.shape[-2], v.shape[-1]
     if q.dim() == 2:
         return torch.empty((Lq, Dv), dtype=dtype)
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    return heads_last(batch, q.shape[-3], Lq, Dv, dtype)
+    return torch.empty((*batch, Lq, q.shape[-3], Dv), dtype=dtype).transpose(-3, -2)
+
+
+def new_out(q, k, v, dtype):
+    """:func:`out_like` as a NumPy array of ``dtype`` and its tensor, for the real call
+    (NumPy allocates and broadcasts shapes in a fraction of torch's time)."""
+    Lq, Dv = q.shape[-2], v.shape[-1]
+    if q.dim() == 2:
+        a = np.empty((Lq, Dv), dtype)
+    else:
+        batch = q.shape[:-3]
+        if not batch == k.shape[:-3] == v.shape[:-3]:
+            batch = np.broadcast_shapes(batch, k.shape[:-3], v.shape[:-3])
+        a = np.empty((*batch, Lq, q.shape[-3], Dv), dtype).swapaxes(-3, -2)
+    return a, tensor_view(a)
+
+
+def tensor_view(a):
+    """The tensor sharing the NumPy array ``a``'s memory (``ml_dtypes.bfloat16`` as
+    torch.bfloat16)."""
+    if bfloat16_dtype() is not None and a.dtype == bfloat16_dtype():
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 # --------------------------------------------------------------------------- mask structure
@@ -198,24 +214,26 @@ def sinks_array(sinks):
 
 # --------------------------------------------------------------------------- attention
 
-@torch.library.custom_op("fastattn::attention", mutates_args=(), device_types="cpu")
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+def _attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
               causal: str = "none", window: Optional[list[int]] = None,
               mask: Optional[Tensor] = None, kv_lengths: Optional[Tensor] = None,
               q_lengths: Optional[Tensor] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[Tensor] = None,
               sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """:func:`fastattn.attention` with ``return_lse=True``; ``out`` written in place."""
-    dtype = result_dtype(q, k, v)
     qa, ka, va = readable(q), readable(k), readable(v)
-    computed = np.result_type(qa, ka, va)  # bfloat16 without ml_dtypes: float32
-    out = out_like(q, k, v, dtype if computed != np.float32 else torch.float32)
+    out_a, out = new_out(q, k, v, np.result_type(qa, ka, va))
     kw = keywords(q, k, scale, causal, window, mask, kv_lengths, q_lengths, softcap,
                   alibi_slopes)
     with in_torch():
         _, lse = fastattn.attention(qa, ka, va, sinks=sinks_array(sinks), return_lse=True,
-                                    out=view(out), **kw)
+                                    out=out_a, **kw)
+    dtype = result_dtype(q, k, v)   # bfloat16 computed without ml_dtypes: float32 until here
     return out if out.dtype == dtype else out.to(dtype), torch.from_numpy(lse)
+
+
+attention = torch.library.custom_op("fastattn::attention", _attention, mutates_args=(),
+                                    device_types="cpu")
 
 
 @attention.register_fake
@@ -310,9 +328,7 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 # --------------------------------------------------------------------------- serving caches
 
-@torch.library.custom_op("fastattn::attention_with_kvcache", device_types="cpu",
-                         mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
-def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+def _attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                            k: Optional[Tensor] = None, v: Optional[Tensor] = None,
                            block_table: Optional[Tensor] = None,
                            k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
@@ -345,6 +361,12 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     return tensor(out, q.dtype), torch.from_numpy(lse)
 
 
+_CACHES = ("k_cache", "v_cache", "k_scale", "v_scale")
+attention_with_kvcache = torch.library.custom_op(
+    "fastattn::attention_with_kvcache", _attention_with_kvcache, mutates_args=_CACHES,
+    device_types="cpu")
+
+
 @attention_with_kvcache.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, k_scale=None,
       v_scale=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, scale=None,
@@ -353,3 +375,41 @@ def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, k_sc
     lse_dtype = compute_dtype(q, k_cache, v_cache, k, v)
     return q.new_empty((B, Hq, Lq, v_cache.shape[-1])), q.new_empty((B, Hq, Lq),
                                                                     dtype=lse_dtype)
+
+
+# --------------------------------------------------------------------------- calls
+
+def plain_eager(tensors, differentiable):
+    """Whether a call may run its operator's implementation without torch's dispatcher:
+    plain CPU tensors in eager mode, nothing for autograd to record (no ``differentiable``
+    tensor that requires grad, or grad mode off), and no trace, mode or transform active.
+    The dispatcher's work for a call with keywords costs about what a decode step's
+    attention does, and does nothing in that case; anything else goes through it."""
+    return (not torch.compiler.is_compiling()
+            and all(type(t) is Tensor for t in tensors if t is not None)
+            and not (torch.is_grad_enabled()
+                     and any(t is not None and t.requires_grad for t in differentiable))
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())
+
+
+def call_attention(q, k, v, **arguments):
+    """``torch.ops.fastattn.attention(q, k, v, **arguments)``: ``(out, lse)``."""
+    if plain_eager((q, k, v), (q, k, v, arguments.get("sinks"))):
+        return _attention(q, k, v, **arguments)
+    return torch.ops.fastattn.attention(q, k, v, **arguments)
+
+
+def call_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, **arguments):
+    """``torch.ops.fastattn.attention_with_kvcache(...)``: ``(out, lse)``, the caches
+    appended in place (their version counters moved, as the operator's declared mutation
+    moves them)."""
+    caches = (k_cache, v_cache, arguments.get("k_scale"), arguments.get("v_scale"))
+    if not plain_eager((q, arguments.get("k"), arguments.get("v"), *caches), ()):
+        return torch.ops.fastattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens,
+                                                         **arguments)
+    result = _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, **arguments)
+    if arguments.get("k") is not None:
+        torch.autograd.graph.increment_version([t for t in caches if t is not None])
+    return result

@@ -47,14 +47,12 @@ class FastattnBackend:
         ``h // (Hq // Hkv)``.  float32 inputs are read in place and the result is written
         in place (the (B, H, S, D) views fastattn reads are transposes of the tensors).
         """
-        import torch
-
-        from . import _ops  # noqa: F401  (registers torch.ops.fastattn)
+        from . import _ops
 
         if k_BSJD is None or v_BSJD is None:
             raise ValueError("fastattn's TabPFN backend needs dense keys and values, got None")
         # The operator's result is laid out (B, Sq, Hq, Dv): its transpose is that tensor.
-        out, _ = torch.ops.fastattn.attention(
+        out, _ = _ops.call_attention(
             *(t.transpose(1, 2) for t in (q_BSHD, k_BSJD, v_BSJD)))
         return out.transpose(1, 2)
 

@@ -82,7 +82,7 @@ def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
     """
     import torch
 
-    from . import _ops  # noqa: F401  (registers torch.ops.fastattn)
+    from . import _ops
 
     if "out" in keywords:
         raise TypeError("out is not taken by the torch operation (autograd owns its results)")
@@ -94,8 +94,7 @@ def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
         _refuse_grad(torch, name, value)
     if sinks is not None and not torch.is_tensor(sinks):
         sinks = torch.as_tensor(np.asarray(sinks, dtype=np.float64))
-    out, lse = torch.ops.fastattn.attention(q, k, v, sinks=sinks,
-                                            **_arguments(torch, **keywords))
+    out, lse = _ops.call_attention(q, k, v, sinks=sinks, **_arguments(torch, **keywords))
     return (out, lse) if return_lse else out
 
 
@@ -121,7 +120,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **keywords):
     """
     import torch
 
-    from . import _ops  # noqa: F401  (registers torch.ops.fastattn)
+    from . import _ops
 
     if "out" in keywords:
         raise TypeError("out is not taken by the torch operation (it returns a new tensor)")
@@ -142,9 +141,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **keywords):
         raise TypeError("attention_with_kvcache() missing the keyword argument 'cache_seqlens'")
     interleaved = _args.check_flag(keywords.pop("rotary_interleaved", False),
                                    "rotary_interleaved")
-    out, lse = torch.ops.fastattn.attention_with_kvcache(
-        q, k_cache, v_cache, k=k, v=v, rotary_interleaved=interleaved,
-        **_arguments(torch, **keywords))
+    arguments = _arguments(torch, **keywords)
+    out, lse = _ops.call_attention_with_kvcache(
+        q, k_cache, v_cache, arguments.pop("cache_seqlens"), k=k, v=v,
+        rotary_interleaved=interleaved, **arguments)
     return (out, lse) if return_lse else out
 
 

@@ -167,7 +167,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
                                       **kwargs)
 
-    from . import _ops  # noqa: F401  (registers torch.ops.fastattn)
+    from . import _ops
 
     causal = "none"
     if attention_mask is None:
@@ -181,7 +181,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # The operator reads the band of a boolean mask (causal, sliding window) and skips the
     # key blocks outside it; its result, laid out (batch, Lq, Hq, Dv), is what the model
     # reads, so the transpose below is free.
-    out, _ = torch.ops.fastattn.attention(
+    out, _ = _ops.call_attention(
         query, key, value, scale=scaling, causal=causal, mask=attention_mask,
         softcap=None if softcap is None else float(softcap),
         sinks=kwargs.get("s_aux", kwargs.get("sinks")))
