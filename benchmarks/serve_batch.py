@@ -3,6 +3,7 @@ contiguous float32 caches.
 
     python benchmarks/serve_batch.py [--seqs 8] [--min-len 256] [--max-len 1024] [--steps 16]
         [--heads 32] [--kv-heads 8] [--d 128] [--page 16] [--threads 2] [--plot FILE.png]
+        [--layers N]
 
 A server's batch holds sequences of different lengths.  Contiguous caches give every
 sequence the longest one's rows, ``B x max(lengths)``, in float32 here; a pool of pages
@@ -14,6 +15,13 @@ the same for both.  The report gives decode tokens per second (the median of the
 the cache memory each holds, and the largest difference between the two runs' outputs
 (the q8_0 quantisation; a paged float32 pool gives the contiguous bits exactly, which
 tests/test_kvcache.py checks).  ``--plot`` draws both as bars (needs matplotlib).
+
+With ``--layers N`` it decodes a model's step instead: N layers, each with its own paged
+q8_0 pool, one :func:`fastattn.plan_kvcache` per step and ``plan.run`` per layer, against
+``attention_with_kvcache`` per layer (a plan and a run each), alternating step by step.
+It reports tokens per second and the share of each step spent outside the kernel (the plan,
+the checks, the appends and the Python loop): the step's time less the kernels' own, which
+the compiled module clocks while a benchmark asks it to (``kernel_clock``).
 
 The defaults are small, so that a run takes seconds; the figures of a real comparison
 come from longer sequences on a quiet machine (name the CPU with them).
@@ -92,7 +100,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="FILE.png")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decode a step of this many layers through one plan per step")
     args = ap.parse_args(argv)
+    if args.layers:
+        if args.threads:
+            fastattn.set_num_threads(args.threads)
+        return decode_layers(args)
     plt = None
     if args.plot:
         try:
@@ -175,6 +189,60 @@ def main(argv=None):
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def decode_layers(args):
+    """``--layers``: a step of ``args.layers`` layers over paged q8_0 pools (see the top)."""
+    rng = np.random.default_rng(args.seed)
+    B, Hq, Hkv, D, steps = args.seqs, args.heads, args.kv_heads, args.d, args.steps
+    lengths = np.sort(rng.integers(args.min_len, args.max_len + 1, B))[::-1].copy()
+    num_pages = sum(-(-(int(n) + steps) // args.page) for n in lengths)
+    pools = [PagePool(num_pages, Hkv, args.page, D) for _ in range(args.layers)]
+    for pool in pools:           # every pool hands out the same pages: one block table
+        for b, n in enumerate(lengths):
+            pool.reserve(b, int(n) + steps)
+            rows = pool.k[pool.pages[b]]
+            rows[...] = rng.integers(-127, 128, rows.shape, dtype=np.int8)
+            pool.k[pool.pages[b]] = pool.v[pool.pages[b][::-1]] = rows
+        pool.k_scale[...] = pool.v_scale[...] = np.float16(0.01)
+    table = pools[0].block_table(range(B))
+    q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, 1, D)).astype(np.float32) for _ in range(2))
+
+    def planned(seqlens):
+        plan = fastattn.plan_kvcache(cache_seqlens=seqlens, block_table=table, causal=True)
+        for pool in pools:
+            plan.run(q, pool.k, pool.v, k, v, k_scale=pool.k_scale, v_scale=pool.v_scale)
+
+    def per_call(seqlens):
+        for pool in pools:
+            fastattn.attention_with_kvcache(q, **pool.caches(), k=k, v=v, cache_seqlens=seqlens,
+                                            block_table=table, causal=True)
+
+    runs = {"plan.run per layer": planned, "attention_with_kvcache per layer": per_call}
+    times = {name: [] for name in runs}
+    outside = {name: [] for name in runs}
+    kernel = fastattn._glue.kernel
+    seqlens = lengths.copy()
+    for step in range(steps):
+        names = list(runs) if step % 2 == 0 else list(runs)[::-1]
+        for name in names:
+            kernel.kernel_clock(True)
+            t0 = time.perf_counter()
+            runs[name](seqlens)
+            t = time.perf_counter() - t0
+            times[name].append(t)
+            outside[name].append((t - kernel.kernel_clock(False)) / t)
+        seqlens += 1       # each step's new row stays: the next step appends after it
+    print(f"{args.layers} layers, {B} sequences of {lengths.min()}-{lengths.max()} keys "
+          f"(+{steps} decoded), paged q8_0 (page {args.page}), Hq={Hq}, Hkv={Hkv}, D={D}, "
+          f"{fastattn.get_num_threads()} threads")
+    print(f"{'step':<34} {'tokens/s':>9} {'ms/step':>9} {'outside kernel':>15}")
+    for name, t in times.items():
+        med = statistics.median(t)
+        print(f"{name:<34} {B / med:>9.1f} {1e3 * med:>9.2f} "
+              f"{100 * statistics.median(outside[name]):>14.1f}%")
     return 0
 
 

@@ -46,7 +46,8 @@ Both call paths::
 - ``fastattn/_glue.py``       the arrays as the kernel reads them, and the result back.
 - ``fastattn/_backward.py``   ``attention_backward`` / ``attention_varlen_backward``.
 - ``fastattn/_merge.py``      ``merge_attention``: partial results over disjoint keys.
-- ``fastattn/_kvcache_attn.py`` ``attention_with_kvcache``: serving caches (paged, q8_0),
+- ``fastattn/_kvcache_attn.py`` ``attention_with_kvcache``, ``plan_kvcache``: serving caches
+  (paged, q8_0; a plan per decode step, run per layer),
                               appended in place; ``_q8_0.py`` the q8_0 format.
 - ``fastattn/reference.py``   the plain-NumPy oracle (float64, materialised scores), public
                               for users and tests; no other function computes through it.
@@ -66,7 +67,7 @@ from importlib import metadata as _metadata
 
 from ._api import attention, attention_varlen, attention_weights, softmax
 from ._backward import attention_backward, attention_varlen_backward
-from ._kvcache_attn import attention_with_kvcache
+from ._kvcache_attn import KVCachePlan, attention_with_kvcache, plan_kvcache
 from ._q8_0 import dequantize_q8_0, quantize_q8_0
 from ._merge import merge_attention
 from ._threads import get_num_threads, num_threads, set_num_threads
@@ -83,7 +84,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
-    "attention_with_kvcache", "quantize_q8_0", "dequantize_q8_0",
+    "attention_with_kvcache", "plan_kvcache", "KVCachePlan", "quantize_q8_0", "dequantize_q8_0",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
     "reference",

@@ -15,7 +15,7 @@ __version__: str
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
-    "attention_with_kvcache", "quantize_q8_0", "dequantize_q8_0",
+    "attention_with_kvcache", "plan_kvcache", "KVCachePlan", "quantize_q8_0", "dequantize_q8_0",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
     "reference",
@@ -129,6 +129,47 @@ def attention_with_kvcache(
     alibi_slopes: npt.ArrayLike | None = None, sinks: npt.ArrayLike | None = None,
     return_lse: bool = False, out: _Array | None = None,
 ) -> _Array | tuple[_Array, _Array]: ...
+class KVCachePlan:
+    batch: int
+    compiled: bool
+    def __init__(
+        self, *, cache_seqlens: npt.ArrayLike, block_table: npt.ArrayLike | None = None,
+        rotary_cos: npt.ArrayLike | None = None, rotary_sin: npt.ArrayLike | None = None,
+        rotary_interleaved: bool = False, scale: float | None = None,
+        causal: bool | Literal["bottom-right"] = False, window: _Window = None,
+        softcap: float | None = None, alibi_slopes: npt.ArrayLike | None = None,
+    ) -> None: ...
+    @overload
+    def run(
+        self, q: npt.ArrayLike, k_cache: _Array, v_cache: _Array,
+        k: npt.ArrayLike | None = None, v: npt.ArrayLike | None = None, *,
+        k_scale: _Array | None = None, v_scale: _Array | None = None,
+        sinks: npt.ArrayLike | None = None, return_lse: Literal[False] = False,
+        out: _Array | None = None,
+    ) -> _Array: ...
+    @overload
+    def run(
+        self, q: npt.ArrayLike, k_cache: _Array, v_cache: _Array,
+        k: npt.ArrayLike | None = None, v: npt.ArrayLike | None = None, *,
+        k_scale: _Array | None = None, v_scale: _Array | None = None,
+        sinks: npt.ArrayLike | None = None, return_lse: Literal[True],
+        out: _Array | None = None,
+    ) -> tuple[_Array, _Array]: ...
+    @overload
+    def run(
+        self, q: npt.ArrayLike, k_cache: _Array, v_cache: _Array,
+        k: npt.ArrayLike | None = None, v: npt.ArrayLike | None = None, *,
+        k_scale: _Array | None = None, v_scale: _Array | None = None,
+        sinks: npt.ArrayLike | None = None, return_lse: bool = False,
+        out: _Array | None = None,
+    ) -> _Array | tuple[_Array, _Array]: ...
+def plan_kvcache(
+    *, cache_seqlens: npt.ArrayLike, block_table: npt.ArrayLike | None = None,
+    rotary_cos: npt.ArrayLike | None = None, rotary_sin: npt.ArrayLike | None = None,
+    rotary_interleaved: bool = False, scale: float | None = None,
+    causal: bool | Literal["bottom-right"] = False, window: _Window = None,
+    softcap: float | None = None, alibi_slopes: npt.ArrayLike | None = None,
+) -> KVCachePlan: ...
 def quantize_q8_0(x: npt.ArrayLike) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float16]]: ...
 def dequantize_q8_0(values: npt.ArrayLike, scales: npt.ArrayLike) -> npt.NDArray[np.float32]: ...
 

@@ -5,6 +5,8 @@
 # (mypy.stubtest).
 from typing import Any, TypedDict
 
+from typing_extensions import disjoint_base
+
 import numpy as np
 import numpy.typing as npt
 
@@ -76,6 +78,9 @@ def forward_kvcache(
     v_scale: npt.NDArray[np.uint16] | None,
     n_threads: int,
 ) -> None: ...
+def kernel_clock(on: bool | None = None) -> float: ...
+def quantize_q8_0_rows(x: npt.NDArray[Any], values: npt.NDArray[np.int8],
+                       scales: npt.NDArray[np.float16]) -> bool: ...
 def bf16_dot() -> bool: ...
 def set_bf16_dot(on: bool) -> bool: ...
 def bf16_dot_takes(D: int, Dv: int) -> bool: ...
@@ -102,3 +107,23 @@ def attention_fast(
     n_threads: int,
     sinks: object = None,
 ) -> npt.NDArray[np.floating[Any]] | tuple[npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]]] | None: ...
+@disjoint_base
+class KVCachePlanBase:
+    batch: int
+    compiled: bool
+    def _configure(
+        self, seqlens: npt.NDArray[np.intp], block_table: npt.NDArray[np.int32] | None,
+        causal: int, wl: int, wr: int, scale: float | None, softcap: float | None,
+        cos32: npt.NDArray[np.float32] | None, sin32: npt.NDArray[np.float32] | None,
+        interleaved: bool, rotate_q_per_row: bool, has_alibi: bool, n_threads: Any,
+        precision: Any, compiled: bool,
+    ) -> None: ...
+    def _set_batch(self, seqlens: npt.NDArray[np.intp],
+                   block_table: npt.NDArray[np.int32] | None) -> None: ...
+    def _set_alibi(self, alibi: npt.NDArray[np.float64]) -> None: ...
+    def _remember_pages(self, page: int, lnew: int, lo: int, hi: int) -> None: ...
+    def run(
+        self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *,
+        k_scale: Any = None, v_scale: Any = None, sinks: Any = None, return_lse: bool = False,
+        out: Any = None,
+    ) -> Any: ...

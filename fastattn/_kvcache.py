@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from . import _args
-from ._q8_0 import Q8_0, cache_dtype, check_block_dim, quantize_q8_0
+from ._q8_0 import Q8_0, cache_dtype, check_block_dim, quantize
 
 __all__ = ["KVCache"]
 
@@ -269,7 +269,7 @@ class KVCache:
         if dtype == Q8_0:
             check_block_dim(k.shape[-1], "k", k.shape)
             check_block_dim(v.shape[-1], "v", v.shape)
-            (kq, ks), (vq, vs) = quantize_q8_0(k), quantize_q8_0(v)
+            (kq, ks), (vq, vs) = quantize(k, "k"), quantize(v, "v")
             return kq, vq, ks, vs
         return _args.store_as(k, dtype, "k"), _args.store_as(v, dtype, "v"), None, None
 

@@ -1,4 +1,5 @@
-"""``attention_with_kvcache``: attention over a serving cache, appended in place.
+"""``attention_with_kvcache`` and ``plan_kvcache``: attention over a serving cache,
+appended in place.
 
 A server keeps the keys and values of many sequences in one cache: a ``(B, Hkv, Lmax, D)``
 array, or a pool of pages ``(num_pages, Hkv, page, D)`` that a ``block_table`` hands out
@@ -9,25 +10,164 @@ them at the end of each sequence, and attends over each sequence's keys with the
 :func:`fastattn.attention` (causal and window aligned bottom-right to the sequence's own
 length).
 
-The call has three steps, in this order, so that a refused call writes nothing:
+A decode step makes that call once per layer, and the layers share everything but their
+arrays: the lengths, the block table, the rotary tables and the score modifiers.  So the
+call is a plan and a run.  :class:`KVCachePlan` checks what the layers share once and
+keeps its own copy; its ``run`` (src/_plan.pxi) checks each layer's arrays, appends and
+attends in C.  ``attention_with_kvcache`` is a plan and one run.
 
-1. :func:`_check_call` -- every argument checked, the new rows rotated and rounded (or
-   quantised) to the cache's format;
+What the compiled run does not take -- an unusual dtype or layout, the float32 precision
+opt-in, and every call it would refuse -- goes to the plan's checked path, in three steps,
+in this order, so that a refused call writes nothing:
+
+1. :func:`_check_call` and :func:`_check_attention` -- every argument checked, then the
+   new rows rotated and rounded (or quantised) to the cache's format (:func:`_stored_rows`);
 2. :func:`_append` -- the new rows written in place;
-3. :func:`_gather_keys` and :func:`fastattn.attention` -- each sequence's keys, then one
-   batched kernel call with ``kv_lengths``, whose rows have the bits of a call over each
-   sequence's own keys alone.
+3. :func:`_attend` -- one kernel call over the caches in place; or :func:`_gather_keys` and
+   :func:`fastattn.attention`, whose rows have the bits of a call over each sequence's own
+   keys alone.
+
+Both paths give the same bits (tests/test_plan.py compares them).
 """
 import math
+import os
 from types import SimpleNamespace
 
 import numpy as np
 
-from . import _api, _args, _glue, _threads
+from . import _api, _args, _glue, _precision, _threads
 from ._glue import kernel as _kernel
-from ._q8_0 import BLOCK, check_block_dim, check_q8_0_pair, dequantize_q8_0, quantize_q8_0
+from ._q8_0 import BLOCK, check_block_dim, check_q8_0_pair, dequantize_q8_0, quantize
 
-__all__ = ["attention_with_kvcache"]
+__all__ = ["attention_with_kvcache", "plan_kvcache", "KVCachePlan"]
+
+# Set to False to send every run through the checked path (tests compare the two).
+_COMPILED_RUN = os.environ.get("FASTATTN_VALIDATED_ONLY", "") in ("", "0")
+
+
+def plan_kvcache(*, cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
+                 rotary_interleaved=False, scale=None, causal=False, window=None,
+                 softcap=None, alibi_slopes=None):
+    """Plan the attention of one decode (or prefill) step, for every layer to run.
+
+    The arguments are :func:`attention_with_kvcache`'s that the layers of a step share;
+    they are checked here, once, and the plan keeps its own copy (the caller may change its
+    arrays afterwards).  ``plan.run(q, k_cache, v_cache, k=None, v=None, *, k_scale=None,
+    v_scale=None, sinks=None, return_lse=False, out=None)`` then gives exactly (bit for
+    bit) ``attention_with_kvcache`` with both calls' arguments, checking only each layer's
+    arrays, in compiled code.  Layers that differ in a keyword of the plan (a sliding
+    window beside global attention) take a plan each.
+
+    Returns
+    -------
+    KVCachePlan
+
+    Examples
+    --------
+    Two layers of one decode step over caches of 16 rows, sequences of 3 and 5 keys:
+
+    >>> rng = np.random.default_rng(0)
+    >>> caches = [(np.zeros((2, 1, 16, 8), np.float32), np.zeros((2, 1, 16, 8), np.float32))
+    ...           for layer in range(2)]
+    >>> plan = fastattn.plan_kvcache(cache_seqlens=[3, 5], causal=True)
+    >>> for k_cache, v_cache in caches:
+    ...     q, k, v = (rng.standard_normal((2, 1, 1, 8), dtype=np.float32) for _ in range(3))
+    ...     out = plan.run(q, k_cache, v_cache, k, v)
+    >>> out.shape
+    (2, 1, 1, 8)
+    """
+    return KVCachePlan(cache_seqlens=cache_seqlens, block_table=block_table,
+                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                       rotary_interleaved=rotary_interleaved, scale=scale, causal=causal,
+                       window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+class KVCachePlan(_kernel.KVCachePlanBase):
+    """A decode step's shared arguments, checked once (:func:`plan_kvcache` makes it).
+
+    ``run(q, k_cache, v_cache, k=None, v=None, *, k_scale=None, v_scale=None, sinks=None,
+    return_lse=False, out=None)`` attends (and appends) over one layer's caches: the bits
+    of :func:`attention_with_kvcache` with the plan's keywords.  A plan may be run from
+    several threads at once.
+    """
+
+    def __init__(self, *, cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
+                 rotary_interleaved=False, scale=None, causal=False, window=None,
+                 softcap=None, alibi_slopes=None):
+        table = None if block_table is None else _check_block_table(block_table)
+        self._seqlens = _check_seqlens(cache_seqlens)
+        self._table = table
+        self._cos, self._sin, interleaved = _check_rotary(rotary_cos, rotary_sin,
+                                                          rotary_interleaved)
+        self._scale = None if scale is None else _args.check_scale(scale, 1)
+        if isinstance(causal, str) and causal == "top-left":
+            raise ValueError("causal='top-left' cannot be used with a KV cache (the cached "
+                             "keys precede the queries); use causal=True")
+        self._causal = _args.check_causal(causal)
+        wl, wr = _args.check_window(window)
+        self._window = None if window is None else (wl, wr)
+        self._softcap = _args.check_softcap(softcap)
+        self._alibi_slopes = _check_alibi(alibi_slopes)
+        as32 = lambda t: None if t is None else np.ascontiguousarray(t, dtype=np.float32)
+        self._configure(np.zeros(0, np.intp), None, _args.CAUSAL_CODES[self._causal], wl, wr,
+                        self._scale, self._softcap, as32(self._cos), as32(self._sin),
+                        interleaved, self._causal != "none" or window is not None,
+                        self._alibi_slopes is not None, _threads.get_num_threads,
+                        _precision, _COMPILED_RUN)
+        self._interleaved = interleaved
+        B = table.shape[0] if table is not None else self._seqlens.shape[0] if self._seqlens.ndim else -1
+        if B >= 0:
+            try:
+                self._batch_of(B)
+            except ValueError:      # lengths and table disagree: each run's q says which
+                pass
+
+    def __repr__(self):
+        return (f"<fastattn.KVCachePlan: {self.batch if self.batch >= 0 else 'any'} "
+                f"sequences, {'paged' if self._table is not None else 'contiguous'}, "
+                f"causal={self._causal!r}>")
+
+    def _batch_of(self, B):
+        """The lengths ``(B,)`` of a batch of ``B`` sequences (``cache_seqlens`` broadcast,
+        checked against the block table), set for the compiled run."""
+        if B != self.batch:
+            if self._table is not None:
+                _check_table_batch(self._table, B)
+            seqlens = _broadcast_seqlens(self._seqlens, B)
+            table32 = None if self._table is None else _table32(self._table)
+            self._set_batch(seqlens, table32)
+        return self._seqlens_b
+
+    def _set_batch(self, seqlens, table32):
+        self._seqlens_b = seqlens
+        super()._set_batch(seqlens, table32)
+
+    def _check_pages(self, page, lnew):
+        """Called by the compiled run once per page size and ``lnew``: the pages in use
+        checked (new rows in cache rows of their own) and remembered by the span of their
+        indices, which each run compares with its pool."""
+        pages, in_use = _pages_in_use(self._seqlens_b, self._table, page, lnew)
+        used = pages[in_use]
+        lo, hi = (int(used.min()), int(used.max())) if used.size else (0, -1)
+        self._remember_pages(page, lnew, lo, hi)
+
+    def _run_checked(self, q, k_cache, v_cache, k, v, k_scale, v_scale, sinks, return_lse,
+                     out):
+        """The run of every call the compiled run does not take (see the module's notes)."""
+        c = _check_call(self, q, k_cache, v_cache, k, v, k_scale, v_scale)
+        p = _check_attention(c, self, sinks, return_lse, out)
+        if p.alibi is not None and p.alibi.shape == (c.B, c.Hq):
+            self._set_alibi(p.alibi)
+        q_rot, new_rows = _rotated(c)
+        stored = _stored_rows(c, new_rows)
+        _append(c, stored)
+        if _kernel_reads(c, p):
+            return _attend(c, q_rot, p)
+        keys, values = _gather_keys(c)
+        return _api.attention(q_rot, keys, values, kv_lengths=c.seen, scale=self._scale,
+                              causal=self._causal != "none", window=self._window,
+                              softcap=self._softcap, alibi_slopes=self._alibi_slopes,
+                              sinks=sinks, return_lse=return_lse, out=out)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
@@ -92,20 +232,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     >>> bool(np.array_equal(k_cache[1, :, 3], k[1, :, 0]))
     True
     """
-    c = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, v_scale,
-                    rotary_cos, rotary_sin, rotary_interleaved)
-    p = _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, return_lse,
-                         out)
-    q_rot, new_rows = _rotated(c)
-    stored = _stored_rows(c, new_rows)
-    _append(c, stored)
-    if _kernel_reads(c, p):
-        return _attend(c, q_rot, p)
-    keys, values = _gather_keys(c)
-    return _api.attention(q_rot, keys, values, kv_lengths=c.seen, scale=scale,
-                          causal=causal, window=window, softcap=softcap,
-                          alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
-                          out=out)
+    plan = KVCachePlan(cache_seqlens=cache_seqlens, block_table=block_table,
+                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                       rotary_interleaved=rotary_interleaved, scale=scale, causal=causal,
+                       window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    return plan.run(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                    return_lse=return_lse, out=out)
 
 
 # --------------------------------------------------------------------------- argument rules
@@ -173,44 +305,100 @@ def _check_caches(q, k_cache, v_cache, k_scale, v_scale):
     return k_cache, v_cache, k_scale, v_scale
 
 
-def _check_block_table(block_table, B, num_pages):
-    """The block table as intp ``(B, max_pages)``: integers (pages are checked against the
-    pool once the pages in use are known)."""
+# The plan's arguments, checked once (KVCachePlan.__init__).
+
+def _check_block_table(block_table):
+    """The block table as intp ``(B, max_pages)``: integers (the pages in use are checked
+    against each run's pool)."""
     bt = _args.as_array(block_table, "block_table")
     if bt.dtype.kind not in "iu":
         raise TypeError(f"block_table must be an integer array, got dtype {bt.dtype} "
                         f"(shape {bt.shape})")
-    if bt.ndim != 2 or bt.shape[0] != B:
+    if bt.ndim != 2:
+        raise ValueError(f"block_table must have shape (B, max_pages), got {bt.shape}")
+    return np.array(bt, dtype=np.intp)                     # the plan's own copy
+
+
+def _check_table_batch(table, B):
+    if table.shape[0] != B:
         raise ValueError(f"block_table must have shape (B, max_pages) = ({B}, max_pages) for "
-                         f"q of batch {B}, got {bt.shape}")
-    return bt.astype(np.intp)
+                         f"q of batch {B}, got {table.shape}")
 
 
-def _check_seqlens(cache_seqlens, B, Lnew, capacity, capacity_text):
-    """``cache_seqlens`` as intp ``(B,)``: integers >= 0 with room for the ``Lnew`` new rows."""
+def _table32(table):
+    """The block table as the kernel reads it, int32 C-contiguous: the pages in use are
+    checked below 2**31 (a pool's size); others are never read."""
+    return np.ascontiguousarray(table.clip(-1, np.iinfo(np.int32).max), dtype=np.int32)
+
+
+def _check_seqlens(cache_seqlens):
+    """``cache_seqlens`` as intp: one length for every sequence (0-d), or ``(B,)``;
+    integers ``>= 0`` (the room for each run's new rows is checked by the run)."""
     if cache_seqlens is None:
         raise TypeError("cache_seqlens must be an int or integer array of shape (B,), got None")
     a = _args.as_array(cache_seqlens, "cache_seqlens")
     if a.dtype.kind not in "iu":
         raise TypeError(f"cache_seqlens must be an integer array, got dtype {a.dtype} "
                         f"(shape {a.shape})")
-    if a.shape != (B,):
-        try:
-            a = np.broadcast_to(a, (B,))
-        except ValueError:
-            raise ValueError(f"cache_seqlens of shape {a.shape} does not broadcast to the "
-                             f"batch (B,) = ({B},)") from None
-    if not a.size:
-        return np.zeros(0, np.intp)
-    low, high = int(a.min()), int(a.max())
-    if low < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {low} "
+    if a.ndim > 1:
+        raise ValueError(f"cache_seqlens must be an int or have shape (B,), got {a.shape}")
+    if a.size and int(a.min()) < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {int(a.min())} "
                          f"(sequence {int(np.argmin(a))})")
-    if high + Lnew > capacity:
-        b = int(np.argmax(a))
-        raise ValueError(f"cache_seqlens[{b}] + Lnew = {int(a[b])} + {Lnew} exceeds the "
+    return np.array(a, dtype=np.intp)                      # the plan's own copy
+
+
+def _broadcast_seqlens(seqlens, B):
+    """The plan's lengths for a batch of ``B`` sequences, intp ``(B,)`` C-contiguous."""
+    if seqlens.shape not in ((), (1,), (B,)):
+        raise ValueError(f"cache_seqlens of shape {seqlens.shape} does not broadcast to the "
+                         f"batch (B,) = ({B},) of q")
+    return np.ascontiguousarray(np.broadcast_to(seqlens, (B,)))
+
+
+def _check_rotary(cos, sin, interleaved):
+    """``(cos, sin, interleaved)``: float tables ``(max_pos, rotary_dim / 2)`` (the plan's
+    own copies), or ``(None, None, interleaved)``."""
+    interleaved = _args.check_flag(interleaved, "rotary_interleaved")
+    if cos is None and sin is None:
+        return None, None, interleaved
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    cos, sin = _args.as_array(cos, "rotary_cos"), _args.as_array(sin, "rotary_sin")
+    for name, a in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if a.dtype.kind != "f" and not _args.is_bfloat16(a.dtype):
+            raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
+    if cos.ndim != 2 or cos.shape != sin.shape or cos.shape[1] == 0:
+        raise ValueError(f"rotary_cos and rotary_sin must both have shape (max_pos, "
+                         f"rotary_dim / 2) with rotary_dim >= 2, got {cos.shape} and "
+                         f"{sin.shape}")
+    return np.array(cos), np.array(sin), interleaved
+
+
+def _check_alibi(alibi_slopes):
+    """The ALiBi slopes as float64 (the plan's own copy), real and finite; whether they
+    broadcast to ``(B, Hq)`` is checked when ``Hq`` is known (the run's q)."""
+    if alibi_slopes is None:
+        return None
+    a = _args.as_array(alibi_slopes, "alibi_slopes")
+    if not (a.dtype.kind in "iuf" or _args.is_bfloat16(a.dtype)):
+        raise TypeError(f"alibi_slopes must be a real (integer or floating) array "
+                        f"broadcastable to (B, Hq), got dtype {a.dtype}")
+    a = np.array(a, dtype=np.float64)
+    if not np.isfinite(a).all():
+        raise ValueError(f"alibi_slopes must be finite, got {a[~np.isfinite(a)].flat[0]} "
+                         f"(shape {a.shape})")
+    return a
+
+
+# Each run's arrays, checked (the checked path, KVCachePlan._run_checked).
+
+def _check_room(seqlens, Lnew, capacity, capacity_text):
+    """Room in the cache for every sequence's keys and ``Lnew`` new rows."""
+    if seqlens.size and int(seqlens.max()) + Lnew > capacity:
+        b = int(np.argmax(seqlens))
+        raise ValueError(f"cache_seqlens[{b}] + Lnew = {int(seqlens[b])} + {Lnew} exceeds the "
                          f"cache's capacity {capacity} ({capacity_text})")
-    return np.ascontiguousarray(a, dtype=np.intp)
 
 
 def _check_new(k, v, B, Hkv, D, Dv):
@@ -234,60 +422,54 @@ def _check_new(k, v, B, Hkv, D, Dv):
     return k, v
 
 
-def _check_rotary(cos, sin, interleaved, has_new, D, max_position):
-    """``(cos, sin)`` float tables ``(max_pos, rotary_dim / 2)`` covering ``max_position``,
-    or ``(None, None)``."""
-    interleaved = _args.check_flag(interleaved, "rotary_interleaved")
-    if cos is None and sin is None:
-        return None, None, interleaved
-    if cos is None or sin is None:
-        raise ValueError("rotary_cos and rotary_sin must be given together")
+def _check_rotary_fits(c, cos, has_new):
+    """The plan's rotary tables against this run: new keys to rotate, the rotary dims
+    within D, and a position for every row rotated."""
+    if cos is None:
+        return
     if not has_new:
         raise ValueError("rotary_cos/rotary_sin rotate the new keys: pass k and v with them")
-    cos, sin = _args.as_array(cos, "rotary_cos"), _args.as_array(sin, "rotary_sin")
-    for name, a in (("rotary_cos", cos), ("rotary_sin", sin)):
-        if a.dtype.kind != "f" and not _args.is_bfloat16(a.dtype):
-            raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
-    if cos.ndim != 2 or cos.shape != sin.shape:
-        raise ValueError(f"rotary_cos and rotary_sin must both have shape (max_pos, "
-                         f"rotary_dim / 2), got {cos.shape} and {sin.shape}")
-    if not 0 < 2 * cos.shape[1] <= D:
+    if 2 * cos.shape[1] > c.D:
         raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * cos.shape[1]} must lie "
-                         f"in [2, D] = [2, {D}]")
-    if max_position >= cos.shape[0]:
+                         f"in [2, D] = [2, {c.D}]")
+    top = int(c.seqlens.max(initial=0)) + max(c.Lnew, c.Lq) - 1
+    if top >= cos.shape[0]:
         raise ValueError(f"rotary_cos has {cos.shape[0]} positions but position "
-                         f"{max_position} is rotated (cache_seqlens + Lnew or Lq)")
-    return cos, sin, interleaved
+                         f"{top} is rotated (cache_seqlens + Lnew or Lq)")
 
 
-def _check_pages(c, block_table, num_pages, page):
-    """``c.pages``: the pages each sequence uses, checked in range, and no cache row written
-    twice by one call (two sequences given the same page for their new rows)."""
-    used = -(-c.seen // page)                                    # ceil: pages in use
-    n_used = int(used.max(initial=0))
-    if n_used > block_table.shape[1]:                            # capacity checks this already
-        raise ValueError(f"block_table has {block_table.shape[1]} pages per sequence, "
-                         f"{n_used} needed")
-    pages = block_table[:, :n_used]
+def _pages_in_use(seqlens, table, page, Lnew):
+    """``(pages, in_use)``: the block table's pages that hold each sequence's keys and
+    ``Lnew`` new rows (0 past them), and which entries those are; refuses two sequences
+    given one cache row for their new rows."""
+    seen = seqlens + Lnew
+    used = -(-seen // page)                                      # ceil: pages in use
+    n_used = int(used.max(initial=0))                            # <= max_pages (room)
     in_use = np.arange(n_used) < used[:, None]
+    pages = np.where(in_use, table[:, :n_used], 0)
+    if Lnew:
+        pos = seqlens[:, None] + np.arange(Lnew)
+        slots = np.take_along_axis(pages, pos // page, axis=1) * page + pos % page
+        if np.unique(slots).size != slots.size:
+            raise ValueError("block_table gives two sequences the same page for their new "
+                             "rows: each new row needs a cache row of its own")
+    return pages, in_use
+
+
+def _check_pages(c, table, num_pages):
+    """``c.pages``: the pages each sequence uses, checked in range of the pool."""
+    pages, in_use = _pages_in_use(c.seqlens, table, c.page, c.Lnew)
     bad = in_use & ((pages < 0) | (pages >= num_pages))
     if bad.any():
         b, p = (int(i[0]) for i in np.nonzero(bad))
         raise ValueError(f"block_table[{b}, {p}] = {pages[b, p]} is not a page of the cache "
-                         f"(num_pages = {num_pages}, block_table.shape={block_table.shape})")
-    c.pages = np.where(in_use, pages, 0)
-    if c.Lnew:
-        pos = c.seqlens[:, None] + np.arange(c.Lnew)
-        slots = np.take_along_axis(c.pages, pos // page, axis=1) * page + pos % page
-        if np.unique(slots).size != slots.size:
-            raise ValueError("block_table gives two sequences the same page for their new "
-                             "rows: each new row needs a cache row of its own")
+                         f"(num_pages = {num_pages}, block_table.shape={table.shape})")
+    c.pages = pages
 
 
-def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, v_scale,
-                rotary_cos, rotary_sin, rotary_interleaved):
-    """Every cache argument of one call, checked: a namespace of the normalised arrays and
-    sizes (``B, Hq, Hkv, Lq, Lnew, D, Dv, seqlens, seen, pages, page, q8_0``)."""
+def _check_call(plan, q, k_cache, v_cache, k, v, k_scale, v_scale):
+    """Every cache argument of one run of ``plan``, checked: a namespace of the normalised
+    arrays and sizes (``B, Hq, Hkv, Lq, Lnew, D, Dv, seqlens, seen, pages, page, q8_0``)."""
     q = _args.as_array(q, "q")
     _args.check_dtype(q, "q")
     if q.ndim != 4:
@@ -295,15 +477,15 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, 
     B, Hq, Lq, D = q.shape
     k_cache, v_cache, k_scale, v_scale = _check_caches(q, k_cache, v_cache, k_scale, v_scale)
     Hkv, Dv = k_cache.shape[1], v_cache.shape[-1]
-    paged = block_table is not None
-    if paged:
-        block_table = _check_block_table(block_table, B, k_cache.shape[0])
+    table = plan._table
+    if table is not None:
+        _check_table_batch(table, B)
         page = k_cache.shape[2]
         if page == 0:
             raise ValueError(f"k_cache's pages must hold at least one row, got shape "
                              f"{k_cache.shape}")
-        capacity = block_table.shape[1] * page
-        capacity_text = f"block_table.shape[1] * page = {block_table.shape[1]} * {page}"
+        capacity = table.shape[1] * page
+        capacity_text = f"block_table.shape[1] * page = {table.shape[1]} * {page}"
     else:
         if k_cache.shape[0] != B:
             raise ValueError(f"k_cache must have the batch of q, (B, Hkv, Lmax, D) with B = "
@@ -312,10 +494,8 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, 
         capacity_text = f"Lmax = k_cache.shape[2] = {capacity}"
     k, v = _check_new(k, v, B, Hkv, D, Dv)
     Lnew = 0 if k is None else k.shape[2]
-    seqlens = _check_seqlens(cache_seqlens, B, Lnew, capacity, capacity_text)
-    top = int(seqlens.max(initial=0))
-    cos, sin, interleaved = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved,
-                                          k is not None, D, top + max(Lnew, Lq) - 1)
+    seqlens = plan._batch_of(B)
+    _check_room(seqlens, Lnew, capacity, capacity_text)
     if k is not None:
         for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
                         ("v_scale", v_scale)):
@@ -324,10 +504,12 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scale, 
     c = SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale,
                         v_scale=v_scale, k=k, v=v, B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, Lnew=Lnew, D=D,
                         Dv=Dv, seqlens=seqlens, seen=seqlens + Lnew, page=page, pages=None,
-                        block_table=block_table, cos=cos, sin=sin, interleaved=interleaved,
+                        cos=plan._cos, sin=plan._sin, interleaved=plan._interleaved,
+                        rotate_q_per_row=plan._causal != "none" or plan._window is not None,
                         q8_0=k_cache.dtype == np.int8)
-    if paged:
-        _check_pages(c, block_table, k_cache.shape[0], page)
+    _check_rotary_fits(c, plan._cos, k is not None)
+    if table is not None:
+        _check_pages(c, table, k_cache.shape[0])
     return c
 
 
@@ -343,21 +525,17 @@ def _stand_in(dtype, shape):
     return a
 
 
-def _check_attention(c, scale, causal, window, softcap, alibi_slopes, sinks, return_lse, out):
+def _check_attention(c, plan, sinks, return_lse, out):
     """The keywords of the attention step, checked by :func:`fastattn.attention`'s own rules
     before anything is written (on stand-in keys of the right shape and dtype, which cost
     no memory)."""
-    if isinstance(causal, str) and causal == "top-left":
-        raise ValueError("causal='top-left' cannot be used with a KV cache (the cached keys "
-                         "precede the queries); use causal=True")
     lk = int(c.seen.max(initial=0))
     dt = _value_dtype(c)
     keys, values = (_stand_in(dt, (c.B, c.Hkv, lk, last)) for last in (c.D, c.Dv))
-    p = _args.Problem(c.q, keys, values, scale=scale, causal=causal, window=window,
-                      kv_lengths=c.seen, softcap=softcap, alibi_slopes=alibi_slopes,
-                      sinks=sinks, return_lse=return_lse, out=out)
-    c.rotate_q_per_row = _args.check_causal(causal) != "none" or window is not None
-    return p
+    return _args.Problem(c.q, keys, values, scale=plan._scale, causal=plan._causal != "none",
+                         window=plan._window, kv_lengths=c.seen, softcap=plan._softcap,
+                         alibi_slopes=plan._alibi_slopes, sinks=sinks, return_lse=return_lse,
+                         out=out)
 
 
 # --------------------------------------------------------------------------- rotary
@@ -407,7 +585,7 @@ def _stored_rows(c, new_rows):
     if k is None:
         return None
     if c.q8_0:
-        return quantize_q8_0(k), quantize_q8_0(v)
+        return quantize(k, "k"), quantize(v, "v")
     dt = c.k_cache.dtype
     return (_args.store_as(k, dt, "k"), None), (_args.store_as(v, dt, "v"), None)
 
@@ -439,10 +617,23 @@ def _append(c, stored):
 def _kernel_reads(c, p):
     """Whether the kernel reads the caches where they are: always, except for float64
     arithmetic over a cache of another dtype (the kernel computes in the caches' own
-    float64 only) and caches whose rows are not contiguous."""
+    float64 only), caches whose rows are not contiguous, and float caches under the
+    float32 precision opt-in, whose q and rows :func:`fastattn.attention` rounds to
+    bfloat16 first (so every layout gives its products)."""
     if p.compute_dtype == np.float64 and c.k_cache.dtype != np.float64:
         return False
+    if _rounds_to_bfloat16(c, p):
+        return False
     return all(_kernel.kernel_layout(a) for a in (c.k_cache, c.v_cache))
+
+
+def _rounds_to_bfloat16(c, p):
+    """Whether :func:`fastattn.attention` over this call's float keys would round q, k and
+    v to bfloat16 (the float32 opt-in), which the kernel reading a cache does not do."""
+    if c.q8_0 or p.compute_dtype != np.float32:
+        return False
+    all_bf16 = _args.is_bfloat16(c.q.dtype) and _args.is_bfloat16(c.k_cache.dtype)
+    return not all_bf16 and _precision.rounds_float32(c.D, c.Dv)
 
 
 def _attend(c, q, p):
@@ -454,7 +645,7 @@ def _attend(c, q, p):
     scales = [None if s is None else np.ascontiguousarray(s).view(np.uint16)
               for s in (c.k_scale, c.v_scale)]
     # the checked table: the pages each sequence uses, 0 past them (never read)
-    block_table = None if c.page is None else np.ascontiguousarray(c.pages, dtype=np.int32)
+    block_table = None if c.page is None else _table32(c.pages)
     res, lse, direct = _glue.result_arrays(p, p.out, cdt, (c.B, c.Hq, c.Lq, c.Dv),
                                            (q, c.k_cache, c.v_cache))
     _kernel.forward_kvcache(p, q=q, k_cache=c.k_cache, v_cache=c.v_cache, out=res, lse=lse,

@@ -12,9 +12,12 @@ fastattn keeps the values and the scales as two arrays, ``values`` int8 ``(..., 
 ``scales`` float16 ``(..., D // 32)``, so that a cache of values is addressed like any other
 cache (rows, heads, pages) and its scales beside it with the same leading axes.
 """
+import math
+
 import numpy as np
 
 from . import _args
+from ._dispatch import kernel
 
 __all__ = ["Q8_0", "BLOCK", "quantize_q8_0", "dequantize_q8_0", "cache_dtype", "check_block_dim"]
 
@@ -44,14 +47,6 @@ def check_block_dim(D, name, shape):
                          f"must have D a multiple of {BLOCK}, got shape {shape}")
 
 
-def _round_half_away(y):
-    """``y`` (float32) rounded to the nearest integer, ties away from zero, exactly (the sum
-    ``y + 0.5`` would round in float32 below 1)."""
-    a = np.abs(y)
-    whole = np.floor(a)
-    return np.copysign(whole + (a - whole >= 0.5), y)
-
-
 def quantize_q8_0(x):
     """Quantise ``x`` to llama.cpp's q8_0 format, bit for bit.
 
@@ -75,24 +70,30 @@ def quantize_q8_0(x):
     >>> values[:4], scales
     (array([-127, -119, -111, -102], dtype=int8), array([0.00787], dtype=float16))
     """
-    x = _args.as_array(x, "x")
-    _args.check_dtype(x, "x")
+    return quantize(x, "x")
+
+
+def quantize(x, name):
+    """:func:`quantize_q8_0` of the argument the caller calls ``name`` (``k``, ``v``): its
+    errors name that argument."""
+    x = _args.as_array(x, name)
+    _args.check_dtype(x, name)
     if x.ndim == 0:
-        raise ValueError("x must have shape (..., D) with D a multiple of 32, got a scalar")
-    check_block_dim(x.shape[-1], "x", x.shape)
-    x32 = x.astype(np.float32)
-    blocks = x32.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
-    amax = np.abs(blocks).max(axis=-1, initial=np.float32(0))
-    if not np.all(np.isfinite(amax)) or (amax.size and float(amax.max()) > _MAX_ABS):
+        raise ValueError(f"{name} must have shape (..., D) with D a multiple of 32, got a "
+                         "scalar")
+    check_block_dim(x.shape[-1], name, x.shape)
+    # float64 rounds to float32 first, as llama.cpp's converters do; 16-bit is exact
+    x32 = x if _args.is_16bit(x.dtype) else x.astype(np.float32)
+    rows = np.ascontiguousarray(x32.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
+    values = np.empty(rows.shape, np.int8)
+    scales = np.empty((rows.shape[0], rows.shape[1] // BLOCK), np.float16)
+    if not kernel.quantize_q8_0_rows(rows, values, scales):
+        amax = np.abs(rows.astype(np.float32).reshape(-1, BLOCK)).max(axis=-1)
         bad = amax[~(np.isfinite(amax) & (amax <= _MAX_ABS))]
-        raise ValueError(f"x must be finite with |x| <= 127 * 65504 = {_MAX_ABS:g} to be "
+        raise ValueError(f"{name} must be finite with |x| <= 127 * 65504 = {_MAX_ABS:g} to be "
                          f"stored as q8_0 (a float16 scale per 32 values), got a block with "
                          f"max |x| = {float(bad.flat[0]):g} (shape {x.shape})")
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    values = _round_half_away(blocks * inv[..., None]).astype(np.int8)
-    return values.reshape(x.shape), d.astype(np.float16)
+    return values.reshape(x.shape), scales.reshape(x.shape[:-1] + scales.shape[-1:])
 
 
 def dequantize_q8_0(values, scales):

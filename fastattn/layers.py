@@ -36,7 +36,7 @@ import numpy as np
 from . import _api, _args
 from ._kvcache import KVCache
 from ._kvcache_attn import attention_with_kvcache
-from ._q8_0 import Q8_0, cache_dtype, check_block_dim, dequantize_q8_0, quantize_q8_0
+from ._q8_0 import Q8_0, cache_dtype, check_block_dim, dequantize_q8_0, quantize
 from ._state_dict import layer_from_state_dict
 from .positions import _check_base
 from .positions import rope as _rope
@@ -353,8 +353,8 @@ class MultiHeadAttention:
             k = _rope(k, positions, self.rope_base)
         if self.kv_dtype == Q8_0:
             # the numbers a q8_0 cache holds: a full pass attends over what decoding reads
-            k = dequantize_q8_0(*quantize_q8_0(k))
-            v = dequantize_q8_0(*quantize_q8_0(v))
+            k = dequantize_q8_0(*quantize(k, "k"))
+            v = dequantize_q8_0(*quantize(v, "v"))
         elif self.kv_dtype is not None:
             k = _args.store_as(k, self.kv_dtype, "k")
             v = _args.store_as(v, self.kv_dtype, "v")

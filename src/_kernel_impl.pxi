@@ -12,11 +12,14 @@
 #   _entry_points.pxi    forward, backward, key_intervals: the validated entry points
 #   _probes.pxi          the kernel's vector functions for tests, build and pool facts
 #   _lean_gate.pxi       attention_fast: the common case recognised and run in C
+#   _plan.pxi            KVCachePlanBase: a serving plan's run, checked and appended in C
 
 from libc.string cimport memset, memcpy
 from cpython.mem cimport PyMem_RawMalloc, PyMem_RawFree
 from libc.math cimport log, exp2, sqrt, isfinite, INFINITY
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
+cimport cython
 cimport numpy as cnp
 import numpy as np
 
@@ -31,3 +34,4 @@ include "_backward.pxi"
 include "_entry_points.pxi"
 include "_probes.pxi"
 include "_lean_gate.pxi"
+include "_plan.pxi"

@@ -98,11 +98,17 @@ def test_stubtest(mypy_env):
 
 
 def _public(module):
-    """{name: signature of a function, or type of a constant} of the module's public names."""
+    """{name: signature of a function, names of a class's attributes, or type of a
+    constant} of the module's public names."""
     import inspect
 
-    return {name: str(inspect.signature(obj)) if callable(obj) else type(obj)
-            for name, obj in vars(module).items() if not name.startswith("_")}
+    def described(obj):
+        if isinstance(obj, type):
+            return sorted(name for name in vars(obj) if not name.startswith("__"))
+        return str(inspect.signature(obj)) if callable(obj) else type(obj)
+
+    return {name: described(obj) for name, obj in vars(module).items()
+            if not name.startswith("_")}
 
 
 def test_every_variant_has_the_base_signatures():

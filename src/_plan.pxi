@@ -1,0 +1,504 @@
+# Plan once, run every layer: the compiled half of fastattn's KVCachePlan
+# (fastattn/_kvcache_attn.py).
+#
+# A decode step calls attention once per layer over caches that share everything but
+# their arrays: the lengths, the block table, the rotary tables and the score modifiers.
+# The Python plan checks those once and hands them here (_configure); KVCachePlanBase.run
+# then checks only what may differ between layers -- the arrays' types, shapes, strides
+# and writability, the pool's size against the pages in use, the new values -- appends
+# the new rows (rotated, rounded or quantised: fa_append.h) and runs the kernel, all in
+# C.  Like the lean gate of attention(), it is a gate: anything it does not take,
+# including every invalid call, goes to the plan's checked path (_run_checked) before
+# anything is written, and that path raises the clear error or computes the same bits.
+#
+# Thread safety: run reads the plan's arrays into locals (references) with the GIL held,
+# and the kernel runs without it, so several Python threads may run one plan at once.
+
+cdef extern from "fa_append.h" nogil:
+    void fa_load_row(int kind, const char* src, Py_ssize_t stride, Py_ssize_t n, float* dst)
+    void fa_rotate_row(float* x, const float* cos, const float* sin, Py_ssize_t half,
+                       int interleaved)
+    void fa_round_row(int kind, float* x, Py_ssize_t n)
+    int fa_store_row(int kind, const float* x, Py_ssize_t n, char* dst)
+    int fa_quantize_q8_0_row(const float* x, Py_ssize_t n, int8_t* qs, uint16_t* ds)
+
+
+cdef struct Rows:
+    # New rows of one array (k or v): (B, Hkv, Lnew, cols) at `data` with byte strides,
+    # in storage kind `kind`; `dst` the cache, `scale` its q8_0 scales (or NULL).
+    const char* data
+    Py_ssize_t sb, sh, si, sc
+    int kind
+    Py_ssize_t cols
+    char* dst
+    Py_ssize_t db, dh, di                 # the cache's byte strides (page or batch, head, row)
+    int dst_kind                          # FA_STORE_NATIVE (float32), F16, BF16 or Q8_0
+    Py_ssize_t dst_row                    # bytes of one stored row
+    char* scale
+    Py_ssize_t ssb, ssh, ssi              # the scales' byte strides
+
+
+cdef inline int _float_kind(cnp.ndarray a) noexcept:
+    # The storage kind of a float32 / float16 / bfloat16 array in native order, or -1
+    # (float64 and everything else go to the checked path).
+    cdef int t = _lean_type(a)
+    if t == cnp.NPY_FLOAT32:
+        return FA_STORE_NATIVE
+    if t == cnp.NPY_FLOAT16:
+        return FA_STORE_F16
+    if t >= 0 and t == _NPY_BFLOAT16:
+        return FA_STORE_BF16
+    return -1
+
+
+cdef inline bint _is_array(object a) noexcept:
+    return type(a) is cnp.ndarray
+
+
+cdef bint _shape_is(cnp.ndarray a, Py_ssize_t d0, Py_ssize_t d1, Py_ssize_t d2,
+                    Py_ssize_t d3) noexcept:
+    # a is 4-d of shape (d0, d1, d2, d3); -1 takes any length on that axis.
+    cdef const cnp.npy_intp* s = cnp.PyArray_DIMS(a)
+    if cnp.PyArray_NDIM(a) != 4:
+        return False
+    return ((d0 < 0 or s[0] == d0) and (d1 < 0 or s[1] == d1) and (d2 < 0 or s[2] == d2)
+            and (d3 < 0 or s[3] == d3))
+
+
+cdef bint _scales_fit(object s, cnp.ndarray cache, bint write) noexcept:
+    # q8_0 scales: float16 of shape cache.shape[:-1] + (D // 32,), rows the kernel reads in
+    # place, writeable when rows are appended.
+    cdef cnp.ndarray a
+    if not _is_array(s):
+        return False
+    a = s
+    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT16 or not cnp.PyArray_ISNOTSWAPPED(a):
+        return False
+    if cnp.PyArray_DIM(cache, 3) % 32 or not _shape_is(
+            a, cnp.PyArray_DIM(cache, 0), cnp.PyArray_DIM(cache, 1), cnp.PyArray_DIM(cache, 2),
+            cnp.PyArray_DIM(cache, 3) // 32):
+        return False
+    return _kernel_layout(a) and (not write or cnp.PyArray_ISWRITEABLE(a))
+
+
+cdef object _sinks_table(object sinks, Py_ssize_t B, Py_ssize_t Hq):
+    # Sink logits as the kernel reads them, float64 (B, Hq) C-contiguous, from a native
+    # float32 / float64 array of shape (Hq,) or (B, Hq) of finite or -inf values; None when
+    # the checked path must take them.
+    cdef cnp.ndarray s, res
+    cdef Py_ssize_t b, h, n
+    if not _is_array(sinks):
+        return None
+    s = sinks
+    if not cnp.PyArray_ISNOTSWAPPED(s) or (cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT64
+                                           and cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT32):
+        return None
+    if cnp.PyArray_NDIM(s) == 1 and cnp.PyArray_DIM(s, 0) == Hq:
+        n = 1
+    elif cnp.PyArray_NDIM(s) == 2 and cnp.PyArray_DIM(s, 0) == B and cnp.PyArray_DIM(s, 1) == Hq:
+        n = B
+    else:
+        return None
+    s = np.ascontiguousarray(s, dtype=np.float64)
+    cdef const double* x = <const double*> cnp.PyArray_DATA(s)
+    for h in range(n * Hq):
+        if x[h] != x[h] or x[h] == INFINITY:   # NaN, +inf: the checked path's error
+            return None
+    cdef cnp.npy_intp dims[2]
+    dims[0], dims[1] = B, Hq
+    res = cnp.PyArray_EMPTY(2, dims, cnp.NPY_FLOAT64, 0)
+    cdef double* y = <double*> cnp.PyArray_DATA(res)
+    for b in range(B):
+        memcpy(y + b * Hq, x + (b * Hq if n > 1 else 0), Hq * sizeof(double))
+    return res
+
+
+cdef object _out_array(object out, Py_ssize_t B, Py_ssize_t Hq, Py_ssize_t Lq, Py_ssize_t Dv,
+                       cnp.ndarray like, bint like_result, arrays):
+    # The result array: new, of `like`'s dtype when like_result (a 16-bit result) or
+    # float32; or the caller's `out` when it is exactly that, writeable, addressable in
+    # place and clear of every array in `arrays`.  None when `out` needs the checked path.
+    cdef cnp.npy_intp dims[4]
+    cdef cnp.ndarray oa
+    dims[0], dims[1], dims[2], dims[3] = B, Hq, Lq, Dv
+    cdef int typenum = cnp.PyArray_TYPE(like) if like_result else cnp.NPY_FLOAT32
+    if out is None:
+        if typenum == _NPY_BFLOAT16:
+            return np.empty((B, Hq, Lq, Dv), dtype=like.dtype)
+        return cnp.PyArray_EMPTY(4, dims, typenum, 0)
+    if not _is_array(out):
+        return None
+    oa = out
+    if cnp.PyArray_TYPE(oa) != typenum or not _shape_is(oa, B, Hq, Lq, Dv):
+        return None
+    if not (cnp.PyArray_ISWRITEABLE(oa) and cnp.PyArray_ISNOTSWAPPED(oa) and _kernel_layout(oa)):
+        return None
+    for a in arrays:
+        if a is not None and _extent_overlap(oa, a):
+            return None
+    return oa
+
+
+cdef void _set_rows(Rows* r, cnp.ndarray x, cnp.ndarray cache, object scales) noexcept:
+    # Where the new rows x of one array come from and go to (see Rows).
+    r.data = <const char*> cnp.PyArray_DATA(x)
+    r.sb, r.sh, r.si, r.sc = (cnp.PyArray_STRIDE(x, 0), cnp.PyArray_STRIDE(x, 1),
+                              cnp.PyArray_STRIDE(x, 2), cnp.PyArray_STRIDE(x, 3))
+    r.kind = _float_kind(x)
+    r.cols = cnp.PyArray_DIM(x, 3)
+    r.dst = <char*> cnp.PyArray_DATA(cache)
+    r.db, r.dh, r.di = (cnp.PyArray_STRIDE(cache, 0), cnp.PyArray_STRIDE(cache, 1),
+                        cnp.PyArray_STRIDE(cache, 2))
+    r.dst_kind = FA_STORE_Q8_0 if scales is not None else _store_kind(cache)
+    r.dst_row = r.cols * cnp.PyArray_ITEMSIZE(cache)
+    r.scale = NULL
+    r.ssb = r.ssh = r.ssi = 0
+    cdef cnp.ndarray s
+    if scales is not None:
+        s = scales
+        r.scale = <char*> cnp.PyArray_DATA(s)
+        r.ssb, r.ssh, r.ssi = (cnp.PyArray_STRIDE(s, 0), cnp.PyArray_STRIDE(s, 1),
+                               cnp.PyArray_STRIDE(s, 2))
+
+
+cdef int _stage_row(const Rows* r, Py_ssize_t b, Py_ssize_t h, Py_ssize_t i, const float* cos,
+                    const float* sin, Py_ssize_t half, int interleaved, float* x,
+                    char* staged) noexcept nogil:
+    # New row (b, h, i) in the cache's format at `staged` (the row's bytes, then for q8_0
+    # its scales), rotated first when cos is given (and rounded back to its own dtype, as
+    # the front end's rotation is).  -1 for a value the cache refuses.
+    fa_load_row(r.kind, r.data + b * r.sb + h * r.sh + i * r.si, r.sc, r.cols, x)
+    if cos != NULL:
+        fa_rotate_row(x, cos, sin, half, interleaved)
+        fa_round_row(r.kind, x, r.cols)
+    if r.dst_kind == FA_STORE_Q8_0:
+        return fa_quantize_q8_0_row(x, r.cols, <int8_t*> staged,
+                                    <uint16_t*> (staged + r.cols))
+    return fa_store_row(r.dst_kind, x, r.cols, staged)
+
+
+cdef inline Py_ssize_t _staged_bytes(const Rows* r) noexcept nogil:
+    # One staged row: its values, and for q8_0 its float16 scales (2 bytes per 32 values).
+    return r.dst_row + (r.cols // 16 if r.dst_kind == FA_STORE_Q8_0 else 0)
+
+
+cdef void _store_new_row(const Rows* r, Py_ssize_t first, Py_ssize_t h, Py_ssize_t row,
+                         const char* staged) noexcept nogil:
+    # A staged row into the cache: row `row` of page (or sequence) `first`, head h.
+    memcpy(r.dst + first * r.db + h * r.dh + row * r.di, staged, r.dst_row)
+    if r.scale != NULL:
+        memcpy(r.scale + first * r.ssb + h * r.ssh + row * r.ssi, staged + r.dst_row,
+               r.cols // 16)
+
+
+@cython.auto_pickle(False)     # a plan is a step's: it is made again, never stored
+cdef class KVCachePlanBase:
+    """The compiled half of :class:`fastattn.KVCachePlan`: what it checked once, and
+    ``run``, which checks each layer's arrays, appends and attends in C (see _plan.pxi)."""
+    cdef readonly Py_ssize_t batch          # B, or -1 until a batch is set
+    cdef cnp.ndarray _seqlens               # intp (B,)
+    cdef Py_ssize_t _top                    # max(cache_seqlens)
+    cdef object _block_table                # int32 (B, max_pages), C-contiguous, or None
+    cdef Py_ssize_t _bt_width               # max_pages
+    cdef int _causal
+    cdef Py_ssize_t _wl, _wr
+    cdef object _scale                      # float, or None: 1 / sqrt(D)
+    cdef double _softcap
+    cdef object _cos32, _sin32              # float32 (max_pos, half), C-contiguous, or None
+    cdef bint _interleaved, _rotate_q_per_row
+    cdef bint _has_alibi
+    cdef object _alibi                      # float64 (B, Hq) for _alibi_hq heads
+    cdef Py_ssize_t _alibi_hq
+    cdef object _n_threads                  # fastattn's thread count, a function
+    cdef object _precision                  # fastattn._precision: its `active` flag
+    cdef public bint compiled               # False: every run takes the checked path
+    # The pages in use for one (page size, Lnew): their smallest and largest index.
+    cdef Py_ssize_t _memo_page, _memo_lnew, _memo_lo, _memo_hi
+
+    def _configure(self, seqlens, block_table, int causal, Py_ssize_t wl, Py_ssize_t wr,
+                   scale, softcap, cos32, sin32, bint interleaved, bint rotate_q_per_row,
+                   bint has_alibi, n_threads, precision, bint compiled):
+        """Set what the plan checked (fastattn/_kvcache_attn.py; nothing is checked here)."""
+        self._set_batch(seqlens, block_table)
+        self._causal, self._wl, self._wr = causal, wl, wr
+        self._scale = scale
+        self._softcap = 0 if softcap is None else softcap
+        self._cos32, self._sin32 = cos32, sin32
+        self._interleaved, self._rotate_q_per_row = interleaved, rotate_q_per_row
+        self._has_alibi = has_alibi
+        self._alibi, self._alibi_hq = None, -1
+        self._n_threads, self._precision, self.compiled = n_threads, precision, compiled
+
+    def _set_batch(self, seqlens, block_table):
+        """Set the lengths (intp (B,)) and block table (int32 (B, max_pages) or None) of a
+        batch of B sequences."""
+        self._seqlens = seqlens
+        self._block_table = block_table
+        self._bt_width = 0 if block_table is None else block_table.shape[1]
+        self.batch = seqlens.shape[0]
+        self._top = int(seqlens.max(initial=0))
+        self._memo_page = -1
+
+    def _set_alibi(self, alibi):
+        """Set the ALiBi slopes as the kernel reads them, float64 (B, Hq)."""
+        self._alibi, self._alibi_hq = alibi, alibi.shape[1]
+
+    def _remember_pages(self, Py_ssize_t page, Py_ssize_t lnew, Py_ssize_t lo, Py_ssize_t hi):
+        """Remember that the pages in use for (page, lnew) are checked (new rows in rows of
+        their own) and span indices lo .. hi."""
+        self._memo_page, self._memo_lnew, self._memo_lo, self._memo_hi = page, lnew, lo, hi
+
+    def run(self, q, k_cache, v_cache, k=None, v=None, *, k_scale=None, v_scale=None,
+            sinks=None, return_lse=False, out=None):
+        res = self._run_compiled(q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
+                                 return_lse, out) if self.compiled else None
+        if res is None:
+            return self._run_checked(q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
+                                     return_lse, out)
+        return res
+
+    cdef object _run_compiled(self, q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
+                              return_lse, out):
+        # The run in C, or None for the checked path (see the top of this file).
+        if not (_is_array(q) and _is_array(k_cache) and _is_array(v_cache)):
+            return None
+        if type(return_lse) is not bool or self._precision.active:
+            return None
+        cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache, ka = None, va = None
+        cdef int q_kind = _float_kind(qa), c_kind
+        if q_kind < 0 or cnp.PyArray_NDIM(qa) != 4:
+            return None
+        if cnp.PyArray_DIM(qa, 0) != self.batch:
+            try:        # one length for every sequence: the plan takes q's batch
+                self._batch_of(cnp.PyArray_DIM(qa, 0))
+            except ValueError:
+                return None
+        cdef Py_ssize_t B = self.batch, Hq = cnp.PyArray_DIM(qa, 1), Lq = cnp.PyArray_DIM(qa, 2)
+        cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3)
+        if not (_shape_is(kc, -1, -1, -1, D) and cnp.PyArray_NDIM(vc) == 4):
+            return None
+        cdef Py_ssize_t Hkv = cnp.PyArray_DIM(kc, 1), Dv = cnp.PyArray_DIM(vc, 3)
+        if (B == 0 or Lq == 0 or D == 0 or Dv == 0 or Hkv == 0 or Hq % Hkv
+                or not _shape_is(vc, cnp.PyArray_DIM(kc, 0), Hkv, cnp.PyArray_DIM(kc, 2), Dv)):
+            return None
+        if cnp.PyArray_TYPE(kc) != cnp.PyArray_TYPE(vc) or not cnp.PyArray_ISNOTSWAPPED(kc) \
+                or not cnp.PyArray_ISNOTSWAPPED(vc):
+            return None
+        cdef bint q8_0 = cnp.PyArray_TYPE(kc) == cnp.NPY_INT8
+        c_kind = FA_STORE_Q8_0 if q8_0 else _float_kind(kc)
+        if c_kind < 0 or not (_kernel_layout(kc) and _kernel_layout(vc)):
+            return None
+        cdef Py_ssize_t Lnew = 0
+        if k is not None or v is not None:
+            if not (_is_array(k) and _is_array(v)):
+                return None
+            ka, va = k, v
+            if _float_kind(ka) < 0 or _float_kind(va) < 0:
+                return None
+            if not (_shape_is(ka, B, Hkv, -1, D) and _shape_is(va, B, Hkv, -1, Dv)):
+                return None
+            Lnew = cnp.PyArray_DIM(ka, 2)
+            if cnp.PyArray_DIM(va, 2) != Lnew:
+                return None
+            if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)):
+                return None
+        if q8_0:
+            if not (_scales_fit(k_scale, kc, Lnew > 0) and _scales_fit(v_scale, vc, Lnew > 0)):
+                return None
+        elif k_scale is not None or v_scale is not None:
+            return None
+        if not self._fits(kc, Lnew, Lq, D):
+            return None
+        cdef double scale = 1.0 / sqrt(<double> D) if self._scale is None else self._scale
+        cdef object alibi = None
+        if self._has_alibi:
+            if self._alibi_hq != Hq:
+                return None
+            alibi = self._alibi
+        cdef object sinks64 = None
+        if sinks is not None:
+            sinks64 = _sinks_table(sinks, B, Hq)
+            if sinks64 is None:
+                return None
+        # The result: 16-bit only when q and the caches share that 16-bit dtype.
+        cdef bint like_q = q_kind != FA_STORE_NATIVE and c_kind == q_kind
+        oa = _out_array(out, B, Hq, Lq, Dv, qa, like_q,
+                        (qa, kc, vc, k_scale, v_scale))
+        if oa is None:
+            return None
+        cdef cnp.ndarray seqlens = self._seqlens
+        block_table = self._block_table
+        if Lnew and self._append(ka, va, kc, vc, k_scale, v_scale, seqlens, block_table) < 0:
+            return None
+        if self._cos32 is not None:
+            qa = self._rotated_q(qa, seqlens)
+        cdef cnp.ndarray la = None
+        cdef cnp.npy_intp ldims[3]
+        if return_lse:
+            ldims[0], ldims[1], ldims[2] = B, Hq, Lq
+            la = cnp.PyArray_EMPTY(3, ldims, cnp.NPY_FLOAT32, 0)
+        self._attend(qa, kc, vc, oa, la, k_scale, v_scale, Lnew, seqlens, block_table, scale,
+                     alibi, sinks64)
+        return (oa, la) if return_lse else oa
+
+    cdef int _fits(self, cnp.ndarray kc, Py_ssize_t Lnew, Py_ssize_t Lq,
+                   Py_ssize_t D) except -1:
+        # The cache holds every sequence's keys and new rows, the pages in use exist (the
+        # pages' check for this page size and Lnew done once), and the rotary tables
+        # cover every position rotated.
+        cdef Py_ssize_t capacity, page
+        if self._cos32 is not None:
+            if Lnew == 0 or 2 * self._cos32.shape[1] > D:
+                return False
+            if self._top + max(Lnew, Lq) - 1 >= self._cos32.shape[0]:
+                return False
+        if self._block_table is None:
+            return self._top + Lnew <= cnp.PyArray_DIM(kc, 2)
+        page = cnp.PyArray_DIM(kc, 2)
+        capacity = page * self._bt_width
+        if page == 0 or self._top + Lnew > capacity:
+            return False
+        if self._memo_page != page or self._memo_lnew != Lnew:
+            self._check_pages(page, Lnew)       # raises for new rows sharing a cache row
+        return self._memo_lo >= 0 and self._memo_hi < cnp.PyArray_DIM(kc, 0)
+
+    cdef int _append(self, cnp.ndarray k, cnp.ndarray v, cnp.ndarray kc, cnp.ndarray vc,
+                     object k_scale, object v_scale, cnp.ndarray seqlens,
+                     object block_table) except -2:
+        # The new rows rotated, rounded or quantised into a staging block, every value
+        # checked, and only then written: 0, or -1 (nothing written) for a value the cache
+        # refuses.
+        cdef Rows rk, rv
+        _set_rows(&rk, k, kc, k_scale)
+        _set_rows(&rv, v, vc, v_scale)
+        cdef Py_ssize_t B = self.batch, Hkv = cnp.PyArray_DIM(kc, 1), Lnew = cnp.PyArray_DIM(k, 2)
+        cdef Py_ssize_t kb = _staged_bytes(&rk), vb = _staged_bytes(&rv)
+        cdef Py_ssize_t n = B * Hkv * Lnew, page = cnp.PyArray_DIM(kc, 2)
+        cdef Py_ssize_t cols = max(rk.cols, rv.cols)
+        cdef char* mem = <char*> PyMem_RawMalloc(n * (kb + vb) + cols * sizeof(float) + 64)
+        if mem == NULL:
+            raise MemoryError("fastattn: cannot allocate the new rows' staging block")
+        cdef float* x = <float*> mem
+        cdef char* staged = mem + cols * sizeof(float)
+        cdef const Py_ssize_t* seq = <const Py_ssize_t*> cnp.PyArray_DATA(seqlens)
+        cdef const int32_t* bt = NULL
+        cdef Py_ssize_t bt_stride = 0
+        if block_table is not None:
+            bt = <const int32_t*> cnp.PyArray_DATA(block_table)
+            bt_stride = block_table.shape[1]
+        cdef const float* cos = NULL
+        cdef const float* sin = NULL
+        cdef Py_ssize_t half = 0, b, h, i, w, pos, first, row
+        if self._cos32 is not None:
+            cos = <const float*> cnp.PyArray_DATA(self._cos32)
+            sin = <const float*> cnp.PyArray_DATA(self._sin32)
+            half = self._cos32.shape[1]
+        cdef int bad = 0, interleaved = self._interleaved
+        with nogil:
+            for w in range(n):
+                b, h, i = w // (Hkv * Lnew), (w // Lnew) % Hkv, w % Lnew
+                pos = seq[b] + i
+                bad = (_stage_row(&rk, b, h, i, cos + pos * half if cos != NULL else NULL,
+                                  sin + pos * half if sin != NULL else NULL, half,
+                                  interleaved, x, staged + w * (kb + vb)) < 0
+                       or _stage_row(&rv, b, h, i, NULL, NULL, 0, 0, x,
+                                     staged + w * (kb + vb) + kb) < 0)
+                if bad:
+                    break
+            if not bad:
+                for w in range(n):
+                    b, h, i = w // (Hkv * Lnew), (w // Lnew) % Hkv, w % Lnew
+                    pos = seq[b] + i
+                    first, row = b, pos
+                    if bt != NULL:
+                        first, row = bt[b * bt_stride + pos // page], pos % page
+                    _store_new_row(&rk, first, h, row, staged + w * (kb + vb))
+                    _store_new_row(&rv, first, h, row, staged + w * (kb + vb) + kb)
+        PyMem_RawFree(mem)
+        return -1 if bad else 0
+
+    cdef cnp.ndarray _rotated_q(self, cnp.ndarray q, cnp.ndarray seqlens):
+        # q rotated, a new C-contiguous array of q's dtype: row i of sequence b at position
+        # cache_seqlens[b] + i when causal or windowed, else at cache_seqlens[b].
+        cdef cnp.ndarray res = np.empty_like(q, order="C")
+        cdef Py_ssize_t B = q.shape[0], H = q.shape[1], Lq = q.shape[2], D = q.shape[3]
+        cdef Py_ssize_t half = self._cos32.shape[1], b, h, i, pos
+        cdef int kind = _float_kind(q), interleaved = self._interleaved
+        cdef bint per_row = self._rotate_q_per_row
+        cdef const Py_ssize_t* seq = <const Py_ssize_t*> cnp.PyArray_DATA(seqlens)
+        cdef const float* cos = <const float*> cnp.PyArray_DATA(self._cos32)
+        cdef const float* sin = <const float*> cnp.PyArray_DATA(self._sin32)
+        cdef const char* src = <const char*> cnp.PyArray_DATA(q)
+        cdef char* dst = <char*> cnp.PyArray_DATA(res)
+        cdef Py_ssize_t sb = q.strides[0], sh = q.strides[1], si = q.strides[2], sc = q.strides[3]
+        cdef Py_ssize_t row_bytes = D * cnp.PyArray_ITEMSIZE(q)
+        cdef float* x = <float*> PyMem_RawMalloc(D * sizeof(float) + 64)
+        if x == NULL:
+            raise MemoryError("fastattn: cannot allocate a row of q")
+        with nogil:
+            for b in range(B):
+                for h in range(H):
+                    for i in range(Lq):
+                        pos = seq[b] + (i if per_row else 0)
+                        fa_load_row(kind, src + b * sb + h * sh + i * si, sc, D, x)
+                        fa_rotate_row(x, cos + pos * half, sin + pos * half, half,
+                                      interleaved)
+                        fa_store_row(kind, x, D, dst + ((b * H + h) * Lq + i) * row_bytes)
+        PyMem_RawFree(x)
+        return res
+
+    cdef int _attend(self, cnp.ndarray q, cnp.ndarray kc, cnp.ndarray vc, cnp.ndarray out,
+                     object lse, object k_scale, object v_scale, Py_ssize_t Lnew,
+                     cnp.ndarray seqlens, object block_table, double scale, object alibi,
+                     object sinks) except -1:
+        # The kernel over the caches in place, each sequence over its cache_seqlens[b] +
+        # Lnew keys: the Problem the checked path's forward_kvcache fills, filled here.
+        cdef Problem P
+        cdef Py_ssize_t small[SMALL_OFFSETS]
+        cdef Py_ssize_t bshape[1]
+        cdef Py_ssize_t B = self.batch, b
+        bshape[0] = B
+        cdef Py_ssize_t* seen = <Py_ssize_t*> PyMem_RawMalloc(max(B, 1) * sizeof(Py_ssize_t))
+        if seen == NULL:
+            raise MemoryError("fastattn: cannot allocate the sequences' lengths")
+        cdef const Py_ssize_t* seq = <const Py_ssize_t*> cnp.PyArray_DATA(seqlens)
+        for b in range(B):
+            seen[b] = seq[b] + Lnew
+        cdef Py_ssize_t* offs = NULL
+        try:
+            offs = _fill_layout(&P, q, kc, vc, out, lse, None, 1, bshape, seen, small)
+            P.causal, P.wl, P.wr = self._causal, self._wl, self._wr
+            P.scale, P.softcap = scale, self._softcap
+            P.alibi = <const double*> _data_or_null(alibi)
+            P.sinks = <const double*> _data_or_null(sinks)
+            _fill_caches(&P, offs, kc, vc, block_table, k_scale, v_scale)
+            _run(&P, True, self._n_threads)
+        finally:
+            if offs != NULL:
+                _free_offsets(offs, small)
+            PyMem_RawFree(seen)
+        return 0
+
+
+def quantize_q8_0_rows(cnp.ndarray x, cnp.ndarray values, cnp.ndarray scales):
+    """Quantise rows to q8_0 (fastattn._q8_0.quantize): ``x`` float32, float16 or bfloat16
+    ``(n, D)``, D a multiple of 32, into ``values`` int8 ``(n, D)`` and ``scales`` float16
+    ``(n, D // 32)``, all C-contiguous (nothing is checked here).  False, with the rows up to
+    the refused one written, when a value is not finite or beyond 127 * 65504."""
+    cdef Py_ssize_t n = cnp.PyArray_DIM(x, 0), D = cnp.PyArray_DIM(x, 1), r
+    cdef int kind = _float_kind(x), bad = 0
+    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(x)
+    cdef const char* src = <const char*> cnp.PyArray_DATA(x)
+    cdef int8_t* qs = <int8_t*> cnp.PyArray_DATA(values)
+    cdef uint16_t* ds = <uint16_t*> cnp.PyArray_DATA(scales)
+    cdef float* row = <float*> PyMem_RawMalloc(D * sizeof(float) + 64)
+    if row == NULL:
+        raise MemoryError("fastattn: cannot allocate a row")
+    with nogil:
+        for r in range(n):
+            fa_load_row(kind, src + r * D * isz, isz, D, row)
+            if fa_quantize_q8_0_row(row, D, qs + r * D, ds + r * (D // 32)) < 0:
+                bad = 1
+                break
+    PyMem_RawFree(row)
+    return not bad

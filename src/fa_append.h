@@ -1,0 +1,152 @@
+/*
+ * fa_append.h -- new rows of a serving cache in the cache's format: read from q, k or v in
+ * float32, float16 or bfloat16 (any element stride), rotated (rotary embedding), and
+ * stored as float32, float16, bfloat16 or llama.cpp's q8_0.
+ *
+ * Every value here must equal the NumPy front end's, bit for bit, since either may append
+ * the rows of one cache:
+ *  - rotation is FlashAttention's apply_rotary_emb in float32, each product and each sum
+ *    rounded on its own (x1 cos - x2 sin, x1 sin + x2 cos), as NumPy's elementwise
+ *    operations round them; fa_rounded keeps the compiler from fusing them into an FMA;
+ *  - rounding to float16 and bfloat16 is to nearest even; NaN becomes NumPy's float16 NaN
+ *    (the top bits of the payload) and ml_dtypes' bfloat16 NaN (the sign and 0x7fc0);
+ *  - q8_0 is quantize_row_q8_0_ref: d = max|x| / 127 in float32, values round(x * (1 / d))
+ *    with ties away from zero, d stored rounded to float16.
+ * A function that would store a value the front end refuses (a finite value that
+ * overflows float16, a non-finite or huge value for q8_0) returns -1 and stores nothing of
+ * that row; the caller then leaves the whole call to the front end, which names the value.
+ */
+#ifndef FA_APPEND_H
+#define FA_APPEND_H
+
+#include <math.h>
+#include "fa_half.h"
+
+/* llama.cpp's QK8_0, and the largest |x| whose block scale is a finite float16. */
+#define FA_Q8_0_BLOCK 32
+#define FA_Q8_0_MAX_ABS (127.0f * 65504.0f)
+
+/* x as rounded to float32: the compiler may not fuse the operation that made it into a
+ * later addition. */
+FA_INLINE float fa_rounded(float x)
+{
+    __asm__ volatile("" : "+m"(x));
+    return x;
+}
+
+FA_INLINE uint16_t fa_f32_to_f16(float f)
+{
+    const uint32_t w = fa_f32_bits(f);
+    if ((w & 0x7fffffffu) > 0x7f800000u) {                 /* NaN: NumPy keeps the payload */
+        uint16_t h = (uint16_t)(0x7c00u | ((w & 0x007fffffu) >> 13));
+        if (h == 0x7c00u) h++;
+        return (uint16_t)(((w >> 16) & 0x8000u) | h);
+    }
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    return fa_f32_to_f16_soft(f);
+#endif
+}
+
+FA_INLINE uint16_t fa_f32_to_bf16_np(float f)
+{
+    const uint32_t w = fa_f32_bits(f);
+    if ((w & 0x7fffffffu) > 0x7f800000u)                   /* NaN: ml_dtypes' quiet NaN */
+        return (uint16_t)(((w >> 16) & 0x8000u) | 0x7fc0u);
+    return (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+
+/* One element of storage kind `kind` (FA_STORE_NATIVE: float32) as float32. */
+FA_INLINE float fa_load_one(int kind, const char* p)
+{
+    uint16_t h;
+    float f;
+    if (kind == FA_STORE_NATIVE) {
+        memcpy(&f, p, 4);
+        return f;
+    }
+    memcpy(&h, p, 2);
+    return kind == FA_STORE_F16 ? fa_f16_to_f32(h) : fa_bf16_to_f32(h);
+}
+
+/* n elements src[i * stride] (bytes) of kind `kind` widened into dst. */
+static inline void fa_load_row(int kind, const char* src, ptrdiff_t stride, ptrdiff_t n,
+                               float* dst)
+{
+    if (kind == FA_STORE_NATIVE && stride == 4)
+        memcpy(dst, src, n * sizeof(float));
+    else if (kind != FA_STORE_NATIVE && stride == 2)
+        fa_widen_f(kind, (const uint16_t*)src, n, dst);
+    else
+        for (ptrdiff_t i = 0; i < n; i++)
+            dst[i] = fa_load_one(kind, src + i * stride);
+}
+
+/* x[0 .. 2 half) rotated in place by the angles of one position: pairs (i, i + half), or
+ * (2i, 2i + 1) when interleaved; the dims past 2 half are left as they are. */
+static inline void fa_rotate_row(float* x, const float* cos, const float* sin, ptrdiff_t half,
+                                 int interleaved)
+{
+    for (ptrdiff_t i = 0; i < half; i++) {
+        float* p1 = interleaved ? x + 2 * i : x + i;
+        float* p2 = interleaved ? x + 2 * i + 1 : x + i + half;
+        const float x1 = *p1, x2 = *p2;
+        *p1 = fa_rounded(x1 * cos[i]) - fa_rounded(x2 * sin[i]);
+        *p2 = fa_rounded(x1 * sin[i]) + fa_rounded(x2 * cos[i]);
+    }
+}
+
+/* x[0 .. n) rounded to the 16-bit kind `kind` and back (a rotated row given back in its own
+ * 16-bit dtype: overflow gives inf, as NumPy's cast does). */
+static inline void fa_round_row(int kind, float* x, ptrdiff_t n)
+{
+    if (kind == FA_STORE_F16)
+        for (ptrdiff_t i = 0; i < n; i++) x[i] = fa_f16_to_f32(fa_f32_to_f16(x[i]));
+    else if (kind == FA_STORE_BF16)
+        for (ptrdiff_t i = 0; i < n; i++) x[i] = fa_bf16_to_f32(fa_f32_to_bf16_np(x[i]));
+}
+
+/* x[0 .. n) stored as float32, float16 or bfloat16 at dst (contiguous).  -1 where a finite
+ * value overflowed the 16-bit type (stored as inf, which a cache refuses). */
+static inline int fa_store_row(int kind, const float* x, ptrdiff_t n, char* dst)
+{
+    if (kind == FA_STORE_NATIVE) {
+        memcpy(dst, x, n * sizeof(float));
+        return 0;
+    }
+    uint16_t* h = (uint16_t*)dst;
+    const uint16_t inf = kind == FA_STORE_F16 ? 0x7c00u : 0x7f80u;
+    int overflow = 0;
+    for (ptrdiff_t i = 0; i < n; i++) {
+        h[i] = kind == FA_STORE_F16 ? fa_f32_to_f16(x[i]) : fa_f32_to_bf16_np(x[i]);
+        overflow |= (h[i] & 0x7fffu) == inf && isfinite(x[i]);
+    }
+    return overflow ? -1 : 0;
+}
+
+/* x[0 .. n), n a multiple of 32, as q8_0: values qs[0 .. n), float16 scales ds[0 .. n / 32).
+ * -1 for a value that is not finite or beyond 127 * 65504 (its scale would not be). */
+static inline int fa_quantize_q8_0_row(const float* x, ptrdiff_t n, int8_t* qs, uint16_t* ds)
+{
+    for (ptrdiff_t b = 0; b < n; b += FA_Q8_0_BLOCK) {
+        float amax = 0.0f;
+        int bad = 0;
+        for (int j = 0; j < FA_Q8_0_BLOCK; j++) {
+            const float a = fabsf(x[b + j]);
+            bad |= !(a <= FA_Q8_0_MAX_ABS);
+            amax = a > amax ? a : amax;
+        }
+        if (bad)
+            return -1;
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* x * id is rounded once, then to the nearest integer: nothing to fuse it into */
+        for (int j = 0; j < FA_Q8_0_BLOCK; j++)
+            qs[b + j] = (int8_t)roundf(x[b + j] * id);
+        ds[b / FA_Q8_0_BLOCK] = fa_f32_to_f16(d);
+    }
+    return 0;
+}
+
+#endif
