@@ -75,14 +75,6 @@ def _attention_cases():
     }
 
 
-@pytest.mark.parametrize("case", list(_attention_cases()))
-def test_opcheck_attention(case):
-    args, kwargs = _attention_cases()[case]
-    if case == "bfloat16":
-        import_optional("ml_dtypes")
-    opcheck(ops.attention.default, args, kwargs)
-
-
 @pytest.mark.parametrize("sinks", [False, True])
 def test_opcheck_attention_backward(sinks):
     q, k, v = randn(2, 4, 5, 8), randn(2, 2, 7, 8, seed=1), randn(2, 2, 7, 8, seed=2)
@@ -122,12 +114,16 @@ def _kvcache_cases():
     }
 
 
-@pytest.mark.parametrize("case", list(_kvcache_cases()))
-def test_opcheck_attention_with_kvcache(case):
-    args, kwargs = _kvcache_cases()[case]
+CASES = {"attention": _attention_cases, "attention_with_kvcache": _kvcache_cases}
+
+
+@pytest.mark.parametrize("op, case", [(op, case) for op, cases in CASES.items()
+                                      for case in cases()])
+def test_opcheck(op, case):
+    args, kwargs = CASES[op]()[case]
     if case == "bfloat16":
         import_optional("ml_dtypes")
-    opcheck(ops.attention_with_kvcache.default, args, kwargs)
+    opcheck(getattr(ops, op).default, args, kwargs)
 
 
 def test_operators_schemas():

@@ -70,12 +70,12 @@ def readable(t):
     return view(t)
 
 
-def constant(t, float_dtypes=(torch.float32, torch.float64)):
+def constant(t):
     """A keyword tensor (mask, lengths, slopes) as fastattn takes it: 16-bit floats as
     float32, the rest as they are."""
     if t is None:
         return None
-    if t.is_floating_point() and t.dtype not in float_dtypes:
+    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
         t = t.float()
     return view(t)
 
