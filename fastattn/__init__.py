@@ -56,6 +56,8 @@ Both call paths::
 - ``fastattn/_threads.py``    the thread count (``set_num_threads``, threadpoolctl).
 - ``fastattn/_precision.py``  bfloat16 products: when they run, and the opt-in for
                               float32 calls (``set_float32_precision``).
+- ``fastattn/_config.py``     what this process runs (``show_config``, and the command
+                              line's ``info``).
 - ``fastattn/layers.py``, ``_kvcache.py``, ``positions.py``: self-attention,
                               ``MultiHeadAttention`` with a KV cache, positions.
 - ``fastattn/integrations/``  torch (differentiable operations), transformers, TabPFN,
@@ -72,6 +74,7 @@ from ._q8_0 import dequantize_q8_0, quantize_q8_0
 from ._merge import merge_attention
 from ._threads import get_num_threads, num_threads, set_num_threads
 from ._precision import float32_precision, get_float32_precision, set_float32_precision
+from ._config import show_config
 from . import reference
 from .layers import KVCache, MultiHeadAttention, self_attention
 from .positions import rope, sinusoidal_positions
@@ -87,7 +90,7 @@ __all__ = [
     "attention_with_kvcache", "plan_kvcache", "KVCachePlan", "quantize_q8_0", "dequantize_q8_0",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
-    "reference",
+    "show_config", "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
     "sinusoidal_positions", "rope",
     "__version__",

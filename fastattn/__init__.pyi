@@ -18,7 +18,7 @@ __all__ = [
     "attention_with_kvcache", "plan_kvcache", "KVCachePlan", "quantize_q8_0", "dequantize_q8_0",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
-    "reference",
+    "show_config", "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
     "sinusoidal_positions", "rope",
     "__version__",
@@ -207,6 +207,9 @@ class float32_precision:
     def __init__(self, precision: Literal["float32", "bfloat16"]) -> None: ...
     def __enter__(self) -> float32_precision: ...
     def __exit__(self, *exc: object) -> None: ...
+
+# -- what this process runs ---------------------------------------------------------------
+def show_config(file: Any = None) -> None: ...
 
 # -- layers -------------------------------------------------------------------------------
 def self_attention(

@@ -9,7 +9,7 @@ from the build, or fails to import, is skipped, so the baseline is always the fa
 
 ``FASTATTN_ISA=base|avx2|avx512`` forces a variant (e.g. to test the fallback on a new CPU);
 forcing one the CPU cannot run raises ImportError rather than crashing later with SIGILL.
-tests/test_variants.py uses it to check every variant the running CPU supports.
+tests/test_dispatch.py uses it to check every variant the running CPU supports.
 """
 import importlib
 import os
@@ -43,7 +43,7 @@ except ImportError:
 #: do at least as well, and up to twice the work per cycle on CPUs with two 512-bit FMA
 #: units; decode steps are bound by memory bandwidth either way.  That is an expectation,
 #: not a measurement: the two builds have not been timed against each other, and the
-#: AVX-512 build runs only on CPUs that have AVX-512, where tests/test_variants.py checks
+#: AVX-512 build runs only on CPUs that have AVX-512, where tests/test_dispatch.py checks
 #: it (and the whole suite runs on it, being the default there).  Where its clock penalty
 #: outweighs the wider vectors, FASTATTN_ISA=avx2 selects the AVX2 build.
 PREFERENCE = ("avx512", "avx2", "base")

@@ -7,13 +7,15 @@ bfloat16 dot products (AVX512-BF16) and the head dims suit the kernel (the kerne
 nearest even) and run through the same kernel, with a float32 result.  The backward of
 such a call computes with the rounded q, k and v, so its gradients are those of the
 function the forward computed.  Where the CPU lacks the bfloat16 products, float32 calls
-stay exact whatever the setting: rounding would cost accuracy and buy no speed.
+stay exact whatever the setting: rounding would cost accuracy and buy no speed; asking
+for bfloat16 there warns, once per process (:func:`fastattn.show_config` shows what runs).
 
 The setting is process-wide (:func:`set_float32_precision`); :class:`float32_precision`
 overrides it for the calling thread within a ``with`` block.  The torch integrations
 follow this setting too, never torch's ``set_float32_matmul_precision``.
 """
 import threading
+import warnings
 
 import numpy as np
 
@@ -30,6 +32,8 @@ _local = threading.local()
 active = False
 _bf16_blocks = 0
 _lock = threading.Lock()
+# Whether the opt-in has warned that it changes nothing here: once per process.
+_warned = False
 
 
 def _update_active():
@@ -40,13 +44,51 @@ def _update_active():
 def _check(precision):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bfloat16":
+        _warn_once_if_no_products()
     return precision
+
+
+def bf16_products():
+    """Whether this process multiplies in bfloat16 pairs where a call may: ``(True, how)``,
+    or ``(False, why not)``."""
+    if kernel.bf16_dot():
+        return True, "AVX512-BF16 vdpbf16ps"
+    if not kernel.BF16_DOT_BUILT:
+        return False, "this kernel variant has no bfloat16 products"
+    if not kernel.BF16_DOT_CPU:
+        return False, "this CPU has no AVX512-BF16"
+    return False, "turned off by FASTATTN_BF16_DOT=0 or the kernel's set_bf16_dot"
+
+
+def float32_products():
+    """What this thread's float32 calls multiply in now, in words."""
+    if get_float32_precision() == "float32":
+        return "float32 (exact, the default)"
+    runs, why = bf16_products()
+    if runs:
+        return ("bfloat16 (set_float32_precision: q, k, v rounded to bfloat16 where the "
+                "head dims suit the kernel)")
+    return f"float32: 'bfloat16' is set, but {why}"
+
+
+def _warn_once_if_no_products():
+    global _warned
+    runs, why = bf16_products()
+    if runs or _warned:
+        return
+    _warned = True
+    # stacklevel: the user's call of set_float32_precision or float32_precision.
+    warnings.warn(f"float32 precision 'bfloat16' changes nothing here: {why}, so float32 "
+                  "calls keep exact float32 products (fastattn.show_config() shows what "
+                  "runs)", RuntimeWarning, stacklevel=4)
 
 
 def set_float32_precision(precision):
     """Set how float32 calls multiply: ``"float32"`` (exact, the default) or
     ``"bfloat16"`` (q, k, v rounded to bfloat16 and multiplied in bfloat16 pairs, softmax
-    and sums in float32; only where the CPU has bfloat16 dot products).  Returns the
+    and sums in float32; only where the CPU has bfloat16 dot products: elsewhere, or with
+    ``FASTATTN_BF16_DOT=0``, it changes nothing and warns once per process).  Returns the
     previous setting.
 
     Examples
@@ -66,7 +108,8 @@ def set_float32_precision(precision):
 
 def get_float32_precision():
     """The precision of float32 calls made by this thread now (see
-    :func:`set_float32_precision`)."""
+    :func:`set_float32_precision`): the setting.  Where the CPU has no bfloat16 products
+    float32 calls stay exact whatever it says; :func:`fastattn.show_config` shows what runs."""
     return getattr(_local, "override", None) or _global
 
 

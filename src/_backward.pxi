@@ -159,7 +159,7 @@ cdef void _bwd_rows(const Problem* P, const Grads* G, Tile* t, const Workspace* 
         if r < t.nrows:
             _row_position(P, t, r, &h, &i)
         if r < t.nrows and t.lo[r] < t.hi[r] and _row_lse(P, t.b, h, i, t.q_len, &li, &lse):
-            ws[w.lse2 + r] = <floating> (lse * LOG2E - _cap_shift(P))
+            ws[w.lse2 + r] = <floating> _sink2(P, lse, _mask_shift(P, t, r))
             ws[w.delta + r] = (<const floating*> G.delta)[li]
             _load_row(G.dout + (G.do_boff[t.b] + h * G.do_sh + i * G.do_si) * G.do_isz,
                       G.do_kind, P.Dv, dst, dv_pad)
@@ -388,7 +388,8 @@ cdef void _write_q(const Problem* P, const Grads* G, const Tile* t, const Worksp
             acc = ws + w.dqacc + r * d_pad
             psum = ws[w.psum + r]
             if P.sinks != NULL:
-                psum += exp2(P.sinks[t.b * P.Hq + h] * LOG2E - _cap_shift(P) - ws[w.lse2 + r])
+                psum += exp2(_sink2(P, P.sinks[t.b * P.Hq + h], _mask_shift(P, t, r))
+                             - ws[w.lse2 + r])
             sc = <floating> (P.scale / psum)
             for c in range(P.D):
                 dq[c] = acc[c] * sc

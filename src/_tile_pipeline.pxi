@@ -133,6 +133,8 @@ cdef struct Tile:
     Py_ssize_t* hi
     Py_ssize_t vec_lo[FA_BQ]
     Py_ssize_t vec_hi[FA_BQ]
+    # Per row: the constant its float mask is shifted by (_set_mask_shifts).
+    double mshift[FA_BQ]
     # Per lane group ig of the score and finish stages (NL rows; a decode tile is one
     # group): the union [grp_lo, grp_hi) of its rows' intervals, and the keys every one of
     # its rows sees, [grp_all_lo, grp_all_hi) (empty when some row sees nothing).  Per
@@ -387,6 +389,7 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     cdef Py_ssize_t r, h, i, ic, j, nj, u, c, ldqt = t.ldqt, D = P.D
     cdef bint real
     memset(ws + w.zrow, 0, max(D, P.Dv) * sizeof(floating))
+    _set_mask_shifts(P, t, <const floating*> P.mask)
     t.tile_lo = t.kv_len
     t.tile_hi = 0
     for r in range(t.nlanes):
@@ -923,6 +926,14 @@ cdef inline void _modify_scores(const Problem* P, const Tile* t, const Workspace
         alibi(s, g_lo, g_hi - g_lo, ws + w.nslope + c, ws + w.diag + c, nvec)
 
 
+cdef inline double _sink2(const Problem* P, double sink, double shift) noexcept nogil:
+    # A sink logit as the row's finished scores hold it: base 2, less the cap and the row's
+    # mask shift (_mask_shift).
+    if shift != 0:
+        sink = sink - shift
+    return sink * LOG2E - _cap_shift(P)
+
+
 cdef inline double _cap_shift(const Problem* P) noexcept nogil:
     # What the finished scores (base 2) lack: softcap keeps capped scores less the cap c,
     # so that those near the cap keep their low bits (see fa_softcap_f); the softmax is
@@ -948,11 +959,13 @@ cdef inline void _finish_row(const Problem* P, const Tile* t, floating* sr, Py_s
 cdef inline void _apply_mask(const Problem* P, const Tile* t, floating* sr, Py_ssize_t r,
                              Py_ssize_t a, Py_ssize_t z) noexcept nogil:
     # The user's mask on keys [a, z) of row r: a bool mask hides keys, a float mask is added
-    # (in base 2, like the scores).
+    # (in base 2, like the scores), less the row's shift (_set_mask_shifts).
     cdef Py_ssize_t h, i, j, j0 = t.j0
     cdef floating log2e = <floating> LOG2E
     cdef floating ninf = -INFINITY
     cdef const char* mrow
+    cdef const floating* mask
+    cdef floating shift
     _row_position(P, t, r, &h, &i)
     if P.mask_kind == 1:
         mrow = P.mask + P.m_boff[t.b] + h * P.m_sh + i * P.m_si
@@ -960,9 +973,51 @@ cdef inline void _apply_mask(const Problem* P, const Tile* t, floating* sr, Py_s
             if not (<const unsigned char*> mrow)[j * P.m_sj]:
                 sr[(j - j0) * FA_BQ] = ninf
     else:
-        mrow = P.mask + (P.m_boff[t.b] + h * P.m_sh + i * P.m_si) * <Py_ssize_t> sizeof(floating)
+        mask = (<const floating*> P.mask) + _mask_row(P, t, h, i)
+        shift = <floating> t.mshift[r]
         for j in range(a, z):
-            sr[(j - j0) * FA_BQ] += (<const floating*> mrow)[j * P.m_sj] * log2e
+            sr[(j - j0) * FA_BQ] += (mask[j * P.m_sj] - shift) * log2e
+
+
+cdef inline Py_ssize_t _mask_row(const Problem* P, const Tile* t, Py_ssize_t h,
+                                 Py_ssize_t i) noexcept nogil:
+    # The element offset of the float mask's row of query head h, position i.
+    return P.m_boff[t.b] + h * P.m_sh + i * P.m_si
+
+
+cdef inline double _mask_shift(const Problem* P, const Tile* t, Py_ssize_t r) noexcept nogil:
+    # Row r's float mask shift (_set_mask_shifts), 0 without a float mask.
+    return t.mshift[r] if P.mask_kind == 2 else 0
+
+
+cdef void _set_mask_shifts(const Problem* P, Tile* t, const floating* mask) noexcept nogil:
+    # The constant each row's float mask (`mask`: P.mask in the compute type) is shifted by:
+    # its largest finite value over the row's visible keys (0 without a float mask, for a
+    # row that sees nothing, or one whose mask holds no finite value there).  The softmax
+    # is the same for any constant, and lse, the sinks and the backward add it back; but a
+    # mask of large magnitude (ALiBi as a mask, up to slope x length) would otherwise round
+    # the finished scores at its magnitude, in base 2 half a binade above the natural
+    # scores', while the mask less its row's largest value is exact near that value, where
+    # the keys that carry the softmax are.  A row's shift is its own, whatever the tile or
+    # key chunk: decode steps keep the prefill's bits.
+    cdef Py_ssize_t r, h, i, lo, hi, j, m0
+    cdef floating m, best
+    if P.mask_kind != 2:
+        return
+    for r in range(t.nrows):
+        t.mshift[r] = 0
+        _row_position(P, t, r, &h, &i)
+        if i >= t.q_len:
+            continue
+        fa_key_interval(i, t.q_len, t.kv_len, P.causal, P.wl, P.wr, &lo, &hi)
+        m0 = _mask_row(P, t, h, i)
+        best = -INFINITY
+        for j in range(lo, hi):
+            m = mask[m0 + j * P.m_sj]
+            if m > best and m != INFINITY:
+                best = m
+        if best != -INFINITY:
+            t.mshift[r] = best
 
 
 # ---------------------------------------------------------------------------- softmax
@@ -1234,6 +1289,7 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
     cdef const floating* L = ws + w.L
     cdef const floating* ACC
     cdef Py_ssize_t r, h, i
+    cdef double shift
     cdef char* orow
     # A 16-bit output row is computed into the workspace and rounded once.
     cdef bint narrow = P.o_kind != FA_STORE_NATIVE
@@ -1244,22 +1300,25 @@ cdef void _write_rows(const Problem* P, const Tile* t, const Workspace* w,
         if not narrow:
             dst = <floating*> orow
         ACC = ws + w.ACC + r * t.dv_pad
+        shift = _mask_shift(P, t, r)
         if P.sinks != NULL and i < t.q_len:
-            _write_row_sink(P, t, dst, ACC, M[r], L[r], P.sinks[t.b * P.Hq + h], h, i)
+            _write_row_sink(P, t, dst, ACC, M[r], L[r], P.sinks[t.b * P.Hq + h], shift, h, i)
         else:
-            _write_row(P, t, dst, ACC, M[r], L[r], h, i)
+            _write_row(P, t, dst, ACC, M[r], L[r], shift, h, i)
         if narrow:
             narrow_row(P.o_kind, dst, P.Dv, orow)
 
 
 cdef inline void _write_row(const Problem* P, const Tile* t, floating* orow,
-                            const floating* ACC, floating M, floating L, Py_ssize_t h,
-                            Py_ssize_t i) noexcept nogil:
-    # out = ACC / L, lse = M ln 2 + log L.  L == 0 exactly iff no key was visible (the max
-    # key alone contributes p = 1); a NaN or +inf score makes L NaN, and the row NaN, as in
-    # the reference.  A division rounds once; a product with 1 / L rounds twice, which at
-    # float32 costs up to one more unit in the last place of every output.
+                            const floating* ACC, floating M, floating L, double shift,
+                            Py_ssize_t h, Py_ssize_t i) noexcept nogil:
+    # out = ACC / L, lse = M ln 2 + log L (+ the row's mask shift).  L == 0 exactly iff no
+    # key was visible (the max key alone contributes p = 1); a NaN or +inf score makes L
+    # NaN, and the row NaN, as in the reference.  A division rounds once; a product with
+    # 1 / L rounds twice, which at float32 costs up to one more unit in the last place of
+    # every output.
     cdef Py_ssize_t c
+    cdef double base
     if L != 0:
         for c in range(P.Dv):
             orow[c] = ACC[c] / L
@@ -1267,17 +1326,21 @@ cdef inline void _write_row(const Problem* P, const Tile* t, floating* orow,
         for c in range(P.Dv):
             orow[c] = 0
     if P.lse != NULL:
+        base = (M + _cap_shift(P)) * LN2
+        if shift != 0:
+            base = base + shift
         (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = (
-            (M + _cap_shift(P)) * LN2 + log(L) if L != 0 else -INFINITY)
+            base + log(L) if L != 0 else -INFINITY)
 
 
 cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow,
                                  const floating* ACC, floating M, floating L, double sink,
-                                 Py_ssize_t h, Py_ssize_t i) noexcept nogil:
+                                 double shift, Py_ssize_t h, Py_ssize_t i) noexcept nogil:
     # A row whose softmax denominator has one more logit, the head's sink, without a value:
     # out = ACC 2^M / (L 2^M + 2^sink2), lse = log of that denominator (natural log);
-    # a row that saw no key gets zeros and lse = sink.
-    cdef double sink2 = sink * LOG2E - _cap_shift(P), mx, a, den, f
+    # a row that saw no key gets zeros and lse = sink.  sink2 is in the scores' base 2,
+    # shifted as they are (the cap, the row's mask shift).
+    cdef double sink2 = _sink2(P, sink, shift), mx, a, den, f
     cdef Py_ssize_t c
     cdef double lse = sink
     if L == 0:
@@ -1291,7 +1354,10 @@ cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow
         f = a / den
         for c in range(P.Dv):
             orow[c] = <floating> (ACC[c] * f)
-        lse = (mx + _cap_shift(P)) * LN2 + log(den)
+        lse = (mx + _cap_shift(P)) * LN2
+        if shift != 0:
+            lse = lse + shift
+        lse = lse + log(den)
     if P.lse != NULL:
         (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = <floating> lse
 
@@ -1337,6 +1403,7 @@ cdef void _merge_partials(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize
     cdef const floating* pc
     _carve(&w, P, VL)
     _setup(P, &t, b, g, r0, NULL, NULL, ws)
+    _set_mask_shifts(P, &t, <const floating*> P.mask)
     _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
     for kc in range(nchunk):
         pc = partial + kc * pst

@@ -2,7 +2,8 @@
 
 - results against references: ``assert_close``, ``tolerance``, ``max_error``,
   ``merge_partials``;
-- inputs: ``make_qkv`` (with ``qkv_shapes``), the ``rng`` fixture;
+- inputs: ``make_qkv`` (with ``qkv_shapes``), the ``rng`` fixture, ``HALVES`` (the
+  16-bit dtypes as test parameters);
 - error messages: ``names`` / ``names_any`` (the message names the argument);
 - fresh interpreters: ``run_python``, ``run_cli`` (the command line), and ``ROOT``, the
   repository root;
@@ -138,6 +139,21 @@ def max_error(actual, expected):
     e = np.asarray(expected, dtype=np.float64)
     finite = np.isfinite(a) & np.isfinite(e)
     return float(np.abs(a[finite] - e[finite]).max(initial=0.0))
+
+
+def _bfloat16():
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+# The 16-bit storage dtypes, as test parameters: bfloat16 skips without ml_dtypes.
+HALVES = [pytest.param(np.dtype(np.float16), id="float16"),
+          pytest.param(_bfloat16(), id="bfloat16",
+                       marks=pytest.mark.skipif(_bfloat16() is None,
+                                                reason="bfloat16 needs ml_dtypes"))]
 
 
 def qkv_shapes(batch, Hq, Hkv, Lq, Lk, D, Dv=None):

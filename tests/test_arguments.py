@@ -4,8 +4,11 @@ written to, and every entry point applies the rule fastattn._args owns.
 
 By argument: q, k, v (shapes, then dtypes); mask; kv_lengths; window; causal; scale;
 softcap, alibi_slopes, sinks and q_lengths; out; return_lse; attention_varlen's cu_seqlens;
-then the same bad keywords through every entry point, random malformed calls, and softmax's
-x and axis.
+then the same bad keywords through every entry point, random malformed calls, softmax's
+x and axis, attention_backward's arrays and keywords, the one description of a call that
+the kernel reads (the Problem's fields, by name, with _args' codes), and the rules of
+softcap, the per-head arrays, the lengths, cu_seqlens and storage dtypes as fastattn._args
+gives them (what they normalise to) and as the reference applies them.
 
 The random ones: hypothesis builds a valid call (random small shapes, dtypes, keywords),
 breaks it with one or two corruptions from the catalogue below (wrong ndim, mismatched dims,
@@ -27,7 +30,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fastattn
-from fastattn import reference as ref
+from fastattn import _args, reference as ref
 
 from conftest import make_qkv, names, names_any
 
@@ -635,3 +638,254 @@ def test_softmax_bad_axis():
     for axis in (2, -3, "a", 1.5):
         with pytest.raises(ERRORS):
             fastattn.softmax(np.ones((2, 3)), axis=axis)
+
+
+# ------------------------------------------------------------------- attention_backward
+
+
+def _backward_call():
+    """The arrays of a valid attention_backward call: dout, q, k, v, out, lse."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((2, 4, 10, 8), (2, 2, 12, 8), (2, 2, 12, 8)))
+    out, lse = fastattn.attention(q, k, v, return_lse=True)
+    return [rng.standard_normal(out.shape).astype(np.float32), q, k, v, out, lse]
+
+
+@pytest.mark.parametrize("index, bad, error, words", [
+    (0, lambda a: a[..., :-1, :], ValueError, "dout must have the shape"),
+    (0, lambda a: a.astype(np.float64), TypeError, "dout must have the dtype"),
+    (4, lambda a: a[None], ValueError, "out must have the shape"),
+    (4, lambda a: a.astype(np.float16), TypeError, "out must have the dtype"),
+    (5, lambda a: a[..., :-1], ValueError, "lse must have the shape"),   # another Lq
+    (5, lambda a: a.astype(np.float64), TypeError, "lse must have the dtype"),
+    (1, lambda a: a[..., :5], ValueError, "same head dim"),             # the forward's check
+    (3, lambda a: a[:, :1], ValueError, "same heads and length"),
+])
+def test_bad_arrays_raise(index, bad, error, words):
+    args = _backward_call()
+    args[index] = bad(args[index])
+    with pytest.raises(error, match=words):
+        fastattn.attention_backward(*args)
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(dlse=np.zeros((2, 4, 11), np.float32)), ValueError, "dlse must have the shape"),
+    (dict(dlse=np.zeros((2, 4, 10), np.float64)), TypeError, "dlse must have the dtype"),
+    (dict(window=(1, 2, 3)), ValueError, "window"),
+    (dict(causal="left"), ValueError, "causal"),
+    (dict(softcap=0), ValueError, "softcap"),
+    (dict(sinks=np.zeros(3)), ValueError, "sinks"),
+    (dict(kv_lengths=[13, 1]), ValueError, "kv_lengths"),
+    (dict(mask=np.ones((10, 11), bool)), ValueError, "mask"),
+])
+def test_bad_keywords_raise(kw, error, words):
+    with pytest.raises(error, match=words):
+        fastattn.attention_backward(*_backward_call(), **kw)
+
+
+def test_varlen_bad_input_raises():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 9, 4), (1, 12, 4), (1, 12, 4)))
+    out, lse = fastattn.attention_varlen(q, k, v, [0, 4, 9], [0, 5, 12], return_lse=True)
+    with pytest.raises(ValueError, match="lse must have the shape"):
+        fastattn.attention_varlen_backward(out, q, k, v, out, lse[:, :-1], [0, 4, 9], [0, 5, 12])
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        fastattn.attention_varlen_backward(out, q, k, v, out, lse, [0, 4, 8], [0, 5, 12])
+    with pytest.raises(TypeError, match="dout must have the dtype"):
+        fastattn.attention_varlen_backward(out.astype(np.float32), q, k, v, out, lse,
+                                           [0, 4, 9], [0, 5, 12])
+
+
+# -------------------------------------------------------- the one description of a call
+
+
+def test_the_kernel_reads_the_problem_by_name(qkv):
+    # The compiled entry points read the call's description from the Problem's fields,
+    # not from positional copies: a field changed after validation is what the kernel runs.
+    from fastattn import _args, _glue
+    q, k, v = qkv
+    p = _args.Problem(q, k, v, causal=True)
+    p.scale, p.causal_code, p.softcap = 0.25, _args.CAUSAL_CODES["top-left"], 2.0
+    out = np.empty(p.result_shape(p.Dv))
+    _glue.kernel.forward(p, q=q, k=k, v=v, out=out, lse=None, mask=None, n_threads=1)
+    np.testing.assert_array_equal(
+        out, fastattn.attention(q, k, v, scale=0.25, causal="top-left", softcap=2.0))
+
+
+def test_a_kernel_with_other_codes_does_not_load(monkeypatch):
+    # The codes the Problem carries must be the kernel's: a module that disagrees is refused.
+    from fastattn import _args, _dispatch
+    monkeypatch.setattr(_args, "CAUSAL_CODES", {"none": 0, "bottom-right": 2, "top-left": 1})
+    with pytest.raises(ImportError, match="codes"):
+        _dispatch._load(_dispatch.ISA)
+
+
+# ------------------------------------- softcap, per-head arrays, lengths, cu_seqlens (_args)
+
+X = np.ones((2, 3, 4, 5))  # batch 2, Hq 3, L 4, D 5
+
+
+@pytest.mark.parametrize("softcap, error", [
+    (0, ValueError), (0.0, ValueError), (-1.0, ValueError), (np.inf, ValueError),
+    (np.nan, ValueError), (10**400, ValueError), (True, TypeError), ("30", TypeError),
+    (np.array([1.0, 2.0]), TypeError), (1j, TypeError),
+])
+def test_bad_softcap(softcap, error):
+    with pytest.raises(error, match="softcap"):
+        _args.check_softcap(softcap)
+    with pytest.raises(error, match="softcap"):
+        ref.attention(X, X, X, softcap=softcap)
+    with pytest.raises(error, match="softcap"):
+        ref.attention_varlen(X[0], X[0], X[0], [0, 4], [0, 4], softcap=softcap)
+
+
+def test_good_softcap():
+    assert _args.check_softcap(None) is None
+    for value in (30, 50.0, np.float32(2.5), np.int64(1), 1e-300):
+        out = _args.check_softcap(value)
+        assert type(out) is float and out == float(value)
+
+
+@pytest.mark.parametrize("name", ["alibi_slopes", "sinks"])
+@pytest.mark.parametrize("value, error, words", [
+    (np.ones(4), ValueError, r"shape \(4,\) does not broadcast to \(\.\.\., Hq\) = \(2, 3\)"),
+    (np.ones((3, 3)), ValueError, r"shape \(3, 3\)"),
+    (np.ones((1, 2, 3)), ValueError, r"shape \(1, 2, 3\)"),  # would add a batch axis
+    (np.ones(3, bool), TypeError, "dtype bool"),
+    (np.ones(3, complex), TypeError, "dtype complex128"),
+    (np.array(["a", "b", "c"]), TypeError, "dtype <U1"),
+    ([1.0, np.nan, 1.0], ValueError, "nan"),
+    ([1.0, np.inf, 1.0], ValueError, "inf"),
+    ([[1.0], [1.0, 2.0]], ValueError, "could not be converted"),
+])
+def test_bad_per_head(name, value, error, words):
+    check = {"alibi_slopes": _args.check_alibi_slopes, "sinks": _args.check_sinks}[name]
+    with pytest.raises(error, match=f"^{name}.*{words}"):
+        check(value, (2,), 3)
+    with pytest.raises(error, match=f"^{name}"):
+        ref.attention(X, X, X, **{name: value})
+    with pytest.raises(error, match=f"^{name}"):
+        ref.attention_weights(X, X, **{name: value})
+
+
+def test_minus_inf_is_a_sink_not_a_slope():
+    s = _args.check_sinks([0.0, -np.inf, 1.0], (2,), 3)
+    assert s.shape == (2, 3) and s.dtype == np.float64 and s[1, 1] == -np.inf
+    with pytest.raises(ValueError, match="^alibi_slopes must be finite"):
+        _args.check_alibi_slopes([0.0, -np.inf, 1.0], (2,), 3)
+    with pytest.raises(ValueError, match=r"^sinks must be finite or -inf"):
+        _args.check_sinks([0.0, np.inf, 1.0], (2,), 3)
+
+
+def test_per_head_normalised(rng):
+    slopes = rng.random((3, 1, 4))
+    got = _args.check_alibi_slopes(slopes, (3, 2), 4)
+    assert got.shape == (6, 4) and got.dtype == np.float64 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got.reshape(3, 2, 4), np.broadcast_to(slopes, (3, 2, 4)))
+    assert _args.check_sinks(2, (), 3).tolist() == [[2.0, 2.0, 2.0]]
+    assert _args.check_alibi_slopes(None, (3,), 4) is None
+    assert _args.check_sinks(np.ones(3, np.float16), (), 3).dtype == np.float64
+
+
+def test_per_head_bfloat16():
+    # gpt-oss ships its sinks in bfloat16.
+    sinks = np.array([0.5, -1.25, 3.0]).astype(pytest.importorskip("ml_dtypes").bfloat16)
+    assert _args.check_sinks(sinks, (), 3).tolist() == [[0.5, -1.25, 3.0]]
+
+
+@pytest.mark.parametrize("value, error, words", [
+    (np.array([1.0, 2.0]), TypeError, "integer array, got dtype float64"),
+    (np.array([True, False]), TypeError, "integer array, got dtype bool"),
+    (np.array([1, 2, 3]), ValueError, r"shape \(3,\) does not broadcast to the batch shape \(2,\)"),
+    (np.array([-1, 2]), ValueError, r"\[0, Lq\] = \[0, 4\], got values in \[-1, 2\]"),
+    (np.array([5, 2]), ValueError, r"\[0, Lq\] = \[0, 4\]"),
+    (np.array([[1, 2]]), ValueError, "does not broadcast"),
+])
+def test_bad_q_lengths(value, error, words):
+    with pytest.raises(error, match=f"^q_lengths.*{words}"):
+        _args.check_q_lengths(value, (2,), 4)
+    with pytest.raises(error, match="^q_lengths"):
+        ref.attention(X, X, X, q_lengths=value)
+    with pytest.raises(error, match="^q_lengths"):
+        ref.attention_weights(X, X, q_lengths=value)
+
+
+def test_lengths_normalised():
+    got = _args.check_q_lengths(np.array([[1], [3]], np.uint8), (2, 3), 4)
+    assert got.dtype == np.intp and got.tolist() == [1, 1, 1, 3, 3, 3]
+    assert _args.check_kv_lengths(np.int64(0), (), 0).tolist() == [0]
+    assert _args.check_q_lengths(None, (2,), 4) is None
+    with pytest.raises(ValueError, match=r"^kv_lengths must lie in \[0, Lk\] = \[0, 7\]"):
+        _args.check_kv_lengths([8], (1,), 7)
+
+
+@pytest.mark.parametrize("cu_q, cu_k, error, words", [
+    ([0.0, 4.0], [0, 4], TypeError, r"^cu_seqlens_q must be a 1-D integer array, got dtype float64"),
+    ([0, 4], [False, True], TypeError, r"^cu_seqlens_k must be a 1-D integer array, got dtype bool"),
+    ([[0, 4]], [0, 4], ValueError, r"^cu_seqlens_q must be a 1-D.*shape \(1, 2\)"),
+    ([], [0, 4], TypeError, r"^cu_seqlens_q"),  # np.asarray([]) is float64
+    (np.array([], int), [0, 4], ValueError, r"^cu_seqlens_q must be a 1-D.*shape \(0,\)"),
+    ([1, 4], [0, 4], ValueError, r"^cu_seqlens_q must start at 0, got cu_seqlens_q\[0\] = 1"),
+    ([0, 3, 2, 4], [0, 1, 2, 4], ValueError,
+     r"^cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[1\] = 3 > cu_seqlens_q\[2\] = 2"),
+    ([0, 3], [0, 4], ValueError, r"^cu_seqlens_q must end at total_q \(q.shape\[1\]\) = 4"),
+    ([0, 4], [0, 5], ValueError, r"^cu_seqlens_k must end at total_k \(k.shape\[1\]\) = 4"),
+    ([0, 2, 4], [0, 4], ValueError,
+     r"^cu_seqlens_q and cu_seqlens_k must have the same length.*\(3,\).*\(2,\)"),
+    (np.array([0, 2**63 + 1, 4], np.uint64), [0, 1, 4], ValueError, "non-decreasing"),
+])
+def test_bad_cu_seqlens(cu_q, cu_k, error, words):
+    with pytest.raises(error, match=words):
+        _args.check_cu_seqlens(cu_q, cu_k, 4, 4)
+    out = np.full((3, 4, 5), 7.0)
+    with pytest.raises(error, match=words):
+        ref.attention_varlen(X[0], X[0], X[0], cu_q, cu_k, out=out)
+    assert np.all(out == 7.0)  # nothing written before the error
+
+
+def test_cu_seqlens_normalised():
+    cu_q, cu_k = _args.check_cu_seqlens(np.array([0, 2, 2, 5], np.int32), [0, 0, 3, 3], 5, 3)
+    assert cu_q.dtype == cu_k.dtype == np.intp
+    assert cu_q.tolist() == [0, 2, 2, 5] and cu_k.tolist() == [0, 0, 3, 3]
+
+
+@pytest.mark.parametrize("q_shape, k_shape, v_shape, words", [
+    ((1, 3, 4, 5), (3, 4, 5), (3, 4, 5), r"^q must have shape \(Hq, total_q, D\)"),
+    ((4, 5), (3, 4, 5), (3, 4, 5), r"^q must have shape"),
+    ((3, 4, 5), (3, 4, 6), (3, 4, 5), r"same head dim D: q.shape=\(3, 4, 5\), k.shape=\(3, 4, 6\)"),
+    ((3, 4, 5), (3, 4, 5), (3, 3, 5), r"same heads and length.*v.shape=\(3, 3, 5\)"),
+    ((3, 4, 5), (2, 4, 5), (2, 4, 5), r"multiple of the key/value heads.*Hq=3.*Hkv=2"),
+])
+def test_bad_varlen_shapes(q_shape, k_shape, v_shape, words):
+    q, k, v = np.ones(q_shape), np.ones(k_shape), np.ones(v_shape)
+    with pytest.raises(ValueError, match=words):
+        _args.check_varlen_shapes(q, k, v)
+    with pytest.raises(ValueError, match=words):
+        ref.attention_varlen(q, k, v, [0, 4], [0, 4])
+
+
+def test_bad_varlen_keywords():
+    x = np.ones((2, 4, 3))
+    with pytest.raises(ValueError, match=r"^alibi_slopes of shape \(3,\).*= \(2,\)"):
+        ref.attention_varlen(x, x, x, [0, 4], [0, 4], alibi_slopes=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"^sinks of shape \(1, 2\).*= \(2,\)"):
+        ref.attention_varlen(x, x, x, [0, 4], [0, 4], sinks=[[1, 2]])
+    with pytest.raises(ValueError, match=r"^out must have shape \(2, 4, 3\)"):
+        ref.attention_varlen(x, x, x, [0, 4], [0, 4], out=np.empty((2, 4, 4)))
+    with pytest.raises(ValueError, match="window"):
+        ref.attention_varlen(x, x, x, [0, 4], [0, 4], window=(-2, 0))
+
+
+def test_storage_dtype():
+    assert _args.storage_dtype(np.float16) == np.float16
+    assert _args.storage_dtype("float32") == np.float32
+    for bad in (np.int8, np.complex64, "float8"):
+        with pytest.raises(TypeError, match="^kv_dtype"):
+            _args.storage_dtype(bad, "kv_dtype")
+
+
+def test_storage_dtype_bfloat16():
+    bf16 = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    assert _args.storage_dtype("bfloat16") == bf16
+    assert _args.storage_dtype(bf16) == bf16

@@ -480,3 +480,17 @@ def test_random_combinations(case):
     elif mask_kind == "float":
         kw["mask"] = np.where(rng.random((Lq, Lk)) < 0.8, rng.standard_normal((Lq, Lk)), -np.inf)
     check(q, k, v, **kw)
+
+
+# --------------------------------------------------------------------- packed sequences
+
+
+def test_varlen_reads_total_h_d_views(rng):
+    # A (total, H, D) array's transpose(1, 0, 2) view is read in place.
+    qt = rng.standard_normal((50, 3, 16)).astype(np.float32)
+    view = qt.transpose(1, 0, 2)
+    cu = np.array([0, 20, 50])
+    out = fastattn.attention_varlen(view, view, view, cu, cu, causal=True)
+    want = fastattn.attention_varlen(np.ascontiguousarray(view), np.ascontiguousarray(view),
+                                     np.ascontiguousarray(view), cu, cu, causal=True)
+    np.testing.assert_array_equal(out, want)

@@ -2,7 +2,9 @@
 NumPy oracle (fastattn.reference.attention_backward, float64) for every variant and their
 combinations, the oracle itself against torch autograd, float32 accuracy by FlashAttention's
 rule, 16-bit inputs, and the zero gradients of hidden rows and keys.  Reproducibility and
-bad input: tests/test_backward_variants.py."""
+bad input: tests/test_reproducibility.py and tests/test_arguments.py."""
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -412,3 +414,18 @@ def test_a_nan_key_gives_nan_gradients_as_torch_does():
     assert np.isnan(dq[rows]).all() and np.isnan(tq[rows]).all()
     np.testing.assert_array_equal(np.isnan(dk), np.isnan(tk))
     np.testing.assert_array_equal(np.isnan(dv), np.isnan(tv))
+
+
+def test_memory_is_not_quadratic():
+    # A 4096 x 4096 backward: its probabilities alone would take 64 MiB in float32; the
+    # backward allocates its gradients, Delta and per-thread workspaces only.
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 1, 4096, 16)).astype(np.float32) for _ in range(3))
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    tracemalloc.start()
+    try:
+        fastattn.attention_backward(out, q, k, v, out, lse, causal=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak

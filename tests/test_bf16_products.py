@@ -14,14 +14,15 @@ Skipped, with the reason, on a CPU or build without the bfloat16 products.
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
-from conftest import make_qkv, qkv_shapes
+from conftest import make_qkv, qkv_shapes, run_python
 
 import fastattn
-from fastattn import reference
+from fastattn import _precision, reference
 from fastattn._dispatch import kernel
 from fastattn._precision import bfloat16_bits, bfloat16_values
 
@@ -83,6 +84,43 @@ def test_precision_setting_is_checked_and_scoped():
     finally:
         fastattn.set_float32_precision(old)
     assert fastattn.get_float32_precision() == "float32"
+
+
+def test_the_opt_in_warns_once_where_it_changes_nothing(monkeypatch):
+    monkeypatch.setattr(_precision, "_warned", False)
+    had_products = kernel.set_bf16_dot(False)
+    previous = fastattn.get_float32_precision()
+    try:
+        with pytest.warns(RuntimeWarning, match="'bfloat16' changes nothing here: ") as caught:
+            fastattn.set_float32_precision("bfloat16")
+            with fastattn.float32_precision("bfloat16"):
+                pass
+            fastattn.set_float32_precision("bfloat16")
+        assert len(caught) == 1 and caught[0].filename == __file__   # names the user's line
+    finally:
+        fastattn.set_float32_precision(previous)
+        kernel.set_bf16_dot(had_products)
+
+
+@needs_bf16_dot
+def test_the_opt_in_is_silent_where_it_runs(monkeypatch):
+    monkeypatch.setattr(_precision, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fastattn.float32_precision("bfloat16"):
+            assert fastattn.get_float32_precision() == "bfloat16"
+        fastattn.set_float32_precision(fastattn.set_float32_precision("bfloat16"))
+    assert not _precision._warned
+
+
+def test_the_environment_switch_makes_the_opt_in_warn_once():
+    code = ("import fastattn\n"
+            "for _ in range(3):\n"
+            "    fastattn.set_float32_precision('bfloat16')\n"
+            "fastattn.show_config()")
+    res = run_python("-c", code, env={"FASTATTN_BF16_DOT": "0"})
+    assert res.stderr.count("RuntimeWarning") == 1, res.stderr
+    assert "float32: 'bfloat16' is set, but " in res.stdout
 
 
 @needs_bf16_dot

@@ -18,7 +18,7 @@ import pytest
 import fastattn
 from fastattn import reference as ref
 
-from conftest import assert_close, make_qkv, qkv_shapes, run_python, tolerance
+from conftest import HALVES, assert_close, make_qkv, qkv_shapes, run_python, tolerance
 
 try:
     import ml_dtypes
@@ -30,8 +30,6 @@ except ImportError:  # bfloat16 cases skip
 needs_bf16 = pytest.mark.skipif(ml_dtypes is None, reason="bfloat16 needs ml_dtypes")
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
-HALVES = [pytest.param(F16, id="float16"),
-          pytest.param(BF16, id="bfloat16", marks=needs_bf16)]
 
 
 def _f32(*arrays):
@@ -203,22 +201,6 @@ def test_error_added_by_rounding_kv_is_bounded(rng, kvdt, u):
 
 
 # --------------------------------------------------------------------------- reproducibility
-
-@pytest.mark.parametrize("kvdt", HALVES)
-def test_reproducible_for_16_bit_storage(rng, kvdt):
-    # Threads, batch, Lq, and decode against prefill, as for float32.
-    q, k, v = make_qkv(rng, *qkv_shapes((3,), 8, 2, 150, 150, 64, 32), kvdt, kvdt)
-    with fastattn.num_threads(1):
-        one = fastattn.attention(q, k, v, causal=True)
-    with fastattn.num_threads(2):
-        two = fastattn.attention(q, k, v, causal=True)
-    assert one.tobytes() == two.tobytes()
-    assert fastattn.attention(q[1], k[1], v[1], causal=True).tobytes() == one[1].tobytes()
-    rows = fastattn.attention(q[..., 100:140, :], k[..., :140, :], v[..., :140, :], causal=True)
-    assert rows.tobytes() == one[..., 100:140, :].tobytes()
-    for i in (0, 63, 64, 96, 149):
-        step = fastattn.attention(q[..., i:i + 1, :], k[..., :i + 1, :], v[..., :i + 1, :])
-        assert step.tobytes() == one[..., i:i + 1, :].tobytes(), i
 
 
 # --------------------------------------------------------------------------- memory

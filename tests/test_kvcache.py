@@ -635,10 +635,16 @@ def test_bad_input_is_refused_before_anything_is_written(case):
 
 
 def test_good_base_call_is_accepted():
-    # the bad calls above differ from a legal call only in what each case changes
+    # the bad calls above differ from a legal call only in what each case changes: that
+    # call appends k and v at cache_seqlens and attends over each sequence's keys
     rng = np.random.default_rng(5)
     flat = make_cache(rng, 2, 2, 16, 32)
-    fastattn.attention_with_kvcache(**_BASE, **flat)
+    out = fastattn.attention_with_kvcache(**_BASE, **flat)
+    seqlens = _BASE["cache_seqlens"]
+    for b in range(2):
+        np.testing.assert_array_equal(flat["k_cache"][b, :, seqlens[b]], _BASE["k"][b, :, 0])
+        np.testing.assert_array_equal(flat["v_cache"][b, :, seqlens[b]], _BASE["v"][b, :, 0])
+    assert_same_bits(out, _per_sequence(_BASE["q"], flat, seqlens + 1, {}))
 
 
 # --------------------------------------------------------------------------- accuracy

@@ -1,7 +1,8 @@
 """The lean call path is only a gate: for every call it either declines (returns None) or
 gives exactly the bits of the validated path, and it never takes a call that the front end
 rejects.  Hypothesis draws calls around the gate's edges: dtypes and byte orders, layouts,
-scale and causal spellings, out arrays, sinks, and invalid arguments."""
+scale and causal spellings, out arrays, sinks, and invalid arguments.  The gate normalises
+nothing itself: it takes the causal codes of fastattn._args."""
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from hypothesis import event, given, settings, strategies as st  # noqa: E402
 import fastattn  # noqa: E402
 from fastattn import _api  # noqa: E402
 from fastattn._dispatch import kernel  # noqa: E402
+
+from conftest import make_qkv  # noqa: E402
 
 try:
     import ml_dtypes
@@ -143,3 +146,43 @@ def test_an_environment_switch_forces_the_validated_path():
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                          text=True, check=True)
     assert run.stdout.split() == ["False", "(2,", "3,", "4)"]
+
+
+def test_sinks_on_the_lean_path_give_the_validated_path_bits(rng):
+    # A plain call with sinks of one batch element runs in the lean path; the same call
+    # through the validated path (kv_lengths = Lk changes nothing) gives the same bits,
+    # and invalid sinks still get the validated path's errors.
+    from fastattn._dispatch import kernel
+    q = rng.standard_normal((1, 8, 3, 32)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
+    sinks = rng.standard_normal(8)
+    sinks[3] = -np.inf
+    assert kernel.attention_fast(q, k, v, None, True, False, None, 1, sinks) is not None
+    for s in (sinks, sinks.astype(np.float32), list(sinks)):
+        fast, fast_lse = fastattn.attention(q, k, v, causal=True, sinks=s, return_lse=True)
+        slow, slow_lse = fastattn.attention(q, k, v, causal=True, sinks=s, return_lse=True,
+                                            kv_lengths=np.array([300]))
+        assert fast.tobytes() == slow.tobytes() and fast_lse.tobytes() == slow_lse.tobytes()
+    bad = sinks.copy()
+    bad[0] = np.nan
+    with pytest.raises(ValueError, match="sinks"):
+        fastattn.attention(q, k, v, sinks=bad)
+    with pytest.raises(ValueError, match="sinks"):
+        fastattn.attention(q, k, v, sinks=np.zeros(5))
+
+
+def test_the_lean_gate_takes_causal_codes_from_the_one_normaliser():
+    # The gate normalises nothing: without the codes fastattn._args gives causal=False and
+    # causal=True (handed over when fastattn._dispatch loads the module), it takes no call.
+    from fastattn import _args
+    q, k, v = make_qkv(7, batch=(2,), Hq=4, Hkv=2, Lq=5, Lk=7, D=8, Dv=6, dtype=np.float64)
+    assert kernel.attention_fast(q, k, v, None, True, False, None, 1) is not None
+    try:
+        kernel.lean_causal_codes(-1, -1)
+        assert kernel.attention_fast(q, k, v, None, True, False, None, 1) is None
+        assert kernel.attention_fast(q, k, v, None, False, False, None, 1) is None
+    finally:
+        kernel.lean_causal_codes(_args.CAUSAL_CODES["none"], _args.CAUSAL_CODES["bottom-right"])
+    np.testing.assert_array_equal(kernel.attention_fast(q, k, v, None, True, False, None, 1),
+                                  _validated(q, k, v, causal=True))

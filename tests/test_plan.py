@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import fastattn
+from test_kvcache import assert_same_bits
 
 try:
     import ml_dtypes
@@ -69,15 +70,6 @@ def _both_paths(plan, *args, **kwargs):
     return results
 
 
-def _assert_same(a, b):
-    if isinstance(a, tuple):
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-        return
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert a.tobytes() == b.tobytes()
-
-
 def _rotary(max_pos, rotary_dim, dtype=np.float64):
     inv = 1.0 / 10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim)
     angles = np.outer(np.arange(max_pos), inv)
@@ -115,7 +107,7 @@ def test_compiled_run_gives_the_checked_path_bits(rng, cache_dtype, page, Lnew, 
         k = rng.standard_normal((B, Hkv, Lnew, D)).astype(new_dtype) if Lnew else None
         v = rng.standard_normal((B, Hkv, Lnew, Dv)).astype(new_dtype) if Lnew else None
         (res_c, caches_c), (res_p, caches_p) = _both_paths(plan, q, caches, k, v, **run_kw)
-        _assert_same(res_c, res_p)
+        assert_same_bits(res_c, res_p)
         for name in caches:
             assert caches_c[name].tobytes() == caches_p[name].tobytes(), name
 
@@ -129,7 +121,7 @@ def test_compiled_run_takes_strided_new_rows_and_q(rng):
     k = np.swapaxes(rng.standard_normal((B, 2, Hkv, 2 * D)).astype(np.float32), 1, 2)[..., ::2]
     v = np.swapaxes(rng.standard_normal((B, 2, Hkv, D)).astype(np.float32), 1, 2)
     (res_c, caches_c), (res_p, caches_p) = _both_paths(plan, q, caches, k, v)
-    _assert_same(res_c, res_p)
+    assert_same_bits(res_c, res_p)
     assert all(caches_c[n].tobytes() == caches_p[n].tobytes() for n in caches)
 
 
@@ -149,7 +141,7 @@ def test_layers_of_a_step_give_attention_with_kvcache_bits(rng):
         want = fastattn.attention_with_kvcache(q, theirs["k_cache"], theirs["v_cache"], k, v,
                                                k_scale=theirs["k_scale"],
                                                v_scale=theirs["v_scale"], **kw)
-        _assert_same(got, want)
+        assert_same_bits(got, want)
         assert all(caches[n].tobytes() == theirs[n].tobytes() for n in caches)
 
 
@@ -165,7 +157,7 @@ def test_plan_keeps_its_own_copy(rng):
     want = plan.run(q, **_copy(caches), k=k, v=v)
     seqlens[:], table[:], cos[:], sin[:] = 0, 3, 0, 0
     got = plan.run(q, **_copy(caches), k=k, v=v)
-    _assert_same(got, want)
+    assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("case", ["nan", "float16 overflow", "small pool", "read-only",
@@ -232,7 +224,7 @@ def test_one_length_plan_takes_any_batch(rng):
         got = plan.run(q, **_copy(caches))
         want = fastattn.attention(q, caches["k_cache"][:, :, :2], caches["v_cache"][:, :, :2],
                                   causal=True)
-        _assert_same(got, want)
+        assert_same_bits(got, want)
 
 
 def test_threads_may_run_one_plan_at_once(rng):
@@ -253,7 +245,7 @@ def test_threads_may_run_one_plan_at_once(rng):
     for t in threads:
         t.join()
     for g, w in zip(got, want):
-        _assert_same(g, w)
+        assert_same_bits(g, w)
 
 
 @pytest.mark.skipif(not fastattn._glue.kernel.bf16_dot_takes(64, 64),
@@ -274,8 +266,8 @@ def test_float32_opt_in_gives_attention_products_in_every_layout(rng, page):
         keys, values = (_gather(caches[n], table, page, 33) for n in ("k_cache", "v_cache"))
         want = fastattn.attention(q, keys, values, kv_lengths=seqlens, causal=True)
     exact = fastattn.attention_with_kvcache(q, **caches, **kw)
-    _assert_same(got, want)
-    _assert_same(got_strided, want)
+    assert_same_bits(got, want)
+    assert_same_bits(got_strided, want)
     assert not np.array_equal(got, exact)     # the opt-in did change the products
 
 

@@ -5,16 +5,28 @@ whatever the number of threads, the batch size, the other query rows in the call
 whether it comes from one prefill call or from a decode step against the same keys. That is
 what makes KV-cache decoding agree exactly with a causal prefill, so it is tested with
 byte equality, never with a tolerance.
+
+The home of these tests: the forward by threads, batch, rows, decode steps, Python threads
+and workspaces; the score modifiers; packed sequences (each row the bits of its sequence
+alone); the backward pass (gradients whatever the threads, batch, rows and layout); random
+valid calls (the property tests' strategy); 16-bit storage.  Features with a test file of
+their own keep the checks that need their set-up: bfloat16 products
+(tests/test_bf16_products.py, on CPUs that have them), the serving caches
+(tests/test_kvcache.py), the thread pool's own paths (tests/test_threads.py).
 """
 
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 import fastattn
+from fastattn import reference
 
-from conftest import make_qkv, qkv_shapes, run_python
+from conftest import HALVES, assert_close, make_qkv, qkv_shapes, run_python
+# The random valid calls of the property tests.
+from test_properties import budget, calls
 
 
 def assert_bitwise(a, b, what=""):
@@ -52,13 +64,6 @@ def test_thread_count(rng, shape, dtype, causal):
     for n, (out, lse) in zip((2, 3), results[1:]):
         assert_bitwise(out, results[0][0], f"out, {n} threads vs 1")
         assert_bitwise(lse, results[0][1], f"lse, {n} threads vs 1")
-
-
-def test_num_threads_context_restores():
-    before = fastattn.get_num_threads()
-    with fastattn.num_threads(1):
-        assert fastattn.get_num_threads() == 1
-    assert fastattn.get_num_threads() == before
 
 
 # --------------------------------------------------------------------------- batch, rows
@@ -348,3 +353,266 @@ def test_batches_of_more_than_eight_match_single_calls(rng, batch):
         alone = fastattn.attention(qp[:, cu_q[s]:cu_q[s + 1]], kp[:, cu_k[s]:cu_k[s + 1]],
                                    vp[:, cu_k[s]:cu_k[s + 1]])
         assert_bitwise(packed[:, cu_q[s]:cu_q[s + 1]], alone, f"packed sequence {s}")
+
+
+# ---------------------------------------------------------------------- score modifiers
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_modifiers_bits_independent_of_threads_lq_and_decode(rng, dtype):
+    # Every variant at once; each row of a prefill call equals the same row computed alone
+    # as a decode step, and the result does not depend on the thread count.
+    Hq, Hkv, L, D = 8, 2, 150, 48
+    q, k, v = make_qkv(rng, *qkv_shapes((1,), Hq, Hkv, L, L, D), dtype)
+    kw = dict(softcap=3.0, alibi_slopes=2.0 ** -np.arange(1, Hq + 1),
+              sinks=rng.standard_normal(Hq), causal=True)
+    with fastattn.num_threads(1):
+        full, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    with fastattn.num_threads(2):
+        full2, lse2 = fastattn.attention(q, k, v, return_lse=True, **kw)
+    np.testing.assert_array_equal(full, full2)
+    np.testing.assert_array_equal(lse, lse2)
+    for i in (0, 63, 64, 149):
+        step, step_lse = fastattn.attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1],
+                                            return_lse=True, **kw)
+        np.testing.assert_array_equal(step[:, :, 0], full[:, :, i])
+        np.testing.assert_array_equal(step_lse[:, :, 0], lse[:, :, i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q_lengths_padding_does_not_change_bits(rng, dtype):
+    # A right-padded batch gives each real row the bits of the unpadded call.
+    q, k, v = make_qkv(rng, *qkv_shapes((3,), 4, 4, 20, 33, 16), dtype)
+    q_len, kv_len = np.array([20, 5, 13]), np.array([33, 9, 20])
+    kw = dict(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625], softcap=5.0)
+    out = fastattn.attention(q, k, v, q_lengths=q_len, kv_lengths=kv_len, **kw)
+    for b in range(3):
+        alone = fastattn.attention(q[b, :, :q_len[b]], k[b, :, :kv_len[b]],
+                                   v[b, :, :kv_len[b]], **kw)
+        np.testing.assert_array_equal(out[b, :, :q_len[b]], alone)
+
+
+# --------------------------------------------------------------------- packed sequences
+
+
+def _packed(rng, lens_q, lens_k, Hq, Hkv, D, dtype):
+    q = rng.standard_normal((Hq, sum(lens_q), D)).astype(dtype)
+    k = rng.standard_normal((Hkv, sum(lens_k), D)).astype(dtype)
+    v = rng.standard_normal((Hkv, sum(lens_k), D + 3)).astype(dtype)
+    return q, k, v, np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(5, 0)),
+                                dict(causal=True, softcap=2.0, alibi_slopes="slopes",
+                                     sinks="sinks")], ids=["plain", "causal", "window", "all"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_varlen_rows_equal_separate_calls(rng, dtype, kw, threads):
+    # Lengths that put sequence ends inside tiles and key blocks, an empty sequence, a
+    # single-row one (a decode tile) and more keys than queries.
+    lens_q, lens_k = [70, 0, 1, 130, 9], [70, 4, 300, 130, 20]
+    Hq, Hkv = 4, 2
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, Hq, Hkv, 24, dtype)
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "slopes":
+        kw["alibi_slopes"] = 2.0 ** -np.arange(1, Hq + 1)
+    if kw.get("sinks") == "sinks":
+        kw["sinks"] = rng.standard_normal(Hq)
+    with fastattn.num_threads(threads):
+        out, lse = fastattn.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    for s in range(len(lens_q)):
+        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        alone, alone_lse = fastattn.attention(q[:, rq], k[:, rk], v[:, rk], return_lse=True, **kw)
+        np.testing.assert_array_equal(out[:, rq], alone)
+        np.testing.assert_array_equal(lse[:, rq], alone_lse)
+    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+    assert_close(out, ref)
+
+
+# -------------------------------------------------------------------- the backward pass
+
+
+def _problem(rng, B=3, Hq=4, Hkv=2, Lq=150, Lk=260, D=40, Dv=24, dtype=np.float32, **kw):
+    q = rng.standard_normal((B, Hq, Lq, D)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Lk, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Lk, Dv)).astype(dtype)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape).astype(out.dtype)
+    dlse = rng.standard_normal(lse.shape).astype(lse.dtype)
+    return (dout, q, k, v, out, lse), dict(kw, dlse=dlse)
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype
+                                    for x, y in zip(a, b))
+
+
+KEYWORDS = [
+    dict(causal=True),
+    dict(window=(50, 10), softcap=3.0, alibi_slopes=[0.5, 0.2, 0.1, 0.05]),
+    dict(causal=True, kv_lengths=[260, 100, 7], q_lengths=[150, 80, 0],
+         sinks=[0.5, -1.0, -np.inf, 2.0]),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kw", KEYWORDS, ids=["causal", "window+modifiers", "lengths+sinks"])
+def test_backward_bitwise_across_threads_and_repeats(dtype, kw):
+    args, kw = _problem(np.random.default_rng(0), dtype=dtype, **kw)
+    with fastattn.num_threads(1):
+        one = fastattn.attention_backward(*args, **kw)
+    for n in (2, 3, 4):
+        with fastattn.num_threads(n):
+            assert _same(fastattn.attention_backward(*args, **kw), one)
+    assert _same(fastattn.attention_backward(*args, **kw), one)
+
+
+@pytest.mark.parametrize("kw", KEYWORDS[:2], ids=["causal", "window+modifiers"])
+def test_backward_bitwise_with_few_kv_heads(kw):
+    # One kv head shared by 4 query heads: one thread takes the whole head in one work
+    # item, more threads split its keys and rows into separate passes; the same bits.
+    args, kw = _problem(np.random.default_rng(5), B=1, Hkv=1, Lq=300, Lk=333, **kw)
+    with fastattn.num_threads(1):
+        one = fastattn.attention_backward(*args, **kw)
+    for n in (2, 3):
+        with fastattn.num_threads(n):
+            assert _same(fastattn.attention_backward(*args, **kw), one)
+
+
+@pytest.mark.parametrize("kw", KEYWORDS[:2], ids=["causal", "window+modifiers"])
+def test_backward_bitwise_across_batch_sizes(kw):
+    # each batch element alone gets the bits it gets in the batch
+    args, kw = _problem(np.random.default_rng(1), **kw)
+    whole = fastattn.attention_backward(*args, **kw)
+    for b in range(3):
+        part = fastattn.attention_backward(*(a[b:b + 1] for a in args),
+                                           **dict(kw, dlse=kw["dlse"][b:b + 1]))
+        assert _same(part, [g[b:b + 1] for g in whole])
+
+
+def test_backward_bitwise_across_query_rows_and_gqa_layout():
+    # a decode row's dq has the bits of the same row in a prefill call
+    args, kw = _problem(np.random.default_rng(2), B=1, Lq=120, Lk=120, causal=True)
+    dout, q, k, v, out, lse = args
+    dq = fastattn.attention_backward(*args, **kw)[0]
+    last = [a[..., -1:, :] for a in (dout, q)] + [k, v, out[..., -1:, :], lse[..., -1:]]
+    dq1 = fastattn.attention_backward(*last, causal=True, dlse=kw["dlse"][..., -1:])[0]
+    assert np.array_equal(dq1, dq[..., -1:, :])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_varlen_rows_equal_separate_calls(dtype, threads):
+    # (one thread: a work item per sequence and kv head; three: separate passes)
+    rng = np.random.default_rng(3)
+    cu_q, cu_k = np.array([0, 100, 101, 101, 300]), np.array([0, 130, 200, 260, 600])
+    q = rng.standard_normal((4, 300, 32)).astype(dtype)
+    k = rng.standard_normal((1, 600, 32)).astype(dtype)
+    v = rng.standard_normal((1, 600, 16)).astype(dtype)
+    kw = dict(causal=True, window=(70, -1), softcap=4.0, sinks=[0.1, 0.2, -np.inf, 1.0])
+    out, lse = fastattn.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    dlse = rng.standard_normal(lse.shape).astype(dtype)
+    with fastattn.num_threads(threads):
+        dq, dk, dv, _ = fastattn.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                                           dlse=dlse, **kw)
+    for s in range(4):
+        r, c = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        o, l = fastattn.attention(q[:, r], k[:, c], v[:, c], return_lse=True, **kw)
+        g = fastattn.attention_backward(dout[:, r], q[:, r], k[:, c], v[:, c], o, l,
+                                        dlse=dlse[:, r], **kw)
+        assert _same(g[:3], (dq[:, r], dk[:, c], dv[:, c]))
+
+
+def test_backward_strided_inputs_give_the_bits_of_contiguous_ones():
+    # (B, L, H, D) transposed, reversed keys, every other value column: read in place or
+    # copied, the same gradients
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 50, 4, 16)).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((2, 55, 4, 16))[:, ::-1].transpose(0, 2, 1, 3)
+    v = rng.standard_normal((2, 4, 55, 32))[..., ::2]
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    dout = rng.standard_normal((2, 50, 4, 16)).transpose(0, 2, 1, 3)
+    got = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    want = fastattn.attention_backward(*(np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse)),
+                                       causal=True)
+    assert _same(got, want)
+
+
+# ------------------------------------------------------------------------- random calls
+
+
+
+def _broadcast_batch(a, batch):
+    return np.broadcast_to(a, batch + a.shape[-3:])
+
+
+@budget(1)
+@given(calls(dtypes=(np.float32, np.float64, np.float16)), st.data())
+def test_bits_independent_of_threads_batch_and_rows(case, data):
+    q, k, v, kw, info = case
+    with fastattn.num_threads(1):
+        out1, lse1 = fastattn.attention(q, k, v, return_lse=True, **kw)
+    n = data.draw(st.integers(2, 4))
+    with fastattn.num_threads(n):
+        outn, lsen = fastattn.attention(q, k, v, return_lse=True, **kw)
+    assert out1.tobytes() == outn.tobytes() and lse1.tobytes() == lsen.tobytes(), \
+        f"1 vs {n} threads"
+    if q.ndim == 2 or out1.size == 0:
+        return
+    # One batch element alone (everything batch-shaped sliced along with it).
+    batch = out1.shape[:-3]
+    if batch:
+        b = tuple(data.draw(st.integers(0, n - 1)) for n in batch)
+        sub = lambda a: _broadcast_batch(a, batch)[b][None]   # noqa: E731
+        kw1 = dict(kw)
+        if "kv_lengths" in kw:
+            kw1["kv_lengths"] = np.broadcast_to(kw["kv_lengths"], batch)[b][None]
+        if kw.get("mask") is not None:
+            full = (*batch, *out1.shape[-3:-1], k.shape[-2])
+            kw1["mask"] = np.broadcast_to(kw["mask"], full)[b][None]
+        o, l = fastattn.attention(sub(q), sub(k), sub(v), return_lse=True, **kw1)
+        assert o[0].tobytes() == out1[b].tobytes() and l[0].tobytes() == lse1[b].tobytes(), \
+            f"batch element {b} alone"
+    # One query row alone, against the keys it may see (bottom-right alignment moves
+    # with Lq, so the key set is cut to keep the same visible keys).
+    if "window" in kw or "kv_lengths" in kw:
+        return
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    i = data.draw(st.integers(0, Lq - 1))
+    causal = kw.get("causal", False)
+    if causal in (True, "bottom-right"):
+        n_keys = max(0, min(Lk, i + Lk - Lq + 1))
+    elif causal == "top-left":
+        n_keys = min(Lk, i + 1)
+    else:
+        n_keys = Lk
+    kw1 = dict(kw)
+    kw1.pop("causal", None)   # the cut key set is exactly what the row sees
+    if kw.get("mask") is not None:
+        full = (*batch, *out1.shape[-3:-1], Lk)
+        kw1["mask"] = np.broadcast_to(kw["mask"], full)[..., i:i + 1, :n_keys]
+    o, l = fastattn.attention(q[..., i:i + 1, :], k[..., :n_keys, :], v[..., :n_keys, :],
+                              return_lse=True, **kw1)
+    assert o.tobytes() == out1[..., i:i + 1, :].tobytes(), f"row {i} alone"
+    assert l.tobytes() == lse1[..., i:i + 1].tobytes(), f"lse of row {i} alone"
+
+
+# ----------------------------------------------------------------------- 16-bit storage
+
+
+@pytest.mark.parametrize("kvdt", HALVES)
+def test_reproducible_for_16_bit_storage(rng, kvdt):
+    # Threads, batch, Lq, and decode against prefill, as for float32.
+    q, k, v = make_qkv(rng, *qkv_shapes((3,), 8, 2, 150, 150, 64, 32), kvdt, kvdt)
+    with fastattn.num_threads(1):
+        one = fastattn.attention(q, k, v, causal=True)
+    with fastattn.num_threads(2):
+        two = fastattn.attention(q, k, v, causal=True)
+    assert one.tobytes() == two.tobytes()
+    assert fastattn.attention(q[1], k[1], v[1], causal=True).tobytes() == one[1].tobytes()
+    rows = fastattn.attention(q[..., 100:140, :], k[..., :140, :], v[..., :140, :], causal=True)
+    assert rows.tobytes() == one[..., 100:140, :].tobytes()
+    for i in (0, 63, 64, 96, 149):
+        step = fastattn.attention(q[..., i:i + 1, :], k[..., :i + 1, :], v[..., :i + 1, :])
+        assert step.tobytes() == one[..., i:i + 1, :].tobytes(), i

@@ -290,3 +290,10 @@ def test_fork_child_leaves_the_openmp_team():
             os.waitpid(pid, 0)
     """)
     assert out.split() == ["ok", "always"]
+
+
+def test_num_threads_context_restores():
+    before = fastattn.get_num_threads()
+    with fastattn.num_threads(1):
+        assert fastattn.get_num_threads() == 1
+    assert fastattn.get_num_threads() == before

@@ -61,7 +61,7 @@ MIRROR=${FASTATTN_ARM64_MIRROR:-http://deb.debian.org/debian}
 SUITE=bookworm
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DEFAULT_TESTS=(tests/test_attention.py tests/test_reference.py tests/test_reproducibility.py
-               tests/test_variants.py tests/test_exp.py tests/test_arguments.py
+               tests/test_dispatch.py tests/test_exp.py tests/test_arguments.py
                tests/test_layers.py tests/test_positions.py
                -k "not malformed_calls and not softmax_bad_inputs")
 HOST_PY=${PYTHON:-python3}

@@ -39,8 +39,8 @@ done
 if [ ${#pytest_args[@]} -eq 0 ]; then
     pytest_args=(tests/test_attention.py tests/test_arguments.py
                  tests/test_properties.py tests/test_reproducibility.py
-                 tests/test_attention_variants.py tests/test_hardening.py tests/test_half.py
-                 tests/test_backward.py tests/test_backward_variants.py
+                 tests/test_score_modifiers.py tests/test_hardening.py tests/test_half.py
+                 tests/test_backward.py
                  tests/test_bf16_products.py tests/test_kvcache.py tests/test_plan.py
                  -k "not every_isa_variant and not peak_memory and not two_threads_overlap and not no_leak and not no_float32_copy and not memory_is_not_quadratic and not flash_attn_kvcache_cases and not read_in_place")
 fi

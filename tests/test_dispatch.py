@@ -1,4 +1,5 @@
-"""Every compiled kernel variant that this CPU can run gives the right results.
+"""The per-ISA builds of the kernel (its variants, chosen by fastattn._dispatch): every one
+that this CPU can run gives the right results.
 
 setup.py compiles the kernel once per instruction set (base, avx2, avx512 on x86; base
 elsewhere) and fastattn/_dispatch.py imports the best one the CPU runs, so the rest of the

@@ -1,4 +1,6 @@
-"""``python -m fastattn info`` (fastattn.cli.info): its text and JSON, the problems it explains."""
+"""What this fastattn runs (fastattn._config): ``fastattn.show_config()`` for the running
+process, ``python -m fastattn info`` for a fresh one; their text and JSON, and the problems
+they explain."""
 import argparse
 import importlib.machinery
 import importlib.util
@@ -7,14 +9,17 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
 import fastattn
+from fastattn import _config
+from fastattn._dispatch import kernel
 from fastattn.cli import info
 
-from conftest import run_cli
+from conftest import run_cli, run_python
 
 
 # ------------------------------------------------------------- text and JSON
@@ -36,19 +41,19 @@ def test_info_says_what_the_thread_pool_is():
     facts = {"version": "0", "python": "3", "python_implementation": "CPython", "numpy": "2",
              "platform": "p", "compiler": "c", "threads": 2, "isa": "avx2",
              "available_variants": ["avx2"], "openmp": True, "thread_pool": "pthreads"}
-    lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
+    lines = dict(line.split(":", 1) for line in _config.format_info(facts).splitlines())
     assert lines["thread pool"].strip() == "fastattn's own pool of POSIX threads"
     assert lines["OpenMP"].strip().startswith("yes: the default thread count")
     assert lines["OpenMP team runs"].strip() == "unknown"
     facts.update(pool_choice="auto", openmp_team="never")
-    lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
+    lines = dict(line.split(":", 1) for line in _config.format_info(facts).splitlines())
     assert lines["OpenMP team runs"].strip().startswith("none yet (FASTATTN_POOL=auto")
     facts.update(pool_choice="auto", openmp_team="in torch")
-    lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
+    lines = dict(line.split(":", 1) for line in _config.format_info(facts).splitlines())
     assert lines["OpenMP team runs"].strip() == ("the torch integrations' calls, on torch's "
                                                  "threads (FASTATTN_POOL=auto)")
     facts.update(openmp=False)
-    lines = dict(line.split(":", 1) for line in info.format_info(facts).splitlines())
+    lines = dict(line.split(":", 1) for line in _config.format_info(facts).splitlines())
     assert lines["OpenMP"].strip().startswith("no")
 
 
@@ -64,6 +69,61 @@ def test_info_json_matches_the_package():
     assert info["isa"] in info["available_variants"]
     assert isinstance(info["openmp"], bool)
     assert info["compiler"] != "unknown"
+
+
+def test_info_says_what_float32_calls_multiply_in():
+    proc = run_cli("info", "--json")
+    facts = json.loads(proc.stdout)
+    assert facts["float32_precision"] == "float32"
+    assert facts["float32_products"] == "float32 (exact, the default)"
+    off = run_python("-m", "fastattn", "info", env={"FASTATTN_BF16_DOT": "0"}).stdout
+    assert rows(off)["bfloat16 products"].startswith("no (")
+    assert "FASTATTN_BF16_DOT=0" in rows(off)["bfloat16 products"]
+
+
+# --------------------------------------------------------------- show_config
+
+def rows(text):
+    """{label: value} of info's text."""
+    return {k.strip(): v.strip() for k, v in
+            (line.split(":", 1) for line in text.splitlines() if ":" in line)}
+
+
+def test_show_config_prints_what_info_prints():
+    printed = io.StringIO()
+    fastattn.show_config(file=printed)
+    mine, fresh = rows(printed.getvalue()), rows(run_cli("info").stdout)
+    assert mine.keys() == fresh.keys()
+    # The rows this test session does not change (it imports torch, which moves the
+    # OpenMP team's row, and some tests change the thread count and put it back).
+    for label in ("fastattn", "compiler", "threads", "SIMD variant", "variants this CPU runs",
+                  "bfloat16 products", "float32 products", "kernel module"):
+        assert mine[label] == fresh[label], label
+
+
+def test_show_config_shows_this_processs_settings(capsys):
+    with fastattn.num_threads(1):
+        fastattn.show_config()
+    assert rows(capsys.readouterr().out)["threads"] == "1"
+    had_products = kernel.set_bf16_dot(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the opt-in's warning: test_bf16_products.py
+            with fastattn.float32_precision("bfloat16"):
+                fastattn.show_config()
+    finally:
+        kernel.set_bf16_dot(had_products)
+    shown = rows(capsys.readouterr().out)
+    assert shown["bfloat16 products"].startswith("no (")
+    assert shown["float32 products"].startswith("float32: 'bfloat16' is set, but ")
+    if had_products:
+        with fastattn.float32_precision("bfloat16"):
+            fastattn.show_config()
+        shown = rows(capsys.readouterr().out)
+        assert shown["bfloat16 products"] == "yes (AVX512-BF16 vdpbf16ps)"
+        assert shown["float32 products"].startswith("bfloat16 (")
+    fastattn.show_config()
+    assert rows(capsys.readouterr().out)["float32 products"] == "float32 (exact, the default)"
 
 
 # ----------------------------------------------------------------- shadowing
@@ -105,21 +165,21 @@ def _fake_installed(root, version="9.9.9"):
 def test_info_names_the_folder_that_hides_the_installed_package(tmp_path, monkeypatch):
     installed = _fake_installed(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))    # found first by importlib.metadata
-    assert info._installed_dir() == ("9.9.9", installed)
+    assert _config._installed_dir() == ("9.9.9", installed)
     here = os.path.dirname(os.path.abspath(fastattn.__file__))
-    facts = info.collect()
+    facts = _config.collect()
     (problem,) = facts["problems"]
     assert here in problem and installed in problem and "9.9.9" in problem
-    text = info.format_info(facts)
+    text = _config.format_info(facts)
     assert text.splitlines()[-1].startswith("         ")      # wrapped under "problem: "
     assert "problem: fastattn is imported from" in text
     assert info.run(argparse.Namespace(json=False), stdout=io.StringIO()) == 3
 
 
 def test_info_without_an_installed_copy_has_no_problem(monkeypatch):
-    monkeypatch.setattr(info, "_installed_dir", lambda: None)
-    assert info.shadowing_problems(fastattn) == []
-    assert "problems" not in info.collect()
+    monkeypatch.setattr(_config, "_installed_dir", lambda: None)
+    assert _config.shadowing_problems(fastattn) == []
+    assert "problems" not in _config.collect()
 
 
 def test_info_explains_a_namespace_folder(tmp_path):
@@ -130,11 +190,11 @@ def test_info_explains_a_namespace_folder(tmp_path):
     spec = importlib.machinery.ModuleSpec("fastattn", None, is_package=True)
     spec.submodule_search_locations = [str(folder)]
     namespace = importlib.util.module_from_spec(spec)
-    facts = info.collect(namespace)
+    facts = _config.collect(namespace)
     assert facts["version"] == "unknown" and facts["threads"] == "unknown"
     (problem,) = facts["problems"]
     assert str(folder) in problem and "no __init__.py" in problem
-    assert "problem: 'import fastattn' found the folder" in info.format_info(facts)
+    assert "problem: 'import fastattn' found the folder" in _config.format_info(facts)
 
 
 def test_info_from_beside_a_folder_named_fastattn(tmp_path):

@@ -1,10 +1,6 @@
-"""Arrays in any byte order compute the same numbers on every entry point, and the kernel
-reads the one description of a call that fastattn._args builds.
-
-A big-endian array gives the bits of its native twin everywhere; the compiled entry points
-read the Problem's fields, and the codes they share with fastattn._args.  The argument rules
-themselves: tests/test_arguments.py.
-"""
+"""Arrays in any byte order compute the same numbers on every entry point: a big-endian
+array gives the bits of its native twin everywhere.  The argument rules, and the one
+description of a call that fastattn._args builds: tests/test_arguments.py."""
 import numpy as np
 import pytest
 
@@ -106,48 +102,3 @@ def test_attention_backward_takes_big_endian_arrays(qkv):
                                       causal=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
-
-
-# --------------------------------------------------------------------------- one description
-
-def test_the_kernel_reads_the_problem_by_name(qkv):
-    # The compiled entry points read the call's description from the Problem's fields,
-    # not from positional copies: a field changed after validation is what the kernel runs.
-    from fastattn import _args, _glue
-    q, k, v = qkv
-    p = _args.Problem(q, k, v, causal=True)
-    p.scale, p.causal_code, p.softcap = 0.25, _args.CAUSAL_CODES["top-left"], 2.0
-    out = np.empty(p.result_shape(p.Dv))
-    _glue.kernel.forward(p, q=q, k=k, v=v, out=out, lse=None, mask=None, n_threads=1)
-    np.testing.assert_array_equal(
-        out, fastattn.attention(q, k, v, scale=0.25, causal="top-left", softcap=2.0))
-
-
-def test_the_lean_gate_takes_causal_codes_from_the_one_normaliser(qkv):
-    # The gate normalises nothing: without the codes fastattn._args gives causal=False and
-    # causal=True (handed over when fastattn._dispatch loads the module), it takes no call.
-    from fastattn import _args, _dispatch
-    q, k, v = qkv
-    kernel = _dispatch.kernel
-    assert kernel.attention_fast(q, k, v, None, True, False, None, 1) is not None
-    try:
-        kernel.lean_causal_codes(-1, -1)
-        assert kernel.attention_fast(q, k, v, None, True, False, None, 1) is None
-        assert kernel.attention_fast(q, k, v, None, False, False, None, 1) is None
-    finally:
-        kernel.lean_causal_codes(_args.CAUSAL_CODES["none"], _args.CAUSAL_CODES["bottom-right"])
-    np.testing.assert_array_equal(kernel.attention_fast(q, k, v, None, True, False, None, 1),
-                                  _validated(q, k, v, causal=True))
-
-
-def _validated(q, k, v, **keywords):
-    """fastattn.attention through the validated path (a keyword the lean gate declines)."""
-    return fastattn.attention(q, k, v, q_lengths=np.full(q.shape[:-3], q.shape[-2]), **keywords)
-
-
-def test_a_kernel_with_other_codes_does_not_load(monkeypatch):
-    # The codes the Problem carries must be the kernel's: a module that disagrees is refused.
-    from fastattn import _args, _dispatch
-    monkeypatch.setattr(_args, "CAUSAL_CODES", {"none": 0, "bottom-right": 2, "top-left": 1})
-    with pytest.raises(ImportError, match="codes"):
-        _dispatch._load(_dispatch.ISA)
