@@ -275,13 +275,18 @@ cdef class KVCachePlanBase:
         self._n_threads, self._precision, self.compiled = n_threads, precision, compiled
 
     def _set_batch(self, seqlens, block_table):
-        """Set the lengths (intp (B,)) and block table (int32 (B, max_pages) or None) of a
-        batch of B sequences."""
+        """Set the lengths (intp (B,), C-contiguous) and block table (int32 (B, max_pages),
+        C-contiguous, or None) of a batch of B sequences."""
         self._seqlens = seqlens
+        cdef cnp.ndarray lengths = seqlens
+        cdef const Py_ssize_t* n = <const Py_ssize_t*> cnp.PyArray_DATA(lengths)
+        cdef Py_ssize_t b
         self._block_table = block_table
         self._bt_width = 0 if block_table is None else block_table.shape[1]
-        self.batch = seqlens.shape[0]
-        self._top = int(seqlens.max(initial=0))
+        self.batch = cnp.PyArray_DIM(lengths, 0)
+        self._top = 0
+        for b in range(self.batch):
+            self._top = max(self._top, n[b])
         self._memo_page = -1
 
     def _set_alibi(self, alibi):
