@@ -2,6 +2,7 @@
 
     python benchmarks/tabpfn_e2e.py [--rows 3000] [--test-rows 1000] [--features 20]
                                     [--rounds 3] [--threads 2] [--estimators 1]
+                                    [--float32-precision float32|bfloat16]
     python benchmarks/tabpfn_e2e.py --small          # a tiny model on a few rows: a quick check
 
 What it measures: the wall time of ``TabPFNClassifier.predict_proba`` (preprocessing of the
@@ -19,11 +20,11 @@ The two backends run in turn, ``--rounds`` times (the order alternating), after 
 warm-up call of each; the table gives the median time of each, the ratio (torch time /
 fastattn time: above 1 when fastattn makes the whole forward faster), the time spent in
 attention calls (TabPFN's SDPA wrapper, timed by wrapping it; its share of the forward)
-and the largest difference of the probabilities.  It does so under torch's float32
-matmul precision "highest" and "medium".  Under "medium" fastattn's torch integrations run
-float32 calls whose head dims suit the kernel through bfloat16 products where the CPU has
-AVX512-BF16 (torch's own float32 matmuls may change too), so for "medium" the ratio and
-the difference are also given against torch under "highest", the exact float32 forward.
+and the largest difference of the probabilities.  torch runs at its default float32
+matmul precision; fastattn at ``--float32-precision`` (its own setting,
+``fastattn.set_float32_precision``): ``float32``, exact, by default, or ``bfloat16``, which
+runs float32 calls whose head dims suit the kernel through bfloat16 products where the CPU
+has AVX512-BF16 (elsewhere it changes nothing).
 """
 import argparse
 import os
@@ -45,7 +46,7 @@ SMALL_CONFIG = dict(embed_dim=32, dist_embed_num_blocks=1, dist_embed_num_heads=
 SMALL_SIZES = dict(rows=300, test_rows=100, features=8)
 CLASSES = 3
 BACKENDS = ("torch", "fastattn")
-PRECISIONS = ("highest", "medium")
+PRECISIONS = ("float32", "bfloat16")
 
 
 def cpu_has_avx512_bf16():
@@ -140,11 +141,8 @@ def check_backends(backend, ran):
                            f"expected {sorted(map(str, expected))} ({len(ran)} calls)")
 
 
-def run_precision(clf, X_test, precision, rounds, timer):
+def run_rounds(clf, X_test, rounds, timer):
     """Per backend: the times, attention times and the first round's probabilities."""
-    import torch
-
-    torch.set_float32_matmul_precision(precision)
     results = {b: dict(seconds=[], attention=[], proba=None) for b in BACKENDS}
     for r in range(rounds):
         for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
@@ -162,28 +160,19 @@ def max_diff(a, b):
     return float(np.max(np.abs(a - b)))
 
 
-def report(all_results):
-    exact = all_results["highest"]["torch"]
-    print(f"{'precision':<10}{'backend':<10}{'median s':>10}{'attention s':>13}{'share':>7}"
-          f"{'calls':>7}{'max|dP| vs torch':>18}{'vs torch highest':>18}")
-    for precision, results in all_results.items():
-        torch_same = results["torch"]
-        for backend, res in results.items():
-            med, att = statistics.median(res["seconds"]), statistics.median(res["attention"])
-            same = ("-" if backend == "torch"
-                    else f"{max_diff(res['proba'], torch_same['proba']):.2e}")
-            vs_exact = "-" if res is exact else f"{max_diff(res['proba'], exact['proba']):.2e}"
-            print(f"{precision:<10}{backend:<10}{med:>10.3f}{att:>13.3f}{att / med:>7.0%}"
-                  f"{res['calls']:>7}{same:>18}{vs_exact:>18}")
+def report(results):
+    print(f"{'backend':<10}{'median s':>10}{'attention s':>13}{'share':>7}{'calls':>7}"
+          f"{'max|dP| vs torch':>18}")
+    med = {}
+    for backend, res in results.items():
+        med[backend] = statistics.median(res["seconds"])
+        att = statistics.median(res["attention"])
+        diff = ("-" if backend == "torch"
+                else f"{max_diff(res['proba'], results['torch']['proba']):.2e}")
+        print(f"{backend:<10}{med[backend]:>10.3f}{att:>13.3f}{att / med[backend]:>7.0%}"
+              f"{res['calls']:>7}{diff:>18}")
     print()
-    med = {(p, b): statistics.median(r[b]["seconds"])
-           for p, r in all_results.items() for b in r}
-    for precision in all_results:
-        print(f"ratio torch / fastattn, {precision}: "
-              f"{med[precision, 'torch'] / med[precision, 'fastattn']:.2f}")
-    if "medium" in all_results:
-        print("ratio torch highest / fastattn medium: "
-              f"{med['highest', 'torch'] / med['medium', 'fastattn']:.2f}")
+    print(f"ratio torch / fastattn: {med['torch'] / med['fastattn']:.2f}")
 
 
 def main(argv=None):
@@ -195,6 +184,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--estimators", type=int, default=1,
                    help="TabPFN's ensemble size: forward passes per predict (default 1)")
+    p.add_argument("--float32-precision", choices=PRECISIONS, default="float32",
+                   help="fastattn's float32 precision (fastattn.set_float32_precision): "
+                        "float32, exact (default), or bfloat16 products where the CPU has "
+                        "AVX512-BF16")
     p.add_argument("--small", action="store_true",
                    help=f"a tiny model (2 ICL layers of width 128) on "
                         f"{SMALL_SIZES['rows']}+{SMALL_SIZES['test_rows']} rows of "
@@ -222,7 +215,9 @@ def main(argv=None):
     print(f"CPU: {cpu_name()} (AVX512-BF16: {'yes' if cpu_has_avx512_bf16() else 'no'}); "
           f"torch {torch.__version__}; {args.threads} threads")
     print(f"fastattn {fastattn.__version__}, {ISA} kernel, from "
-          f"{os.path.dirname(os.path.abspath(fastattn.__file__))}")
+          f"{os.path.dirname(os.path.abspath(fastattn.__file__))}; float32 precision "
+          f"{args.float32_precision} (torch's matmul precision: "
+          f"{torch.get_float32_matmul_precision()})")
 
     start = time.perf_counter()
     specs = build_model(SMALL_CONFIG if args.small else FULL_CONFIG)
@@ -243,15 +238,15 @@ def main(argv=None):
     clf.fit(X_train, y_train)
 
     timer = AttentionTimer()
-    all_results = {}
-    with timer.installed():
-        torch.set_float32_matmul_precision("highest")
-        for backend in BACKENDS:
-            predict(clf, X_test, backend, timer)
-        for precision in PRECISIONS:
-            all_results[precision] = run_precision(clf, X_test, precision, args.rounds, timer)
-    torch.set_float32_matmul_precision("highest")
-    report(all_results)
+    old = fastattn.set_float32_precision(args.float32_precision)
+    try:
+        with timer.installed():
+            for backend in BACKENDS:
+                predict(clf, X_test, backend, timer)
+            results = run_rounds(clf, X_test, args.rounds, timer)
+    finally:
+        fastattn.set_float32_precision(old)
+    report(results)
 
 
 if __name__ == "__main__":

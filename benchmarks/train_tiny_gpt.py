@@ -1,13 +1,16 @@
 """Train a tiny character-level GPT on the CPU twice: with torch's SDPA and with fastattn.
 
     python benchmarks/train_tiny_gpt.py [--steps 200] [--plot losses.png]
+                                        [--float32-precision float32|bfloat16]
 
 The two runs start from the same weights and see the same batches; their steps alternate
 (one step of each in turn), so both meet the same phases of the machine.  The script
 prints both loss curves' agreement, the median step time of each and their ratio, and
 the share of a step that attention takes (its forward and backward, timed alone at the
 model's shape).  ``--plot`` draws the two loss curves (needs matplotlib; without it the
-script exits with status 3 before training).
+script exits with status 3 before training).  ``--float32-precision bfloat16`` opts
+fastattn's float32 calls into bfloat16 products (``fastattn.set_float32_precision``, on
+CPUs with AVX512-BF16), forward and backward; torch's SDPA run is unchanged by it.
 
 The text is the Zen of Python, which every Python carries: nothing is downloaded.
 """
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import fastattn
 from fastattn.integrations import torch as fa_torch
 
 
@@ -130,6 +134,9 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--float32-precision", choices=("float32", "bfloat16"), default="float32",
+                   help="fastattn's float32 precision (fastattn.set_float32_precision): "
+                        "float32, exact (default), or bfloat16 products")
     a = p.parse_args(argv)
     plt = None
     if a.plot:   # checked before training, so that a missing matplotlib costs nothing
@@ -143,6 +150,15 @@ def main(argv=None):
                   "without --plot)", file=sys.stderr)
             return 3
 
+    old = fastattn.set_float32_precision(a.float32_precision)
+    try:
+        return report(a, plt)
+    finally:
+        fastattn.set_float32_precision(old)
+
+
+def report(a, plt):
+    """Train, time attention alone, print, and plot with ``plt`` (None: no plot)."""
     losses, times = train(a)
     t_torch = statistics.median(times["torch SDPA"][5:])
     t_fa = statistics.median(times["fastattn"][5:])
@@ -151,7 +167,8 @@ def main(argv=None):
     att = {name: a.layers * attention_time(sdpa, shape) for name, sdpa in SDPAS.items()}
     print(f"{a.steps} steps, batch {a.batch} x {a.block} characters, {a.layers} layers, "
           f"d_model {a.d_model}, {a.heads} heads; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; fastattn's float32 precision "
+          f"{a.float32_precision}")
     print(f"loss: first {losses['fastattn'][0]:.4f}, last {losses['fastattn'][-1]:.4f} "
           f"(torch SDPA: {losses['torch SDPA'][-1]:.4f}); largest difference at any step "
           f"{diff:.2e}")

@@ -308,15 +308,17 @@ def _check_caches(q, k_cache, v_cache, k_scale, v_scale):
 # The plan's arguments, checked once (KVCachePlan.__init__).
 
 def _check_block_table(block_table):
-    """The block table as intp ``(B, max_pages)``: integers (the pages in use are checked
-    against each run's pool)."""
+    """The block table ``(B, max_pages)``, the plan's own copy: integers (the pages in use
+    are checked against each run's pool), kept as int32 where every value fits (what the
+    kernel reads), else as intp."""
     bt = _args.as_array(block_table, "block_table")
     if bt.dtype.kind not in "iu":
         raise TypeError(f"block_table must be an integer array, got dtype {bt.dtype} "
                         f"(shape {bt.shape})")
     if bt.ndim != 2:
         raise ValueError(f"block_table must have shape (B, max_pages), got {bt.shape}")
-    return np.array(bt, dtype=np.intp)                     # the plan's own copy
+    fits = np.can_cast(bt.dtype, np.int32)
+    return np.array(bt, dtype=np.int32 if fits else np.intp)
 
 
 def _check_table_batch(table, B):
@@ -328,6 +330,8 @@ def _check_table_batch(table, B):
 def _table32(table):
     """The block table as the kernel reads it, int32 C-contiguous: the pages in use are
     checked below 2**31 (a pool's size); others are never read."""
+    if table.dtype == np.int32:
+        return np.ascontiguousarray(table)
     return np.ascontiguousarray(table.clip(-1, np.iinfo(np.int32).max), dtype=np.int32)
 
 
@@ -350,10 +354,12 @@ def _check_seqlens(cache_seqlens):
 
 def _broadcast_seqlens(seqlens, B):
     """The plan's lengths for a batch of ``B`` sequences, intp ``(B,)`` C-contiguous."""
-    if seqlens.shape not in ((), (1,), (B,)):
+    if seqlens.shape == (B,):
+        return seqlens                                     # the plan's own, contiguous
+    if seqlens.shape not in ((), (1,)):
         raise ValueError(f"cache_seqlens of shape {seqlens.shape} does not broadcast to the "
                          f"batch (B,) = ({B},) of q")
-    return np.ascontiguousarray(np.broadcast_to(seqlens, (B,)))
+    return np.full(B, seqlens.reshape(()), np.intp)
 
 
 def _check_rotary(cos, sin, interleaved):
@@ -446,7 +452,7 @@ def _pages_in_use(seqlens, table, page, Lnew):
     used = -(-seen // page)                                      # ceil: pages in use
     n_used = int(used.max(initial=0))                            # <= max_pages (room)
     in_use = np.arange(n_used) < used[:, None]
-    pages = np.where(in_use, table[:, :n_used], 0)
+    pages = np.where(in_use, table[:, :n_used], 0).astype(np.intp)
     if Lnew:
         pos = seqlens[:, None] + np.arange(Lnew)
         slots = np.take_along_axis(pages, pos // page, axis=1) * page + pos % page

@@ -11,8 +11,8 @@ stay exact whatever the setting: rounding would cost accuracy and buy no speed; 
 for bfloat16 there warns, once per process (:func:`fastattn.show_config` shows what runs).
 
 The setting is process-wide (:func:`set_float32_precision`); :class:`float32_precision`
-overrides it for the calling thread within a ``with`` block, which is how the torch
-integrations follow torch's own setting.
+overrides it for the calling thread within a ``with`` block.  The torch integrations
+follow this setting too, never torch's ``set_float32_matmul_precision``.
 """
 import threading
 import warnings

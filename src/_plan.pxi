@@ -191,6 +191,51 @@ cdef void _store_new_row(const Rows* r, Py_ssize_t first, Py_ssize_t h, Py_ssize
                r.cols // 16)
 
 
+cdef int _caches_kind(cnp.ndarray kc, cnp.ndarray vc, Py_ssize_t B, Py_ssize_t Hq,
+                      Py_ssize_t Lq, Py_ssize_t D) noexcept:
+    # The storage kind of the two caches (FA_STORE_Q8_0 for int8), when they are 4-d, of one
+    # dtype in native order, agree with each other and with q's head dim D and heads Hq,
+    # and have rows the kernel reads in place; else -1.  (Empty calls go to the checked
+    # path too.)
+    cdef int kind
+    if not (_shape_is(kc, -1, -1, -1, D) and cnp.PyArray_NDIM(vc) == 4):
+        return -1
+    cdef Py_ssize_t Hkv = cnp.PyArray_DIM(kc, 1), Dv = cnp.PyArray_DIM(vc, 3)
+    if (B == 0 or Lq == 0 or D == 0 or Dv == 0 or Hkv == 0 or Hq % Hkv
+            or not _shape_is(vc, cnp.PyArray_DIM(kc, 0), Hkv, cnp.PyArray_DIM(kc, 2), Dv)):
+        return -1
+    if (cnp.PyArray_TYPE(kc) != cnp.PyArray_TYPE(vc) or not cnp.PyArray_ISNOTSWAPPED(kc)
+            or not cnp.PyArray_ISNOTSWAPPED(vc)):
+        return -1
+    kind = FA_STORE_Q8_0 if cnp.PyArray_TYPE(kc) == cnp.NPY_INT8 else _float_kind(kc)
+    if kind < 0 or not (_kernel_layout(kc) and _kernel_layout(vc)):
+        return -1
+    return kind
+
+
+cdef Py_ssize_t _new_rows(object k, object v, cnp.ndarray kc, cnp.ndarray vc,
+                          Py_ssize_t B) noexcept:
+    # Lnew: 0 without new rows; k and v's rows when both are float32 / 16-bit arrays of
+    # shapes (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv) for writeable caches; else -1.
+    cdef cnp.ndarray ka, va
+    if k is None and v is None:
+        return 0
+    if not (_is_array(k) and _is_array(v)):
+        return -1
+    ka, va = k, v
+    if _float_kind(ka) < 0 or _float_kind(va) < 0:
+        return -1
+    cdef Py_ssize_t Hkv = cnp.PyArray_DIM(kc, 1), Lnew
+    if not _shape_is(ka, B, Hkv, -1, cnp.PyArray_DIM(kc, 3)):
+        return -1
+    Lnew = cnp.PyArray_DIM(ka, 2)
+    if not _shape_is(va, B, Hkv, Lnew, cnp.PyArray_DIM(vc, 3)):
+        return -1
+    if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)):
+        return -1
+    return Lnew
+
+
 @cython.auto_pickle(False)     # a plan is a step's: it is made again, never stored
 cdef class KVCachePlanBase:
     """The compiled half of :class:`fastattn.KVCachePlan`: what it checked once, and
@@ -230,13 +275,18 @@ cdef class KVCachePlanBase:
         self._n_threads, self._precision, self.compiled = n_threads, precision, compiled
 
     def _set_batch(self, seqlens, block_table):
-        """Set the lengths (intp (B,)) and block table (int32 (B, max_pages) or None) of a
-        batch of B sequences."""
+        """Set the lengths (intp (B,), C-contiguous) and block table (int32 (B, max_pages),
+        C-contiguous, or None) of a batch of B sequences."""
         self._seqlens = seqlens
+        cdef cnp.ndarray lengths = seqlens
+        cdef const Py_ssize_t* n = <const Py_ssize_t*> cnp.PyArray_DATA(lengths)
+        cdef Py_ssize_t b
         self._block_table = block_table
         self._bt_width = 0 if block_table is None else block_table.shape[1]
-        self.batch = seqlens.shape[0]
-        self._top = int(seqlens.max(initial=0))
+        self.batch = cnp.PyArray_DIM(lengths, 0)
+        self._top = 0
+        for b in range(self.batch):
+            self._top = max(self._top, n[b])
         self._memo_page = -1
 
     def _set_alibi(self, alibi):
@@ -274,36 +324,19 @@ cdef class KVCachePlanBase:
             except ValueError:
                 return None
         cdef Py_ssize_t B = self.batch, Hq = cnp.PyArray_DIM(qa, 1), Lq = cnp.PyArray_DIM(qa, 2)
-        cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3)
-        if not (_shape_is(kc, -1, -1, -1, D) and cnp.PyArray_NDIM(vc) == 4):
+        cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3), Dv
+        c_kind = _caches_kind(kc, vc, B, Hq, Lq, D)
+        if c_kind < 0:
             return None
-        cdef Py_ssize_t Hkv = cnp.PyArray_DIM(kc, 1), Dv = cnp.PyArray_DIM(vc, 3)
-        if (B == 0 or Lq == 0 or D == 0 or Dv == 0 or Hkv == 0 or Hq % Hkv
-                or not _shape_is(vc, cnp.PyArray_DIM(kc, 0), Hkv, cnp.PyArray_DIM(kc, 2), Dv)):
+        Dv = cnp.PyArray_DIM(vc, 3)
+        cdef Py_ssize_t Lnew = _new_rows(k, v, kc, vc, B)
+        if Lnew < 0:
             return None
-        if cnp.PyArray_TYPE(kc) != cnp.PyArray_TYPE(vc) or not cnp.PyArray_ISNOTSWAPPED(kc) \
-                or not cnp.PyArray_ISNOTSWAPPED(vc):
-            return None
-        cdef bint q8_0 = cnp.PyArray_TYPE(kc) == cnp.NPY_INT8
-        c_kind = FA_STORE_Q8_0 if q8_0 else _float_kind(kc)
-        if c_kind < 0 or not (_kernel_layout(kc) and _kernel_layout(vc)):
-            return None
-        cdef Py_ssize_t Lnew = 0
-        if k is not None or v is not None:
-            if not (_is_array(k) and _is_array(v)):
-                return None
+        if k is not None:
             ka, va = k, v
-            if _float_kind(ka) < 0 or _float_kind(va) < 0:
-                return None
-            if not (_shape_is(ka, B, Hkv, -1, D) and _shape_is(va, B, Hkv, -1, Dv)):
-                return None
-            Lnew = cnp.PyArray_DIM(ka, 2)
-            if cnp.PyArray_DIM(va, 2) != Lnew:
-                return None
-            if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)):
-                return None
-        if q8_0:
-            if not (_scales_fit(k_scale, kc, Lnew > 0) and _scales_fit(v_scale, vc, Lnew > 0)):
+        if c_kind == FA_STORE_Q8_0:
+            if not (_scales_fit(k_scale, kc, k is not None)
+                    and _scales_fit(v_scale, vc, k is not None)):
                 return None
         elif k_scale is not None or v_scale is not None:
             return None

@@ -25,7 +25,7 @@ transformers = import_optional("transformers")
 F = torch.nn.functional
 
 import fastattn  # noqa: E402
-from fastattn.integrations import transformers as fa_tf  # noqa: E402
+from fastattn.integrations import _ops, transformers as fa_tf  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 STRICT = "fastattn-strict"
@@ -286,7 +286,7 @@ def _band(Lq, Lk, left, right):
 
 @pytest.mark.parametrize("Lq, Lk", [(6, 6), (3, 10), (1, 10)])
 def test_mask_structure(Lq, Lk):
-    plan = lambda m: fa_tf._derive_plan(torch, m[None, None], Lq, Lk)  # noqa: E731
+    plan = lambda m: _ops.derive_structure(m[None, None], Lq, Lk)  # noqa: E731
     # One query row (decoding): bottom-right causal is no restriction, "right" unbounded.
     right = 0 if Lq > 1 else -1
     causal = _band(Lq, Lk, -1, 0)

@@ -160,3 +160,66 @@ def test_without_grad_the_same_bits_as_through_autograd(dtype):
     assert plain.dtype == recorded.dtype == q.dtype and plain_lse.dtype == lse.dtype
     assert torch.equal(plain, recorded.detach()) and torch.equal(plain_lse, lse.detach())
     assert torch.equal(fa_torch.attention(q, k, v, causal=True), plain)
+
+
+# --------------------------------------------------------------------------- precision
+
+@pytest.fixture
+def matmul_precision():
+    old = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(old)
+
+
+def _float32_case():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, 64, generator=g).requires_grad_() for _ in range(3))
+    dout = torch.randn(2, 4, 33, 64, generator=g)
+    return q, k, v, dout
+
+
+def _through_torch(q, k, v, dout):
+    """fastattn.integrations.torch.attention and its gradients."""
+    from fastattn.integrations import torch as fa_torch
+
+    out = fa_torch.attention(q, k, v, causal=True)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def _through_numpy(q, k, v, dout):
+    """fastattn.attention and fastattn.attention_backward on the same arrays."""
+    q, k, v = (t.detach().numpy() for t in (q, k, v))
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+    return (out, *fastattn.attention_backward(dout.numpy(), q, k, v, out, lse, causal=True))
+
+
+def _assert_same_bits(got, want):
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.detach().numpy(), w)
+
+
+def test_torchs_matmul_precision_leaves_fastattn_exact(matmul_precision):
+    # torch.set_float32_matmul_precision("medium") is a line many GPU training scripts
+    # carry; torch's own CPU SDPA stays exact under it, and so do fastattn's integrations:
+    # only fastattn's own setting changes its float32 arithmetic.
+    q, k, v, dout = _float32_case()
+    want = _through_numpy(q, k, v, dout)
+    for precision in ("medium", "high", "highest"):
+        matmul_precision(precision)
+        assert fastattn.get_float32_precision() == "float32"
+        _assert_same_bits(_through_torch(q, k, v, dout), want)
+
+
+def test_fastattns_own_setting_applies_inside_the_integrations(matmul_precision):
+    # fastattn's opt-in reaches calls through torch, whatever torch's setting says: the
+    # integrations compute what fastattn.attention computes under the same setting.
+    from fastattn._dispatch import kernel
+
+    q, k, v, dout = _float32_case()
+    exact = _through_numpy(q, k, v, dout)
+    matmul_precision("highest")
+    with fastattn.float32_precision("bfloat16"):
+        want = _through_numpy(q, k, v, dout)
+        _assert_same_bits(_through_torch(q, k, v, dout), want)
+    if kernel.bf16_dot():   # the opt-in changes the arithmetic only where the CPU has it
+        assert not np.array_equal(want[0], exact[0])

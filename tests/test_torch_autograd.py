@@ -233,3 +233,24 @@ def test_the_tiny_gpt_example_trains_as_with_torchs_sdpa():
     ref, got = np.array(losses["torch SDPA"]), np.array(losses["fastattn"])
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     assert got[-1] < got[0]
+
+
+def test_the_tiny_gpt_example_opts_in_to_bfloat16_products_with_its_flag(monkeypatch):
+    # --float32-precision sets fastattn's own setting for the run, and restores it after.
+    import fastattn
+
+    example = _tiny_gpt()
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def train(a):
+        seen.append(fastattn.get_float32_precision())
+        raise Stop
+    monkeypatch.setattr(example, "train", train)
+    for flag in (["--float32-precision", "bfloat16"], []):
+        with pytest.raises(Stop):
+            example.main(["--steps", "2", *flag])
+        assert fastattn.get_float32_precision() == "float32"
+    assert seen == ["bfloat16", "float32"]

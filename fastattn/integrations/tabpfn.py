@@ -27,19 +27,16 @@ class FastattnBackend:
 
     def is_preferred(self, spec):
         """Whether fastattn takes a call: CPU tensors of float32/float16/bfloat16/float64,
-        keys present, ``Hq`` a multiple of ``Hkv``, and not inside ``torch.compile`` (the
-        call leaves torch).  Calls under autograd are taken too: they run as the
-        differentiable :func:`fastattn.integrations.torch.attention`.
+        keys present, ``Hq`` a multiple of ``Hkv``.  Calls under autograd and inside
+        ``torch.compile`` are taken too: they run as the operator
+        ``torch.ops.fastattn.attention``, whose backward is fastattn's.
         """
-        import torch
-
         return (
             spec.device.type == "cpu"
             and str(spec.dtype).rpartition(".")[2] in _DTYPE_NAMES
             and spec.seq_len_kv is not None
             and spec.num_kv_heads > 0
             and spec.num_heads % spec.num_kv_heads == 0
-            and not torch.compiler.is_compiling()
         )
 
     def run(self, q_BSHD, k_BSJD, v_BSJD, **_informational):
@@ -50,19 +47,14 @@ class FastattnBackend:
         ``h // (Hq // Hkv)``.  float32 inputs are read in place and the result is written
         in place (the (B, H, S, D) views fastattn reads are transposes of the tensors).
         """
-        import torch
-
-        from . import _torch
+        from . import _ops
 
         if k_BSJD is None or v_BSJD is None:
             raise ValueError("fastattn's TabPFN backend needs dense keys and values, got None")
-        if _torch.needs_grad(torch, q_BSHD, k_BSJD, v_BSJD):
-            from . import torch as fa_torch
-            return fa_torch.attention(*(t.transpose(1, 2) for t in (q_BSHD, k_BSJD, v_BSJD))
-                                      ).transpose(1, 2)
-        q, k, v = _torch.arrays(torch, q_BSHD, k_BSJD, v_BSJD)
-        return _torch.attend_heads_last(torch, *(a.transpose(0, 2, 1, 3) for a in (q, k, v)),
-                                        q_BSHD.dtype)
+        # The operator's result is laid out (B, Sq, Hq, Dv): its transpose is that tensor.
+        out, _ = _ops.call_attention(
+            *(t.transpose(1, 2) for t in (q_BSHD, k_BSJD, v_BSJD)))
+        return out.transpose(1, 2)
 
     def __repr__(self):
         return "FastattnBackend()"

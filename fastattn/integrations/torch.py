@@ -10,17 +10,25 @@
 - :func:`attention_with_kvcache` is :func:`fastattn.attention_with_kvcache` on tensors, for
   inference: the cache tensors are appended in place.
 
-Both are ``torch.autograd.Function``\\ s: the forward keeps the ``lse`` that
-:func:`fastattn.attention` returns, and the backward is :func:`fastattn.attention_backward`,
+Each is a ``torch.library`` custom operator (``torch.ops.fastattn.attention``,
+``torch.ops.fastattn.attention_with_kvcache``; see :mod:`fastattn.integrations._ops`), so
+``torch.compile(..., fullgraph=True)`` keeps calls to them in its graph, forward and
+backward.  The forward keeps the ``lse`` that :func:`fastattn.attention` returns, and the
+backward is the operator ``fastattn::attention_backward``, :func:`fastattn.attention_backward`,
 which recomputes the probabilities from it tile by tile.  Gradients flow to q, k, v,
 ``sinks`` (when given as a tensor) and through ``lse``; masks, ALiBi slopes and lengths are
 constants.  Tensors are handed to fastattn as NumPy views of the same memory wherever the
-dtype allows (float32, float64, float16, and bfloat16 with ``ml_dtypes`` installed).
+dtype allows (float32, float64, float16, and bfloat16 with ``ml_dtypes`` installed), and
+the result of :func:`attention` is written in place: a tensor ``(..., Hq, Lq, Dv)`` laid out
+``(..., Lq, Hq, Dv)`` in memory, as torch's own CPU attention returns it.
 
 Mixed dtypes follow :func:`fastattn.attention`: the call is computed in the promoted
 dtype (``torch.promote_types``; a float64 ``q`` with float32 ``k``, ``v`` is computed in
 float64) and ``out`` comes in it; each gradient comes in its input's dtype.  (torch's own
 SDPA refuses mixed dtypes.)
+
+float32 calls compute as :func:`fastattn.set_float32_precision` says (exact float32 unless
+you opt in), whatever ``torch.set_float32_matmul_precision`` says.
 
 What these functions do not take, they refuse with an error rather than guess: tensors
 not on the CPU, ``dropout_p > 0``, a mask (or any other keyword tensor) that requires
@@ -29,15 +37,17 @@ raises ``NotImplementedError``, since fastattn's backward is not itself differen
 
 torch is imported when a function is first called, never by importing this module.
 """
-import functools
+import numbers
 
 import numpy as np
 
-import fastattn
-
-from . import _torch
+from .. import _args
 
 __all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention"]
+
+# The keywords of fastattn.attention that the operation takes besides sinks and return_lse.
+_KEYWORDS = ("scale", "causal", "window", "mask", "kv_lengths", "q_lengths", "softcap",
+             "alibi_slopes")
 
 
 def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
@@ -72,20 +82,19 @@ def attention(q, k, v, *, return_lse=False, sinks=None, **keywords):
     """
     import torch
 
+    from . import _ops
+
     if "out" in keywords:
         raise TypeError("out is not taken by the torch operation (autograd owns its results)")
+    unknown = sorted(set(keywords) - set(_KEYWORDS))
+    if unknown:
+        raise TypeError(f"attention() got unexpected keyword arguments {unknown}")
     _check_tensors(torch, q=q, k=k, v=v)
     for name, value in keywords.items():
         _refuse_grad(torch, name, value)
-    keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
     if sinks is not None and not torch.is_tensor(sinks):
         sinks = torch.as_tensor(np.asarray(sinks, dtype=np.float64))
-    if _torch.needs_grad(torch, q, k, v, sinks):
-        out, lse = _function().apply(q, k, v, sinks, keywords)
-    else:
-        # Nothing to differentiate: no autograd node, whose bookkeeping costs about as
-        # much as a decode step's attention.
-        out, lse = _forward(torch, q, k, v, sinks, keywords, return_lse)
+    out, lse = _ops.call_attention(q, k, v, sinks=sinks, **_arguments(torch, **keywords))
     return (out, lse) if return_lse else out
 
 
@@ -111,35 +120,32 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **keywords):
     """
     import torch
 
+    from . import _ops
+
     if "out" in keywords:
         raise TypeError("out is not taken by the torch operation (it returns a new tensor)")
+    return_lse = _args.check_flag(keywords.pop("return_lse", False), "return_lse")
     _check_tensors(torch, **{n: t for n, t in (("q", q), ("k", k), ("v", v)) if t is not None})
-    if _torch.needs_grad(torch, q, k, v):
+    if any(t is not None and t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
         raise RuntimeError("attention_with_kvcache computes no gradient: call it under "
                            "torch.no_grad() or torch.inference_mode()")
-    caches = {}
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache),
-                    ("k_scale", keywords.pop("k_scale", None)),
-                    ("v_scale", keywords.pop("v_scale", None))):
-        if t is None:
+                    ("k_scale", keywords.get("k_scale")), ("v_scale", keywords.get("v_scale"))):
+        if t is None and name.endswith("_scale"):
             continue
         if not torch.is_tensor(t):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_cpu:
             raise ValueError(f"{name} is on {t.device}: fastattn runs on CPU tensors")
-        if t.dtype == torch.bfloat16 and _torch.bfloat16_dtype() is None:
-            raise TypeError(f"{name} is bfloat16, which needs the ml_dtypes package to be "
-                            "written in place (pip install ml_dtypes)")
-        caches[name] = _torch.view(torch, t.detach())
-    keywords = {name: _constant(torch, name, value) for name, value in keywords.items()}
-    qa, ka, va = (_constant(torch, n, t) for n, t in (("q", q), ("k", k), ("v", v)))
-    with _torch.from_torch(torch):
-        res = fastattn.attention_with_kvcache(qa, caches["k_cache"], caches["v_cache"], ka, va,
-                                              **{n: a for n, a in caches.items()
-                                                 if n.endswith("_scale")}, **keywords)
-    out, lse = res if keywords.get("return_lse") else (res, None)
-    out_t = _tensor(torch, out, q.dtype)
-    return (out_t, torch.from_numpy(lse)) if lse is not None else out_t
+    if "cache_seqlens" not in keywords:
+        raise TypeError("attention_with_kvcache() missing the keyword argument 'cache_seqlens'")
+    interleaved = _args.check_flag(keywords.pop("rotary_interleaved", False),
+                                   "rotary_interleaved")
+    arguments = _arguments(torch, **keywords)
+    out, lse = _ops.call_attention_with_kvcache(
+        q, k_cache, v_cache, arguments.pop("cache_seqlens"), k=k, v=v,
+        rotary_interleaved=interleaved, **arguments)
+    return (out, lse) if return_lse else out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -184,7 +190,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 # --------------------------------------------------------------------------- helpers
 
 def _check_tensors(torch, **tensors):
-    known = _torch.float_dtypes(torch)
+    known = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     for name, t in tensors.items():
         if not torch.is_tensor(t):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -203,90 +209,28 @@ def _refuse_grad(torch, name, value):
             f"that requires one (detach it, or compute it with torch)")
 
 
-def _constant(torch, name, value):
-    """A keyword's value as fastattn takes it: tensors as NumPy arrays (detached)."""
-    if not torch.is_tensor(value):
-        return value
-    if not value.is_cpu:
-        raise ValueError(f"{name} is on {value.device}: fastattn runs on CPU tensors")
-    value = value.detach()
-    if value.dtype == torch.bfloat16 and _torch.bfloat16_dtype() is None:
-        value = value.float()
-    return _torch.view(torch, value)
+def _arguments(torch, causal=False, window=None, scale=None, softcap=None, **arrays):
+    """The keywords of a call as the operators' schemas take them: ``causal`` as its
+    string, ``window`` as a list, scalars as floats, arrays as CPU tensors (detached)."""
+    arguments = {"causal": _args.check_causal(causal),
+                 "window": None if window is None else list(_args.check_window(window)),
+                 "scale": _real(scale, "scale"), "softcap": _real(softcap, "softcap")}
+    for name, value in arrays.items():
+        if value is None or name.endswith("_scale"):   # caches' scales: checked, in place
+            arguments[name] = value
+        elif torch.is_tensor(value):
+            if not value.is_cpu:
+                raise ValueError(f"{name} is on {value.device}: fastattn runs on CPU tensors")
+            arguments[name] = value.detach()
+        else:
+            arguments[name] = torch.as_tensor(np.asarray(value))
+    return arguments
 
 
-def _arrays(torch, *tensors):
-    """NumPy views of detached CPU tensors, each in its own dtype, so that fastattn
-    promotes a mix of dtypes as :func:`fastattn.attention` does (bfloat16 is upcast to a
-    float32 copy when ``ml_dtypes`` is missing: the same compute dtype)."""
-    arrays = []
-    for t in tensors:
-        t = t.detach() if t.requires_grad else t
-        if t.dtype == torch.bfloat16 and _torch.bfloat16_dtype() is None:
-            t = t.float()
-        arrays.append(_torch.view(torch, t))
-    return tuple(arrays)
-
-
-def _result_dtype(torch, *tensors):
-    """The dtype of ``out``: the inputs' own when they agree, else their promotion (with
-    16-bit dtypes mixed, float32), as :func:`fastattn.attention`'s result."""
-    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-
-
-def _tensor(torch, a, dtype):
-    """The NumPy result ``a`` as a tensor of ``dtype`` (shared memory when it already is)."""
-    t = _torch.tensor(torch, a)
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _forward(torch, q, k, v, sinks, keywords, return_lse):
-    """:func:`fastattn.attention` on the tensors: ``(out, lse)`` as tensors (lse None
-    unless ``return_lse``)."""
-    qa, ka, va = _arrays(torch, q, k, v)
-    sinks_a = None if sinks is None else sinks.detach().double().numpy()
-    with _torch.from_torch(torch):
-        res = fastattn.attention(qa, ka, va, sinks=sinks_a, return_lse=return_lse, **keywords)
-    out, lse = res if return_lse else (res, None)
-    out = _tensor(torch, out, _result_dtype(torch, q, k, v))
-    return out, None if lse is None else torch.from_numpy(lse)
-
-
-@functools.lru_cache(maxsize=None)
-def _function():
-    """The autograd Function, built on first use (torch imported only then)."""
-    import torch
-
-    class Attention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, sinks, keywords):
-            ctx.set_materialize_grads(False)
-            out_t, lse_t = _forward(torch, q, k, v, sinks, keywords, True)
-            ctx.save_for_backward(q, k, v, out_t, lse_t, sinks)
-            ctx.keywords = keywords
-            return out_t, lse_t
-
-        @staticmethod
-        def backward(ctx, dout, dlse):
-            # Grad mode is on inside a backward exactly when it runs with create_graph=True:
-            # the gradients would then have to be differentiable, and fastattn's are not.
-            if torch.is_grad_enabled():
-                raise NotImplementedError(
-                    "fastattn's attention has no double backward: its gradients are not "
-                    "differentiable, so a backward through it with create_graph=True (a "
-                    "gradient penalty, a Hessian-vector product) is refused")
-            q, k, v, out, lse, sinks = ctx.saved_tensors
-            if dout is None:
-                dout = torch.zeros_like(out)
-            arrays = _arrays(torch, dout, q, k, v, out)
-            with _torch.from_torch(torch):
-                grads = fastattn.attention_backward(
-                    *arrays, lse.numpy(),
-                    dlse=None if dlse is None else dlse.detach().numpy(),
-                    sinks=None if sinks is None else sinks.detach().double().numpy(),
-                    **ctx.keywords)
-            dq, dk, dv = (_tensor(torch, g, t.dtype) for g, t in zip(grads, (q, k, v)))
-            dsinks = None if sinks is None else _tensor(torch, grads[3], sinks.dtype)
-            return dq, dk, dv, dsinks, None
-
-    return Attention
+def _real(value, name):
+    """A real scalar keyword as a float (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(value).__name__}")
+    return float(value)

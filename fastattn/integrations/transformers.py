@@ -7,17 +7,18 @@ transformers builds no mask at all and hands the layers ``attention_mask=None``,
 would be silently ignored.  The mask function is transformers' own SDPA one, so the masks
 mean exactly what they mean for ``attn_implementation="sdpa"``.
 
-From the mask, the attention function reads the structure fastattn can use (the
-bottom-right causal rule, a sliding window): ``fastattn.attention`` then skips the key
-blocks no row can see, and when the mask says nothing more than that structure (no padding)
-the mask itself is dropped.  The analysis is cached on the mask tensor, which all layers of
-one forward pass share.
+The attention function calls the operator ``torch.ops.fastattn.attention``
+(:mod:`fastattn.integrations._ops`), so a model on fastattn compiles with
+``torch.compile`` as it does on ``"sdpa"``, and trains through the operator's backward.
+From a boolean mask the operator reads the structure fastattn can use (the bottom-right
+causal rule, a sliding window): ``fastattn.attention`` then skips the key blocks no row
+can see, and when the mask says nothing more than that structure (no padding) the mask
+itself is dropped.  The analysis is cached on the mask tensor, which all layers of one
+forward pass share.
 """
 import functools
 import sys
 import warnings
-
-from . import _torch
 
 __all__ = ["register", "attention_forward"]
 
@@ -70,8 +71,11 @@ def register(name="fastattn", *, fallback="sdpa"):
     - **Score modifiers.** Attention-logit soft-capping (Gemma 2) and attention sinks
       (gpt-oss) are passed on as fastattn's ``softcap`` and ``sinks``.
     - **Training.** When autograd records the call (grad mode on and an input that
-      requires grad), it runs as :func:`fastattn.integrations.torch.attention`, whose
-      backward is :func:`fastattn.attention_backward`; the result is then a new tensor.
+      requires grad), the operator's backward is :func:`fastattn.attention_backward`.
+    - **torch.compile.** The call is the operator ``torch.ops.fastattn.attention``, which
+      ``torch.compile`` keeps in its graph.
+    - **Precision.** float32 calls follow :func:`fastattn.set_float32_precision` (exact
+      float32 by default), not ``torch.set_float32_matmul_precision``.
     - The attention weights are not returned (``None``), as with ``sdpa``; with
       ``output_attentions=True`` the call runs as ``eager`` (see ``fallback``).
 
@@ -163,38 +167,25 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
                                       **kwargs)
 
-    Lq = query.shape[-2]
-    causal, window, mask = False, None, None
+    from . import _ops
+
+    causal = "none"
     if attention_mask is None:
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
         # sdpa's rule: one query row (decoding) sees every key it is given; more rows are
         # causal with PyTorch's top-left alignment (a static cache's unused tail is hidden).
-        causal = "top-left" if (is_causal and Lq > 1) else False
-    elif attention_mask.dtype == torch.bool:
-        causal, window, keep = _mask_plan(torch, attention_mask, Lq, key.shape[-2])
-        if keep:
-            mask = attention_mask.numpy()
-    else:
-        mask = attention_mask.detach()
-        mask = (mask if mask.dtype in (torch.float32, torch.float64) else mask.float()).numpy()
-
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    extra = {}
-    if kwargs.get("softcap") is not None:
-        extra["softcap"] = float(kwargs["softcap"])
-    if _torch.needs_grad(torch, query, key, value, sinks):
-        # Training: the differentiable operation, whose backward is fastattn's.
-        from . import torch as fa_torch
-        out = fa_torch.attention(query, key, value, scale=scaling, causal=causal,
-                                 window=window, mask=mask, sinks=sinks, **extra)
-        return out.transpose(1, 2), None
-    if sinks is not None:
-        extra["sinks"] = sinks.detach().float().numpy()
-    # The model reads (batch, Lq, Hq, Dv): fastattn writes that layout in place.
-    q, k, v = _torch.arrays(torch, query, key, value)
-    return _torch.attend_heads_last(torch, q, k, v, query.dtype, scale=scaling, causal=causal,
-                                    window=window, mask=mask, **extra), None
+        if is_causal and query.shape[-2] > 1:
+            causal = "top-left"
+    softcap = kwargs.get("softcap")
+    # The operator reads the band of a boolean mask (causal, sliding window) and skips the
+    # key blocks outside it; its result, laid out (batch, Lq, Hq, Dv), is what the model
+    # reads, so the transpose below is free.
+    out, _ = _ops.call_attention(
+        query, key, value, scale=scaling, causal=causal, mask=attention_mask,
+        softcap=None if softcap is None else float(softcap),
+        sinks=kwargs.get("s_aux", kwargs.get("sinks")))
+    return out.transpose(1, 2), None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -245,60 +236,7 @@ def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):
         return "a paged cache (continuous batching)"
     if kwargs.get("output_attentions"):
         return _WEIGHTS
-    known = _torch.float_dtypes(torch)
+    known = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     if not (query.dtype in known and key.dtype in known and value.dtype in known):
         return f"dtype {sorted(map(str, {query.dtype, key.dtype, value.dtype}))}"
     return None
-
-
-def _mask_plan(torch, mask, Lq, Lk):
-    """(causal, window, keep_mask) for the boolean ``mask``, cached on the tensor.
-
-    ``causal`` / ``window`` describe the smallest bottom-right band (fastattn's alignment:
-    query ``i`` sits at key position ``i + Lk - Lq``) that contains every True of the mask;
-    passing them with the mask changes nothing but lets fastattn skip hidden key blocks.
-    ``keep_mask`` is False when the mask is exactly that band.
-    """
-    version = mask._version
-    cached = getattr(mask, "_fastattn_plan", None)
-    if cached is not None and cached[0] == (version, Lq, Lk):
-        return cached[1]
-    plan = _derive_plan(torch, mask, Lq, Lk)
-    try:
-        mask._fastattn_plan = ((version, Lq, Lk), plan)
-    except (AttributeError, RuntimeError):  # a tensor that takes no attributes: no cache
-        pass
-    return plan
-
-
-def _derive_plan(torch, mask, Lq, Lk):
-    if mask.shape[-2] != Lq or mask.shape[-1] != Lk or Lq == 0 or Lk == 0:
-        return False, None, True  # a broadcast mask row or empty call: use it as it is
-    off = Lk - Lq
-    rows = mask.reshape(-1, Lq, Lk)
-    seen = rows.any(dim=-1)  # (n, Lq)
-    if not bool(seen.any()):
-        return False, None, True
-    i = torch.arange(Lq)
-    # First and last visible key of each row (argmax returns the first maximum).
-    first = rows.to(torch.uint8).argmax(dim=-1)
-    last = Lk - 1 - rows.flip(-1).to(torch.uint8).argmax(dim=-1)
-    left = int((i + off - first)[seen].max())
-    right = int((last - i - off)[seen].max())
-    # A side is unbounded when it already reaches every key of every row.
-    left = -1 if left >= Lk - 1 else max(left, 0)
-    right = -1 if right >= Lq - 1 else max(right, 0)
-    causal = right == 0
-    if causal:
-        window = None if left == -1 else (left, 0)
-    else:
-        window = None if left == right == -1 else (left, right)
-    j = torch.arange(Lk)
-    d = j[None, :] - (i[:, None] + off)  # key j's offset from the row's diagonal
-    band = torch.ones(Lq, Lk, dtype=torch.bool)
-    if left != -1:
-        band &= d >= -left
-    if right != -1:
-        band &= d <= right
-    keep = not bool((rows == band).all())
-    return causal, window, keep
