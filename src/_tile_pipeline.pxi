@@ -940,9 +940,9 @@ cdef inline void _modify_scores(const Problem* P, const Tile* t, const Workspace
 cdef inline double _sink2(const Problem* P, double sink, double shift) noexcept nogil:
     # A sink logit as the row's finished scores hold it: base 2, less the cap and the row's
     # mask shift (_mask_shift).
-    if shift != 0:
-        sink = sink - shift
-    return sink * LOG2E - _cap_shift(P)
+    if shift == 0:
+        return sink * LOG2E - _cap_shift(P)
+    return (sink - shift) * LOG2E - _cap_shift(P)
 
 
 cdef inline double _cap_shift(const Problem* P) noexcept nogil:
@@ -1309,7 +1309,6 @@ cdef inline void _write_row(const Problem* P, const Tile* t, floating* orow,
     # 1 / L rounds twice, which at float32 costs up to one more unit in the last place of
     # every output.
     cdef Py_ssize_t c
-    cdef double base
     if L != 0:
         for c in range(P.Dv):
             orow[c] = ACC[c] / L
@@ -1317,11 +1316,17 @@ cdef inline void _write_row(const Problem* P, const Tile* t, floating* orow,
         for c in range(P.Dv):
             orow[c] = 0
     if P.lse != NULL:
-        base = (M + _cap_shift(P)) * LN2
-        if shift != 0:
-            base = base + shift
         (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = (
-            base + log(L) if L != 0 else -INFINITY)
+            _lse(P, M, L, shift) if L != 0 else -INFINITY)
+
+
+cdef inline double _lse(const Problem* P, double M, double L, double shift) noexcept nogil:
+    # lse = M ln 2 + log L, M the row's base-2 maximum (less the cap shift, and the row's
+    # mask shift where it has one, which are added back).  Without a mask shift, one
+    # expression as ever: its product and sum may be one FMA, and its bits are then kept.
+    if shift == 0:
+        return (M + _cap_shift(P)) * LN2 + log(L)
+    return (M + _cap_shift(P)) * LN2 + (shift + log(L))
 
 
 cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow,
@@ -1345,10 +1350,7 @@ cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow
         f = a / den
         for c in range(P.Dv):
             orow[c] = <floating> (ACC[c] * f)
-        lse = (mx + _cap_shift(P)) * LN2
-        if shift != 0:
-            lse = lse + shift
-        lse = lse + log(den)
+        lse = _lse(P, mx, den, shift)
     if P.lse != NULL:
         (<floating*> P.lse)[P.lse_boff[t.b] + h * P.lse_sh + i * P.lse_si] = <floating> lse
 
