@@ -226,8 +226,8 @@ cdef void _reduce_rows(const Tile* t, const floating* pt, const floating* x, Py_
             rz -= 1
         c = 0
         while c < x_pad and ra < rz:
-            pv_tile_widened(pt + ra * ldp + jj, ldp, rz - ra, x + ra * x_pad + c, x_pad,
-                            acc + jj * x_pad + c, x_pad, ones, FA_MR_PV)
+            pv_tile_ld(pt + ra * ldp + jj, ldp, rz - ra, x + ra * x_pad + c, x_pad,
+                       acc + jj * x_pad + c, x_pad, ones, FA_MR_PV)
             c += t.NL
         jj += FA_MR_PV
 
@@ -282,7 +282,7 @@ cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
         na = max(0, min(t.j1, z) - ja)
         c = 0
         while c < d_pad and na > 0:
-            pv_tile_widened(ws + w.dp + (ja - t.j0) * FA_BQ + rg, FA_BQ, na,
+            pv_tile_widened(ws + w.dp + (ja - t.j0) * FA_BQ + rg, na,
                             kb + (ja - t.j0) * ldk + c, ldk, ws + w.dqblk + rg * d_pad + c,
                             d_pad, ws + w.ones, nr)
             c += t.NL

@@ -2,10 +2,8 @@
 # per micro-kernel, so that the tile pipeline (_tile_pipeline.pxi) calls `score_tile(...)`
 # once instead of choosing between the _f and _d instantiations at every call site.
 #
-# The kernels that read K and V are reached through the table of storage types
-# (fa_kv_ops, one row per storage type and compute type): the pipeline looks up the rows
-# of a block's K and V once and calls through them.  K and V rows reach the kernels as
-# `const char*`: read in place as stored, or widened block by block into the compute type
+# K and V rows reach the micro-kernels as `const char*` in the compute type: read in place
+# when stored in it, else widened block by block from their 16-bit storage type
 # (fa_half.h, the tile pipeline's _load_block).
 
 from libc.stdint cimport int8_t, int32_t, uint16_t, uint32_t
@@ -24,6 +22,7 @@ cdef extern from "fa_kernels.h" nogil:
         FA_DEC_NR_MAX
         FA_DEC_KEYS_F
         FA_DEC_SCORES_PREFETCH_K_ROWS_F
+        FA_HAVE_GQA4_16
         FA_HAVE_F16C
         FA_HAVE_SOFTMAX_PAIRS
         FA_KT8_MAX_D
@@ -42,33 +41,45 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_key_interval(Py_ssize_t i, Py_ssize_t Lq, Py_ssize_t kv_len, int causal,
                          Py_ssize_t wl, Py_ssize_t wr, Py_ssize_t* lo, Py_ssize_t* hi)
 
-    # The table of storage types (fa_kv_ops): a row per storage type of K and V, the
-    # kernels that read them; compute-type arrays as void pointers, scale as a double.
-    ctypedef struct fa_kv_ops:
-        void (*score_tile[3])(const char* const* kr, const void* qt, Py_ssize_t ldqt,
-                              Py_ssize_t D, double scale, void* s, Py_ssize_t lds) noexcept nogil
-        void (*score_keyrows[4])(const char* const* kr, Py_ssize_t ldk, int nk, const void* qt,
-                                 Py_ssize_t ldqt, Py_ssize_t D, double scale, void* s,
-                                 Py_ssize_t lds, int nstore, const char* const* pf,
-                                 Py_ssize_t pf_bytes) noexcept nogil
-        void (*score_gqa4)(const char* const* kr, Py_ssize_t ldk, const void* qt,
-                           Py_ssize_t ldqt, Py_ssize_t D, double scale, void* s,
-                           Py_ssize_t lds, int nstore, const char* const* pf,
-                           Py_ssize_t pf_bytes, int npass) noexcept nogil
-        void (*pv_tile[2])(const void* p, Py_ssize_t ldp, Py_ssize_t nj, const char* v,
-                           Py_ssize_t ldv, void* acc, Py_ssize_t ldacc,
-                           const void* alpha) noexcept nogil
-        void (*pv_wide[2])(const void* p, Py_ssize_t ldp, Py_ssize_t nj, const char* v,
-                           Py_ssize_t ldv, void* acc, Py_ssize_t ldacc, const void* alpha,
-                           const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
-                           Py_ssize_t pf_bytes) noexcept nogil
-        void (*pv_ptr)(const void* p, Py_ssize_t ldp, Py_ssize_t nj, const char* const* vr,
-                       const float* vsc, Py_ssize_t Dv, void* acc, Py_ssize_t ldacc,
-                       const void* alpha, int nr, const char* const* pf,
-                       Py_ssize_t npf) noexcept nogil
-        double (*elem)(const char* row, Py_ssize_t c) noexcept nogil
-    const fa_kv_ops* fa_kv_ops_of(int kind, int double_compute)
-    int fa_rows_slot(Py_ssize_t nr)
+    # score micro-tiles: 6 keys x 2 vectors, 6 x 1, 4 x 2 (query rows as lanes)
+    void fa_score_tile_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                         float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                         double scale, double* s, Py_ssize_t lds)
+    void fa_score_tile1_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile1_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          double scale, double* s, Py_ssize_t lds)
+    void fa_score_tile4_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          float scale, float* s, Py_ssize_t lds)
+    void fa_score_tile4_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                          double scale, double* s, Py_ssize_t lds)
+
+    # decode score kernels (keys as lanes), 1/2/4/8 query rows per pass
+    void fa_score_keyrows1_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows1_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
+                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
 
     void fa_hide_keys_f(float* s, Py_ssize_t lds, Py_ssize_t nk, int nvec)
     void fa_hide_keys_d(double* s, Py_ssize_t lds, Py_ssize_t nk, int nvec)
@@ -93,6 +104,86 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pack_qt_f(const float* const* rows, Py_ssize_t D, float* qt, Py_ssize_t ldqt)
     void fa_pack_qt_d(const double* const* rows, Py_ssize_t D, double* qt, Py_ssize_t ldqt)
 
+    # output micro-tiles: 6 rows x 2 vectors, 1 x 2, 4 rows x 4 vectors, 1 row x 8 vectors
+    void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                      Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                      Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha)
+    void fa_pv_tile1_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                       Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha)
+    void fa_pv_rows4_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
+                       const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                       Py_ssize_t pf_bytes)
+    void fa_pv_rows4_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                       Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha,
+                       const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                       Py_ssize_t pf_bytes)
+    void fa_pv_row8_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
+                      Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
+                      Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+    void fa_pv_row8_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
+                      Py_ssize_t ldv, double* acc, const double* alpha, const char* pf,
+                      Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+
+    # the K/V-reading decode kernels for float16 (_fh) and bfloat16 (_fb) K and V
+    void fa_score_keyrows1_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows1_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows2_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows4_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_score_keyrows8_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
+                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    # npass passes of 4 query rows over a call of 32 16-bit keys, evenly spaced (ldk) or
+    # through row pointers (ldk 0) (builds with FA_HAVE_GQA4_16 only)
+    void fa_score_gqa4_fh(const uint16_t** kr, Py_ssize_t ldk, const float* qt,
+                          Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds,
+                          int nstore, const char** pf, Py_ssize_t pf_bytes, int npass)
+    void fa_score_gqa4_fb(const uint16_t** kr, Py_ssize_t ldk, const float* qt,
+                          Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds,
+                          int nstore, const char** pf, Py_ssize_t pf_bytes, int npass)
+    void fa_pv_tile_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile1_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_tile1_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
+    void fa_pv_rows4_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
+                        const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                        Py_ssize_t pf_bytes)
+    void fa_pv_rows4_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
+                        const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
+                        Py_ssize_t pf_bytes)
+    void fa_pv_row8_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
+                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+    void fa_pv_row8_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
+                       Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
+                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+
     void fa_softcap_f(float* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, float c)
     void fa_softcap_d(double* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, double c)
     void fa_alibi_f(float* s, Py_ssize_t lds, Py_ssize_t j0, Py_ssize_t nk, const float* nslope,
@@ -109,13 +200,33 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_prefetch_row(const char* p, Py_ssize_t nbytes, int run_ends, int loc)
     void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
     void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
+    # the decode output kernel over V rows addressed one pointer per key (paged caches)
+    void fa_pv_ptr_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* const* vr,
+                     Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                     const char* const* pf, Py_ssize_t npf)
+    void fa_pv_ptr_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* const* vr,
+                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                      const char* const* pf, Py_ssize_t npf)
+    void fa_pv_ptr_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* const* vr,
+                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                      const char* const* pf, Py_ssize_t npf)
     # decode kernels reading q8_0 K and V in place (fa_q8_0.h)
-    ctypedef void (*fa_score_q8_0_fn)(const int8_t** kr, const float* ksc, Py_ssize_t ldksc,
-                                      int nk, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
-                                      float scale, float* s, Py_ssize_t lds, int nstore,
-                                      const char** pf, int npf, const char** l1,
-                                      int nl1) noexcept nogil
-    fa_score_q8_0_fn fa_score_q8_0[4]
+    void fa_score_q8_0_r1(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
+                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                          Py_ssize_t lds, int nstore, const char** pf, int npf,
+                          const char** l1, int nl1)
+    void fa_score_q8_0_r2(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
+                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                          Py_ssize_t lds, int nstore, const char** pf, int npf,
+                          const char** l1, int nl1)
+    void fa_score_q8_0_r4(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
+                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                          Py_ssize_t lds, int nstore, const char** pf, int npf,
+                          const char** l1, int nl1)
+    void fa_score_q8_0_r8(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
+                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                          Py_ssize_t lds, int nstore, const char** pf, int npf,
+                          const char** l1, int nl1)
     int fa_score_q8_0_keys(int nr)
     void fa_q8_0_rows(const char* k, Py_ssize_t k_row, const uint16_t* ks, Py_ssize_t ks_row,
                       Py_ssize_t nbk, const char* v, Py_ssize_t v_row, const uint16_t* vs,
@@ -125,6 +236,9 @@ cdef extern from "fa_kernels.h" nogil:
                            Py_ssize_t ks_row, Py_ssize_t nbk, const char* v, Py_ssize_t v_row,
                            const uint16_t* vs, Py_ssize_t vs_row, Py_ssize_t nbv, Py_ssize_t n,
                            const char** kpf, const char** vpf)
+    void fa_pv_q8_0(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const int8_t** vr,
+                    const float* vsc, Py_ssize_t Dv, float* acc, Py_ssize_t ldacc,
+                    const float* alpha, int nr, const char** pf, Py_ssize_t npf)
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
                          Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,
                          Py_ssize_t pf_rows)
@@ -185,19 +299,24 @@ cdef inline Py_ssize_t vec_lanes(floating* like) noexcept nogil:
         return FA_VL_D
 
 
-cdef inline const fa_kv_ops* kv_ops(int kind, floating* like) noexcept nogil:
-    # The row of the table of storage types for K or V stored as `kind`, read by the
-    # kernels of this compute type (NULL: no kernel of it reads that kind; see _load_block).
-    return fa_kv_ops_of(kind, floating is double)
-
-
-cdef inline void score_tile(const fa_kv_ops* ops, const char** krows, const floating* qt,
-                            Py_ssize_t D, floating scale, floating* s, int nvec,
-                            Py_ssize_t mk) noexcept nogil:
+cdef inline void score_tile(const char** krows, const floating* qt, Py_ssize_t D,
+                            floating scale, floating* s, int nvec, Py_ssize_t mk) noexcept nogil:
     # One score micro-tile of mk (6, or 4 with 2 vectors) keys over 1 or 2 vectors of query
     # rows (identical per-lane arithmetic).
-    ops.score_tile[2 if nvec == 1 else (1 if mk == 4 else 0)](krows, qt, FA_BQ, D, scale, s,
-                                                             FA_BQ)
+    if floating is float:
+        if nvec == 2 and mk == 4:
+            fa_score_tile4_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        elif nvec == 2:
+            fa_score_tile_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        else:
+            fa_score_tile1_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+    else:
+        if nvec == 2 and mk == 4:
+            fa_score_tile4_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        elif nvec == 2:
+            fa_score_tile_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        else:
+            fa_score_tile1_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
 
 
 cdef inline void score_tile_bdp(const char** krows, const uint32_t* qt, Py_ssize_t D,
@@ -210,13 +329,81 @@ cdef inline void score_tile_bdp(const char** krows, const uint32_t* qt, Py_ssize
     else:
         fa_score_tile1_bdp(<const uint16_t**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
 
-cdef inline void score_keyrows(const fa_kv_ops* ops, Py_ssize_t nr, const char** krows,
-                               Py_ssize_t ldk, int nk, const floating* qt, Py_ssize_t ldqt,
-                               Py_ssize_t D, floating scale, floating* s, int nstore,
-                               const char** pf, Py_ssize_t pf_bytes) noexcept nogil:
-    # One decode score pass of nr (8, 4, 2 or 1) query rows over a call of keys (lanes).
-    ops.score_keyrows[fa_rows_slot(nr)](krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore,
-                                        pf, pf_bytes)
+cdef inline void score_keyrows(Py_ssize_t nr, const char** krows, Py_ssize_t ldk, int nk,
+                               const floating* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                               floating scale, floating* s, int nstore, const char** pf,
+                               Py_ssize_t pf_bytes, int kind) noexcept nogil:
+    # One decode score pass of nr (8, 4, 2 or 1) query rows over a call of keys (lanes),
+    # K stored as `kind` (16-bit kinds with float compute only).
+    if floating is float:
+        if kind != FA_STORE_NATIVE:
+            _score_keyrows_16(nr, <const uint16_t**> krows, ldk, nk, qt, ldqt, D, scale, s,
+                              nstore, pf, pf_bytes, kind)
+        elif nr == 8:
+            fa_score_keyrows8_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+    else:
+        if nr == 8:
+            fa_score_keyrows8_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
+                                nstore, pf, pf_bytes)
+
+
+cdef inline void _score_keyrows_16(Py_ssize_t nr, const uint16_t** kr, Py_ssize_t ldk, int nk,
+                                   const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale,
+                                   float* s, int nstore, const char** pf, Py_ssize_t pf_bytes,
+                                   int kind) noexcept nogil:
+    if kind == FA_STORE_F16:
+        if nr == 8:
+            fa_score_keyrows8_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+    else:
+        if nr == 8:
+            fa_score_keyrows8_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 4:
+            fa_score_keyrows4_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        elif nr == 2:
+            fa_score_keyrows2_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        else:
+            fa_score_keyrows1_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+
+
+cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char* const* vr, Py_ssize_t Dv,
+                        float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
+                        int kind, const char* const* pf, Py_ssize_t npf) noexcept nogil:
+    # acc = acc * alpha + P V for nr (1 or 4) rows over all Dv columns, V rows vr[j]
+    # stored as `kind` (float32, float16 or bfloat16); requests the npf rows pf (the next
+    # block's V) into L2 as it goes.
+    if kind == FA_STORE_F16:
+        fa_pv_ptr_fh(p, FA_BQ, nj, <const uint16_t* const*> vr, Dv, acc, ldacc, alpha, nr, pf,
+                     npf)
+    elif kind == FA_STORE_BF16:
+        fa_pv_ptr_fb(p, FA_BQ, nj, <const uint16_t* const*> vr, Dv, acc, ldacc, alpha, nr, pf,
+                     npf)
+    else:
+        fa_pv_ptr_f(p, FA_BQ, nj, <const float* const*> vr, Dv, acc, ldacc, alpha, nr, pf, npf)
 
 
 cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc, int nk,
@@ -225,18 +412,30 @@ cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc,
                             int nl1) noexcept nogil:
     # One decode score pass of nr (8, 4, 2 or 1) query rows over fa_score_q8_0_keys(nr)
     # keys (lanes) of q8_0 K read in place: values krows, scales ksc (see fa_score_q8_0_r1).
-    fa_score_q8_0[fa_rows_slot(nr)](<const int8_t**> krows, ksc, FA_BK, nk, qt, ldqt, D, scale,
-                                    s, FA_BQ, nstore, pf, npf, l1, nl1)
+    cdef const int8_t** kr = <const int8_t**> krows
+    if nr == 8:
+        fa_score_q8_0_r8(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
+    elif nr == 4:
+        fa_score_q8_0_r4(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
+    elif nr == 2:
+        fa_score_q8_0_r2(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
+    else:
+        fa_score_q8_0_r1(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
 
 
-cdef inline void score_gqa4(const fa_kv_ops* ops, const char** krows, Py_ssize_t ldk,
-                            const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale,
-                            float* s, int nstore, const char** pf, Py_ssize_t pf_bytes,
+cdef inline void score_gqa4(const char** krows, Py_ssize_t ldk, const float* qt,
+                            Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, int nstore,
+                            const char** pf, Py_ssize_t pf_bytes, int kind,
                             int npass) noexcept nogil:
     # npass decode score passes of 4 query rows of Q^T (qt[d * ldqt + r]) over a call of
-    # 32 keys, which the passes transpose once: krows[0] + i ldk elements when ldk != 0,
-    # else the rows krows[i] (only where the storage type has the kernel: score_gqa4).
-    ops.score_gqa4(krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes, npass)
+    # 32 16-bit keys, which the passes transpose once: krows[0] + i ldk elements when ldk
+    # != 0, else the rows krows[i].
+    if kind == FA_STORE_F16:
+        fa_score_gqa4_fh(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore,
+                         pf, pf_bytes, npass)
+    else:
+        fa_score_gqa4_fb(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore,
+                         pf, pf_bytes, npass)
 
 
 cdef inline void hide_keys(floating* s, Py_ssize_t nk, int nvec) noexcept nogil:
@@ -306,33 +505,98 @@ cdef inline void pack_qt(const char* const* rows, Py_ssize_t D, floating* qt,
         fa_pack_qt_d(<const double* const*> rows, D, qt, ldqt)
 
 
-cdef inline void pv_tile(const fa_kv_ops* ops, const floating* p, Py_ssize_t ldp,
-                         Py_ssize_t nj, const char* v, Py_ssize_t ldv, floating* acc,
-                         Py_ssize_t ldacc, const floating* alpha,
-                         Py_ssize_t nrows) noexcept nogil:
-    # One output micro-tile of FA_MR_PV rows or of a single row, 2 vectors of columns:
+cdef inline void pv_tile(const floating* p, Py_ssize_t nj, const char* v, Py_ssize_t ldv,
+                         floating* acc, Py_ssize_t ldacc, const floating* alpha,
+                         Py_ssize_t nrows, int kind) noexcept nogil:
+    # One output micro-tile of FA_MR_PV rows or of a single row, 2 vectors of columns; V
+    # stored as `kind` (16-bit kinds with float compute only).
+    if floating is float:
+        if kind == FA_STORE_F16:
+            if nrows == FA_MR_PV:
+                fa_pv_tile_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+            else:
+                fa_pv_tile1_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+        elif kind == FA_STORE_BF16:
+            if nrows == FA_MR_PV:
+                fa_pv_tile_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+            else:
+                fa_pv_tile1_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
+        elif nrows == FA_MR_PV:
+            fa_pv_tile_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
+    else:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha)
+
+
+cdef inline void pv_tile_ld(const floating* p, Py_ssize_t ldp, Py_ssize_t nj,
+                            const floating* v, Py_ssize_t ldv, floating* acc,
+                            Py_ssize_t ldacc, const floating* alpha,
+                            Py_ssize_t nrows) noexcept nogil:
+    # pv_tile on values in the compute type, p with stride ldp:
     # acc rows r += sum_j p[j * ldp + r] v[j * ldv].
-    ops.pv_tile[0 if nrows == FA_MR_PV else 1](p, ldp, nj, v, ldv, acc, ldacc, alpha)
+    if floating is float:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+    else:
+        if nrows == FA_MR_PV:
+            fa_pv_tile_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        else:
+            fa_pv_tile1_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+cdef inline void pv_tile_widened(const floating* p, Py_ssize_t nj, const floating* v,
+                                 Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
+                                 const floating* alpha, Py_ssize_t nrows) noexcept nogil:
+    # pv_tile on values already in the compute type (V's zero-padded tail strip).
+    pv_tile_ld(p, FA_BQ, nj, v, ldv, acc, ldacc, alpha, nrows)
 
 
-cdef inline void pv_tile_widened(const floating* p, Py_ssize_t ldp, Py_ssize_t nj,
-                                 const floating* v, Py_ssize_t ldv, floating* acc,
-                                 Py_ssize_t ldacc, const floating* alpha,
-                                 Py_ssize_t nrows) noexcept nogil:
-    # pv_tile on values in the compute type (V's zero-padded tail strip, the backward's rows).
-    pv_tile(kv_ops(FA_STORE_NATIVE, acc), p, ldp, nj, <const char*> v, ldv, acc, ldacc, alpha,
-            nrows)
-
-
-cdef inline void pv_wide(const fa_kv_ops* ops, Py_ssize_t nr, const floating* p,
-                         Py_ssize_t nj, const char* v, Py_ssize_t ldv, floating* acc,
-                         Py_ssize_t ldacc, const floating* alpha, const char* pf,
-                         Py_ssize_t pf_stride, Py_ssize_t pf_rows,
-                         Py_ssize_t pf_bytes) noexcept nogil:
+cdef inline void pv_wide(Py_ssize_t nr, const floating* p, Py_ssize_t nj, const char* v,
+                         Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
+                         const floating* alpha, const char* pf, Py_ssize_t pf_stride,
+                         Py_ssize_t pf_rows, Py_ssize_t pf_bytes, int kind) noexcept nogil:
     # The wide output tiles: 4 rows x 4 vectors (nr == 4) or 1 row x 8 vectors (nr == 1),
-    # prefetching pf_rows rows of pf as they go.
-    ops.pv_wide[1 if nr == 4 else 0](p, FA_BQ, nj, v, ldv, acc, ldacc, alpha, pf, pf_stride,
-                                     pf_rows, pf_bytes)
+    # prefetching pf_rows rows of pf as they go; V stored as `kind`.
+    if floating is float:
+        if kind == FA_STORE_F16 and nr == 4:
+            fa_pv_rows4_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha,
+                           pf, pf_stride, pf_rows, pf_bytes)
+        elif kind == FA_STORE_F16:
+            fa_pv_row8_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        elif kind == FA_STORE_BF16 and nr == 4:
+            fa_pv_rows4_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha,
+                           pf, pf_stride, pf_rows, pf_bytes)
+        elif kind == FA_STORE_BF16:
+            fa_pv_row8_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        elif nr == 4:
+            fa_pv_rows4_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        else:
+            fa_pv_row8_f(p, FA_BQ, nj, <const float*> v, ldv, acc, alpha,
+                         pf, pf_stride, pf_rows, pf_bytes)
+    else:
+        if nr == 4:
+            fa_pv_rows4_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha,
+                          pf, pf_stride, pf_rows, pf_bytes)
+        else:
+            fa_pv_row8_d(p, FA_BQ, nj, <const double*> v, ldv, acc, alpha,
+                         pf, pf_stride, pf_rows, pf_bytes)
+
+
+cdef inline floating load_elem(const char* row, Py_ssize_t c, int kind,
+                               floating* like) noexcept nogil:
+    # Element c of a row stored as `kind` (the compute type, float16 or bfloat16), widened.
+    if kind == FA_STORE_F16:
+        return fa_f16_to_f32((<const uint16_t*> row)[c])
+    if kind == FA_STORE_BF16:
+        return fa_bf16_to_f32((<const uint16_t*> row)[c])
+    return (<const floating*> row)[c]
 
 
 cdef inline void dequant_q8_0(const int8_t* x, const uint16_t* scale, Py_ssize_t n,

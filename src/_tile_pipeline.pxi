@@ -120,11 +120,6 @@ cdef struct Tile:
     const char* vb
     Py_ssize_t k_row, v_row
     bint widen_k, widen_v         # 16-bit K, V widened block by block (_load_block)
-    # The rows of the table of storage types (fa_kv_ops) for K and V as stored (NULL for a
-    # kind no kernel of this compute type reads) and for the compute type.
-    const fa_kv_ops* k_stored
-    const fa_kv_ops* v_stored
-    const fa_kv_ops* native
     # The key block being processed: keys [j0, j1), and its K and V rows in the compute
     # type as the kernels read them: key j0 + u at kblk + u * kblk_row bytes (kblk_sj
     # elements apart), likewise V.
@@ -132,9 +127,7 @@ cdef struct Tile:
     const char* kblk
     const char* vblk
     Py_ssize_t kblk_sj, vblk_sj, kblk_row, vblk_row, vblk_esz
-    const fa_kv_ops* kops         # how the kernels read them: native, or as stored
-    const fa_kv_ops* vops
-    const float* vsc              # V's scales in float32, Dv / 32 a row (q8_0 in place)
+    int kblk_kind, vblk_kind      # how the kernels read them: FA_STORE_NATIVE, or 16-bit
     # Per row: visible keys [lo, hi); per vector of rows: the union of its rows' intervals.
     Py_ssize_t* lo
     Py_ssize_t* hi
@@ -353,9 +346,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.copy_rows = floating is float and t.decode and t.gather and not t.q8_in_place
     # ... 16-bit K rows then read where they are by the score kernels, which transpose or
     # widen them anyway; V read through row pointers, whole vectors of columns (else
-    # copied too), as q8_0's V always is
+    # copied too)
     t.k_in_place = t.copy_rows and (P.k_kind == FA_STORE_F16 or P.k_kind == FA_STORE_BF16)
-    t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0 or t.q8_in_place
+    t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
     # With both read in place, the kernels request the next block's rows as they go (K:
     # the score kernel, V: the output kernel), spread over their steps; when K is copied,
     # _gather requests them as it copies, the faster order for that path.
@@ -374,8 +367,6 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.pv_next_v = (t.decode and floating is float and t.nrows == 1
                    and P.v_kind == FA_STORE_NATIVE and not t.gather)
     t.first_blk = True
-    t.k_stored, t.v_stored = kv_ops(P.k_kind, ws), kv_ops(P.v_kind, ws)
-    t.native = kv_ops(FA_STORE_NATIVE, ws)
     t.scale_log2 = P.scale * LOG2E
     t.kv_len = P.kv_len[b]
     t.q_len = P.q_len[b] if P.q_len != NULL else P.Lq
@@ -430,8 +421,9 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             pack_qt(qrows, D, qt + c, ldqt)
     # 4-row score passes over 16-bit K (_keyrows_pass: rows c .. c+3 with more than 2 of
     # them left) take a whole call of keys in one kernel (fa_score_gqa4).
-    t.gqa4 = (floating is float and t.decode and not t.widen_k and t.k_stored != NULL
-              and t.k_stored.score_gqa4 != NULL and D % 8 == 0 and D <= FA_KT8_MAX_D)
+    t.gqa4 = (floating is float and FA_HAVE_GQA4_16 and t.decode and not t.widen_k
+              and (P.k_kind == FA_STORE_F16 or P.k_kind == FA_STORE_BF16)
+              and D % 8 == 0 and D <= FA_KT8_MAX_D)
     # The common case (no causal diagonal, window or per-sequence lengths in the tile) in
     # one flag, so that the per-block stages need not scan the rows.
     # (Blocks of bfloat16 products start at even keys, which may put a key before tile_lo
@@ -471,18 +463,16 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
     # Widening and dequantising are exact (every float16, bfloat16 and q8_0 value is a
     # float32), so the kernels compute the same bits whichever way a value arrives.
     cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
-    t.kops = t.vops = t.native
-    t.vsc = NULL
+    t.kblk_kind = t.vblk_kind = FA_STORE_NATIVE
     t.vblk_esz = sizeof(floating)
     if floating is float and t.q8_in_place:
         _gather_q8_0(P, t, w, ws)
-        t.vops, t.vsc = t.v_stored, ws + w.vblk
         return
     if t.gather:
         _gather(P, t, w, ws)
     elif not t.widen_k:
         t.kblk, t.kblk_row, t.kblk_sj = t.kb + t.j0 * t.k_row, t.k_row, P.k_sj
-        t.kops = t.k_stored
+        t.kblk_kind = P.k_kind
     else:
         widen_rows(P.k_kind, t.kb + t.j0 * t.k_row, P.k_sj, t.nj, P.D, ws + w.kblk, P.D,
                    t.kb + t.j1 * t.k_row, nxt)
@@ -490,7 +480,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
     elif t.copy_rows:
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * P.k_isz, P.D
-        t.kops = t.k_stored
+        t.kblk_kind = P.k_kind
     if t.bf16_dot:
         # K read through row pointers; V in pairs of keys, the layout of the bfloat16
         # output tiles (fa_pack_v_pairs)
@@ -502,10 +492,10 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
     elif t.copy_rows:
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * P.v_isz, P.Dv
-        t.vops, t.vblk_esz = t.v_stored, P.v_isz
+        t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
     elif not t.widen_v:
         t.vblk, t.vblk_row, t.vblk_sj = t.vb + t.j0 * t.v_row, t.v_row, P.v_sj
-        t.vops, t.vblk_esz = t.v_stored, P.v_isz
+        t.vblk_kind, t.vblk_esz = P.v_kind, P.v_isz
     else:
         if not t.gather:
             widen_rows(P.v_kind, t.vb + t.j0 * t.v_row, P.v_sj, t.nj, P.Dv, ws + w.vblk, P.Dv,
@@ -699,8 +689,7 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
                     score_tile_bdp(t.krows, <const uint32_t*> (qt + c), D, scale,
                                    s + jj * FA_BQ + c, nvec, mk)
                 else:
-                    score_tile(t.kops, t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec,
-                               mk)
+                    score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
             jj += mk
 
 
@@ -815,15 +804,15 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
                     # a second 4-row pass follows (more than 2 rows after these 4): one
                     # call takes both, widening the keys once
                     npass = 2 if nrows - r > 6 else 1
-                    score_gqa4(t.kops, t.krows, ldk, qt + r, t.ldqt, P.D, scale,
+                    score_gqa4(t.krows, ldk, qt + r, t.ldqt, P.D, scale,
                                s + jb * FA_BQ + r, <int> (nrows - r),
-                               t.vrows if pf_v else NULL, pf_bytes, npass)
+                               t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind, npass)
                     r += 4 * npass
                     pf_bytes = 0
                     continue
-            score_keyrows(t.kops, nr, t.krows, ldk, nk, qt + r, t.ldqt, P.D, scale,
+            score_keyrows(nr, t.krows, ldk, nk, qt + r, t.ldqt, P.D, scale,
                           s + jb * FA_BQ + r, <int> (nrows - r),
-                          t.vrows if pf_v else NULL, pf_bytes)
+                          t.vrows if pf_v else NULL, pf_bytes, t.kblk_kind)
             r += nr
             pf_bytes = 0
     t.first_blk = False
@@ -1066,7 +1055,8 @@ cdef void _load_vtail(const Tile* t, const Workspace* w, floating* ws) noexcept 
     for j in range(t.nj):
         vrow = t.vblk + j * t.vblk_row
         for u in range(NL):
-            vtail[j * NL + u] = <floating> t.vops.elem(vrow, t.dv_main + u) if u < t.dv_tail else 0
+            vtail[j * NL + u] = (load_elem(vrow, t.dv_main + u, t.vblk_kind, ws)
+                                 if u < t.dv_tail else 0)
 
 
 cdef inline void _pv_strips(const Tile* t, const Workspace* w, floating* ws,
@@ -1077,11 +1067,11 @@ cdef inline void _pv_strips(const Tile* t, const Workspace* w, floating* ws,
     cdef floating* acc = ws + w.acc + r * t.dv_pad
     cdef const floating* alpha = ws + w.alpha + r
     while c < t.dv_main:
-        pv_tile(t.vops, p, FA_BQ, na, v + c * t.vblk_esz, t.vblk_sj, acc + c, t.dv_pad, alpha,
-                nr)
+        pv_tile(p, na, v + c * t.vblk_esz, t.vblk_sj, acc + c, t.dv_pad, alpha, nr,
+                t.vblk_kind)
         c += t.NL
     if t.dv_tail:
-        pv_tile_widened(p, FA_BQ, na, ws + w.vtail + (ja - t.j0) * t.NL, t.NL, acc + t.dv_main,
+        pv_tile_widened(p, na, ws + w.vtail + (ja - t.j0) * t.NL, t.NL, acc + t.dv_main,
                         t.dv_pad, alpha, nr)
 
 
@@ -1104,9 +1094,9 @@ cdef void _pv_rows(const Tile* t, const Workspace* w, floating* ws, Py_ssize_t r
     if nr == 4 or nr == 1:
         cw = 2 * t.NL if nr == 4 else 4 * t.NL
         while c + cw <= t.dv_main:
-            pv_wide(t.vops, nr, p + rg, na, v + c * isz, t.vblk_sj, ws + w.acc + rg * dv_pad + c,
-                    dv_pad, ws + w.alpha + rg, pf + c * isz if pf != NULL else NULL, pf_stride,
-                    pf_rows if c < pf_cols else 0, min(cw, pf_cols - c) * isz)
+            pv_wide(nr, p + rg, na, v + c * isz, t.vblk_sj, ws + w.acc + rg * dv_pad + c, dv_pad,
+                    ws + w.alpha + rg, pf + c * isz if pf != NULL else NULL, pf_stride,
+                    pf_rows if c < pf_cols else 0, min(cw, pf_cols - c) * isz, t.vblk_kind)
             c += cw
     if nr == 4:
         for r in range(rg, min(rg + 4, t.nrows)):
@@ -1166,6 +1156,9 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     cdef Py_ssize_t nr = 4 if t.nrows >= 2 else 1, rg, pf_rows = 0, ja, z
     cdef Py_ssize_t pf_stride, pf_cols
     cdef const char* pf
+    if floating is float and t.q8_in_place:
+        _pv_q8_0(P, t, w, ws, nr)
+        return
     if floating is float and t.v_in_place:
         _pv_rows_ptr(P, t, w, ws, nr)
         return
@@ -1189,18 +1182,34 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
 
 cdef void _pv_rows_ptr(const Problem* P, const Tile* t, const Workspace* w, float* ws,
                        Py_ssize_t nr) noexcept nogil:
-    # _pv_decode over V rows read through the block's row pointers (v_in_place; with their
-    # scales vsc, q8_0's): rows in groups of nr (4, or 1 for a single row), each over the
-    # keys any of its rows sees; the first group requests the next block's V rows into L2.
+    # _pv_decode over V rows read through the block's row pointers (v_in_place): rows in
+    # groups of nr (4, or 1 for a single row), each over the keys any of its rows sees.
     cdef Py_ssize_t rg = 0, ja, z, na
     while rg < t.nrows:
         _keys_seen(t, rg, rg + nr, &ja, &z)
         ja = min(max(t.j0, ja), t.j1)
         na = max(0, min(t.j1, z) - ja)
-        t.vops.pv_ptr(ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na, t.vptr + (ja - t.j0),
-                      t.vsc + (ja - t.j0) * (P.Dv // 32) if t.vsc != NULL else NULL, P.Dv,
-                      ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
-                      t.vpf, t.npf if rg == 0 else 0)
+        pv_ptr(ws + w.s + (ja - t.j0) * FA_BQ + rg, na, t.vptr + (ja - t.j0), P.Dv,
+               ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr, P.v_kind,
+               t.vpf, t.npf if rg == 0 else 0)
+        rg += nr
+
+
+cdef void _pv_q8_0(const Problem* P, const Tile* t, const Workspace* w, float* ws,
+                   Py_ssize_t nr) noexcept nogil:
+    # _pv_decode over q8_0 V read in place: rows in groups of nr (4, or 1 for a single
+    # row), each over the keys any of its rows sees; the first group requests the next
+    # block's V rows into L2.
+    cdef Py_ssize_t rg = 0, ja, z, na
+    while rg < t.nrows:
+        _keys_seen(t, rg, rg + nr, &ja, &z)
+        ja = min(max(t.j0, ja), t.j1)
+        na = max(0, min(t.j1, z) - ja)
+        fa_pv_q8_0(ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na,
+                   <const int8_t**> (t.vptr + (ja - t.j0)),
+                   ws + w.vblk + (ja - t.j0) * (P.Dv // 32), P.Dv,
+                   ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
+                   t.vpf, t.npf if rg == 0 else 0)
         rg += nr
 
 

@@ -24,7 +24,6 @@
 #define FA_STORE_BF16 2
 /* K or V only: llama.cpp's q8_0, int8 values with one float16 scale per 32 of a row. */
 #define FA_STORE_Q8_0 3
-#define FA_STORE_KINDS 4
 
 /* Whether float16 widens in one instruction (F16C), or in the portable integer sequence. */
 #if defined(__F16C__)

@@ -43,18 +43,6 @@
  * BLAS does for a single query row): with one chain of 64 at D = 64, a decode row's float32
  * error reaches 2-3x torch's. */
 #define FA_DCHUNK 16
-/* The canonical order of a score, in every kernel that computes one: a sequential FMA
- * chain acc += k[d] * q[d] over each chunk of FA_DCHUNK dimensions from zero, the chunks'
- * sums added in order, then one multiply by scale.  Chunking bounds the rounding error of
- * a score by about (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D.
- * Kernels that keep the sums of the chunks done so far in memory (part) fold a chunk's sum
- * a into them where it ends, at dim d (0 < d, d % FA_DCHUNK == 0), with FA_SCORE_FOLD,
- * and finish with FA_SCORE_SUM times the scale; LOADV and STOREV load and store a's
- * vector type.  (The prefill micro-tiles fold into the scores themselves, fa_chunk_out;
- * the bfloat16 products keep the sums in registers: the same additions in the same order.) */
-#define FA_SCORE_FOLD(a, part, d, LOADV, STOREV, ZERO) \
-    do { STOREV(part, (d) == FA_DCHUNK ? (a) : LOADV(part) + (a)); (a) = (ZERO); } while (0)
-#define FA_SCORE_SUM(a, part, D, LOADV) ((D) > FA_DCHUNK ? LOADV(part) + (a) : (a))
 /* FA_KCHUNK: keys per chunk of the softmax reduction (a multiple of FA_BK).  A row's keys
  * are reduced chunk by chunk from an empty state and the chunks merged in key order, the
  * same way whether one thread walks them all or a decode step with few (batch x kv head)
@@ -69,19 +57,6 @@
 #define FA_DEC_NR_MAX 8
 #else
 #define FA_DEC_NR_MAX 4
-#endif
-/* Vectors of value columns per pass of the 4-row decode output tiles (fa_pv_rows4,
- * fa_pv_ptr): 4 x FA_PV4_NV accumulators, the V vectors and a broadcast fit the register
- * file -- all 4 at once with 32 zmm registers; 2 with 16 ymm (4 x 4 accumulators would
- * spill there, doubling the time per key); 1 with SSE2's 16 xmm (a vector is 2 of them). */
-#ifndef FA_PV4_NV
-#if FA_VBYTES == 64
-#define FA_PV4_NV 4
-#elif defined(__AVX__)
-#define FA_PV4_NV 2
-#else
-#define FA_PV4_NV 1
-#endif
 #endif
 /* The largest head dim of the 16-bit decode score kernel (fa_score_keys32_kt8): its
  * per-call buffer of 32 transposed keys is 16 KiB at this size. */
@@ -385,20 +360,17 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrd
 #if defined(__AVX2__) && defined(__F16C__)
 /* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt8)
  * over a whole call of keys: kr[0] + i ldk, or the rows kr[i] when ldk is 0. */
-#define FA_SCORE_GQA4(SUF)                                                                  \
-FA_NOINLINE void fa_score_gqa4##SUF(const char* const* kr, ptrdiff_t ldk, const void* qt,  \
-                                    ptrdiff_t ldqt, ptrdiff_t D, double scale, void* s,     \
-                                    ptrdiff_t lds, int nstore, const char* const* pf,       \
-                                    ptrdiff_t pf_bytes, int npass)                          \
-{                                                                                           \
-    fa_score_keys32_kt8##SUF((const uint16_t* const*) kr, ldk, (const float*) qt, ldqt, D,  \
-                             (float) scale, (float*) s, lds, nstore, pf, pf_bytes, npass, 4); \
-}
-FA_SCORE_GQA4(_fh)
-FA_SCORE_GQA4(_fb)
-#undef FA_SCORE_GQA4
-#define FA_GQA4_FH fa_score_gqa4_fh
-#define FA_GQA4_FB fa_score_gqa4_fb
+#define FA_HAVE_GQA4_16 1
+FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
+                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                  ptrdiff_t lds, int nstore, const char* const* pf,
+                                  ptrdiff_t pf_bytes, int npass)
+{ fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
+                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                  ptrdiff_t lds, int nstore, const char* const* pf,
+                                  ptrdiff_t pf_bytes, int npass)
+{ fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
 #endif
 /* The 4- and 8-row passes: fa_score_keys32_wide with AVX2.  SSE2's 16 xmm registers do
  * not hold 4 rows x 8-lane accumulators beside the 8x4 transposes (they spill), and with
@@ -413,51 +385,13 @@ FA_SCORE_GQA4(_fb)
 #endif
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_f)
 #define KEYROWS_IMPL fa_score_keys32_f
-#ifndef FA_GQA4_FH
-#define FA_GQA4_FH NULL   /* builds without that kernel: no entry in the tables */
-#define FA_GQA4_FB NULL
+#ifndef FA_HAVE_GQA4_16
+/* Builds without that kernel never call it (the tile pipeline checks FA_HAVE_GQA4_16);
+ * the names exist so that the pipeline compiles the same in every build. */
+#define FA_HAVE_GQA4_16 0
+#define fa_score_gqa4_fh(...) ((void)0)
+#define fa_score_gqa4_fb(...) ((void)0)
 #endif
-
-/* ---- storage types as traits ----
- * Each storage type of K and V is one instantiation of the tile template (fa_tile_impl.h):
- * the template's kernels that read K or V, with that type's loads.  An instantiation ends
- * with its row of this table, as a ggml type's traits are a row of its table: the tile
- * pipeline looks up the rows of the block's K and V (fa_kv_ops_of) once per block and calls
- * through them, so no stage branches on how the keys are stored, and a new storage type
- * adds an instantiation and a row, not a copy of the stages.
- * Like ggml's vec_dot, the entries take the compute type's arrays as void pointers and the
- * scale as a double (converted to the compute type exactly where the kernel starts), so that
- * one row type serves float and double compute; K and V rows are byte pointers, each
- * kernel reading them as its storage type. */
-typedef struct {
-    /* score micro-tiles (query rows as lanes): 6 keys x 2 vectors, 4 x 2, 6 x 1 */
-    void (*score_tile[3])(const char* const* kr, const void* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                          double scale, void* s, ptrdiff_t lds);
-    /* decode score passes (keys as lanes) of 1, 2, 4 and 8 rows (fa_rows_slot) */
-    void (*score_keyrows[4])(const char* const* kr, ptrdiff_t ldk, int nk, const void* qt,
-                             ptrdiff_t ldqt, ptrdiff_t D, double scale, void* s, ptrdiff_t lds,
-                             int nstore, const char* const* pf, ptrdiff_t pf_bytes);
-    /* npass passes of 4 rows over a call of 32 keys transposed once; NULL where none */
-    void (*score_gqa4)(const char* const* kr, ptrdiff_t ldk, const void* qt, ptrdiff_t ldqt,
-                       ptrdiff_t D, double scale, void* s, ptrdiff_t lds, int nstore,
-                       const char* const* pf, ptrdiff_t pf_bytes, int npass);
-    /* output micro-tiles: FA_MR_PV rows x 2 vectors, 1 row x 2 vectors */
-    void (*pv_tile[2])(const void* p, ptrdiff_t ldp, ptrdiff_t nj, const char* v, ptrdiff_t ldv,
-                       void* acc, ptrdiff_t ldacc, const void* alpha);
-    /* decode output tiles: 1 row x 8 vectors, 4 rows x 4 vectors */
-    void (*pv_wide[2])(const void* p, ptrdiff_t ldp, ptrdiff_t nj, const char* v, ptrdiff_t ldv,
-                       void* acc, ptrdiff_t ldacc, const void* alpha, const char* pf,
-                       ptrdiff_t pf_stride, ptrdiff_t pf_rows, ptrdiff_t pf_bytes);
-    /* decode output over V rows one pointer per key (vsc: their scales, for types with) */
-    void (*pv_ptr)(const void* p, ptrdiff_t ldp, ptrdiff_t nj, const char* const* vr,
-                   const float* vsc, ptrdiff_t Dv, void* acc, ptrdiff_t ldacc,
-                   const void* alpha, int nr, const char* const* pf, ptrdiff_t npf);
-    /* element c of a row, widened (V's zero-padded last strip) */
-    double (*elem)(const char* row, ptrdiff_t c);
-} fa_kv_ops;
-
-/* The slot of a decode score pass of nr (1, 2, 4 or 8) rows in score_keyrows. */
-FA_INLINE int fa_rows_slot(ptrdiff_t nr) { return nr >= 8 ? 3 : nr >= 4 ? 2 : (int) nr - 1; }
 
 /* ---- micro-kernels, float compute ----
  * K and V are read through the storage-type macros (KV, LOAD_KV, KV_SCALAR,
@@ -490,7 +424,6 @@ FA_INLINE int fa_rows_slot(ptrdiff_t nr) { return nr >= 8 ? 3 : nr >= 4 ? 2 : (i
 #define LOAD_TRANSPOSE_KV fa_load_transpose_vfh
 #define KEYROWS_IMPL fa_score_keys32_fh
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fh)
-#define SCORE_GQA4 FA_GQA4_FH
 #include "fa_tile_impl.h"
 #define KV uint16_t
 #define FA_FN(name) name##_fb
@@ -499,19 +432,7 @@ FA_INLINE int fa_rows_slot(ptrdiff_t nr) { return nr >= 8 ? 3 : nr >= 4 ? 2 : (i
 #define LOAD_TRANSPOSE_KV fa_load_transpose_vfb
 #define KEYROWS_IMPL fa_score_keys32_fb
 #define KEYROWS_IMPL_WIDE FA_KEYS32_WIDE(_fb)
-#define SCORE_GQA4 FA_GQA4_FB
 #include "fa_tile_impl.h"
-/* q8_0: int8 values, a float32 scale (converted from float16 a block at a time) per 32 of
- * a row, dequantised in registers as they are loaded; only the kernels of rows read
- * through pointers (decode tiles: prefill tiles dequantise a block into float rows). */
-#include "fa_q8_0.h"
-#define FA_KV_PTR_ONLY
-#define KV int8_t
-#define FA_FN(name) name##_q8_0
-#define LOAD_V_ROW(vr, j, c, vsc, nbv) \
-    fa_load_q8_0((vr)[j] + (c), fa_bcast_f((vsc)[(j) * (nbv) + (c) / 32]))
-#include "fa_tile_impl.h"
-#undef FA_KV_PTR_ONLY
 #undef FA_KV_KERNELS_ONLY
 /*
  * The online-softmax step of fa_softmax_step_f for a decode tile of at most 4 query rows
@@ -572,7 +493,16 @@ FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdi
 #define FA_HAVE_SOFTMAX_PAIRS 0
 #define fa_softmax_pairs_f(...) ((void)0)
 #endif
-#include "fa_compute_end.h"
+#undef T
+#undef V
+#undef VL
+#undef LOAD
+#undef STORE
+#undef BCAST
+#undef MAX
+#undef SELECT
+#undef EXP2
+#undef LOAD_TRANSPOSE
 
 /* ---- micro-kernels, double compute, double storage ---- */
 #define T double
@@ -591,21 +521,16 @@ FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdi
 #define KV_SCALAR(x) (x)
 #define LOAD_TRANSPOSE_KV LOAD_TRANSPOSE
 #include "fa_tile_impl.h"
-#include "fa_compute_end.h"
-
-/* The row of the table for K or V stored as `kind`, read by kernels of float compute
- * (double_compute 0) or double; NULL for a pair no kernel reads (double compute widens
- * every other type a block at a time, into double rows). */
-static const fa_kv_ops* fa_kv_ops_of(int kind, int double_compute)
-{
-    static const fa_kv_ops* const f[FA_STORE_KINDS] = {
-        [FA_STORE_NATIVE] = &fa_kv_ops_f, [FA_STORE_F16] = &fa_kv_ops_fh,
-        [FA_STORE_BF16] = &fa_kv_ops_fb, [FA_STORE_Q8_0] = &fa_kv_ops_q8_0,
-    };
-    static const fa_kv_ops* const d[FA_STORE_KINDS] = {[FA_STORE_NATIVE] = &fa_kv_ops_d};
-    if (kind < 0 || kind >= FA_STORE_KINDS) return NULL;
-    return double_compute ? d[kind] : f[kind];
-}
+#undef T
+#undef V
+#undef VL
+#undef LOAD
+#undef STORE
+#undef BCAST
+#undef MAX
+#undef SELECT
+#undef EXP2
+#undef LOAD_TRANSPOSE
 
 /* ---- score modifiers (the finish-scores stage; scores are in base 2) ----
  * Each works on nk keys of nvec whole vectors of rows, per lane only, so a row gets the
@@ -624,20 +549,6 @@ FA_INLINE fa_vf fa_tanh_series_f(fa_vf ax)
     return ax + ax * (z * p);
 }
 
-/* e^(-2 ax) as 2^(ax * -2 log2 e), the exponent rounded before the exp: left to the
- * compiler, the product is fused into the exp's first operations in one build and not in
- * another, and the AVX2 and AVX-512 kernels would differ in the last bit. */
-FA_INLINE fa_vf fa_exp_neg2x_f(fa_vf ax)
-{
-    fa_vf x2 = ax * fa_bcast_f(-2.0f * 1.44269504088896341f);
-#if defined(__AVX__)
-    __asm__("" : "+v"(x2));
-#else
-    __asm__("" : "+m"(x2));
-#endif
-    return fa_exp2_f(x2);
-}
-
 /* tanh for float vectors: for |x| < 0.4 the odd Taylor series to x^13 (truncation below
  * 4e-9 relative), else (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) <= 0.45, which has no
  * cancellation.  Accuracy is measured by tests/test_exp.py. */
@@ -651,7 +562,16 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
      * division run only for vectors with a lane outside.  Each lane's result is the same
      * either way. */
     if (!fa_all_f(is_small)) {
-        const fa_vf e = fa_exp_neg2x_f(ax);
+        /* The exponent is rounded before the exp: left to the compiler, the product is
+         * fused into the exp's first operations in one build and not in another, and the
+         * AVX2 and AVX-512 kernels would differ in the last bit. */
+        fa_vf x2 = ax * fa_bcast_f(-2.0f * 1.44269504088896341f);
+#if defined(__AVX__)
+        __asm__("" : "+v"(x2));
+#else
+        __asm__("" : "+m"(x2));
+#endif
+        const fa_vf e = fa_exp2_f(x2);
         const fa_vf one = fa_bcast_f(1.0f);
         r = fa_select_f(is_small, small, (one - e) / (one + e));
     }
@@ -671,7 +591,14 @@ FA_INLINE fa_vf fa_tanh_minus1_f(fa_vf x)
     const fa_vf small = fa_tanh_series_f(ax);
     fa_vf r = fa_select_f(x < 0, -small, small) - one;
     if (!fa_all_f(is_small)) {
-        const fa_vf e = fa_exp_neg2x_f(ax);
+        /* The exponent is rounded before the exp, as in fa_tanh_f. */
+        fa_vf x2 = ax * fa_bcast_f(-2.0f * 1.44269504088896341f);
+#if defined(__AVX__)
+        __asm__("" : "+v"(x2));
+#else
+        __asm__("" : "+m"(x2));
+#endif
+        const fa_vf e = fa_exp2_f(x2);
         const fa_vf num = fa_select_f(x < 0, two, two * e);
         r = fa_select_f(is_small, r, -(num / (one + e)));
     }
@@ -816,6 +743,7 @@ static inline int fa_cpu_supports(const char* isa)
 #endif
 }
 
+#include "fa_q8_0.h"
 #include "fa_bf16dot.h"
 
 #endif /* FA_KERNELS_H */

@@ -97,9 +97,11 @@ FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, p
         for (ptrdiff_t c0 = 0; c0 < D; c0 += FA_DCHUNK) {
             if (c0)
                 for (int r = 0; r < nr; r++)
-                    for (int g = 0; g < ng; g++)
-                        FA_SCORE_FOLD(a[r][g], part[r][g], c0, fa_load_f8, fa_store_f8,
-                                      fa_bcast_f8(0));
+                    for (int g = 0; g < ng; g++) {
+                        fa_store_f8(part[r][g], c0 == FA_DCHUNK ? a[r][g]
+                                                               : fa_load_f8(part[r][g]) + a[r][g]);
+                        a[r][g] = fa_bcast_f8(0);
+                    }
             const ptrdiff_t c1 = c0 + FA_DCHUNK < D ? c0 + FA_DCHUNK : D;
             ptrdiff_t d0 = c0;
             for (; d0 + 16 <= c1; d0 += 16)
@@ -121,7 +123,8 @@ FA_INLINE void K32(fa_kt8_pass)(const KE* kh, const float* qt, ptrdiff_t ldqt, p
         float o[4][4][8];
         for (int r = 0; r < nr; r++)
             for (int g = 0; g < ng; g++)
-                fa_store_f8(o[r][g], FA_SCORE_SUM(a[r][g], part[r][g], D, fa_load_f8) * sc);
+                fa_store_f8(o[r][g], (D > FA_DCHUNK ? fa_load_f8(part[r][g]) + a[r][g]
+                                                   : a[r][g]) * sc);
         for (int g = 0; g < ng; g++) {
             float* sg = s + 8 * (g0 + g) * lds;
             if (nr == 4 && nstore >= 4) {
@@ -196,9 +199,11 @@ FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int
 #define FA_FOLD(d) \
         if ((d) && (d) % FA_DCHUNK == 0) \
             for (int g = 0; g < ng; g++) \
-                for (int r = 0; r < nr; r++) \
-                    FA_SCORE_FOLD(a[g][r], part[g][r], d, fa_load_f8, fa_store_f8, \
-                                  fa_bcast_f8(0));
+                for (int r = 0; r < nr; r++) { \
+                    fa_store_f8(part[g][r], (d) == FA_DCHUNK ? a[g][r] \
+                                                            : fa_load_f8(part[g][r]) + a[g][r]); \
+                    a[g][r] = fa_bcast_f8(0); \
+                }
         ptrdiff_t d0 = 0;
         for (; d0 + 4 <= D; d0 += 4) {
             FA_FOLD(d0)
@@ -225,7 +230,8 @@ FA_INLINE void K32(fa_score_keys32_body)(const KE* const* kr, ptrdiff_t ldk, int
         float out[4][8][8];
         for (int g = 0; g < ng; g++)
             for (int r = 0; r < nr; r++)
-                fa_store_f8(out[g][r], FA_SCORE_SUM(a[g][r], part[g][r], D, fa_load_f8) * sc);
+                fa_store_f8(out[g][r], (D > FA_DCHUNK ? fa_load_f8(part[g][r]) + a[g][r]
+                                                     : a[g][r]) * sc);
         for (int g = 0; g < ng; g++) {
             const int kg = nk - 8 * (g0 + g) < 8 ? nk - 8 * (g0 + g) : 8;
             for (int r = 0; r < nr && r < nstore; r++)
@@ -306,9 +312,10 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
         for (ptrdiff_t d0 = 0; d0 < D; d0 += 4) {
             if (d0 && d0 % FA_DCHUNK == 0)
                 for (int r = 0; r < 4; r++) {
-                    FA_SCORE_FOLD(a0[r], part[r], d0, fa_load_f8, fa_store_f8, fa_bcast_f8(0));
-                    FA_SCORE_FOLD(a1[r], part[r] + 8, d0, fa_load_f8, fa_store_f8,
-                                  fa_bcast_f8(0));
+                    const int first = d0 == FA_DCHUNK;
+                    fa_store_f8(part[r], first ? a0[r] : fa_load_f8(part[r]) + a0[r]);
+                    fa_store_f8(part[r] + 8, first ? a1[r] : fa_load_f8(part[r] + 8) + a1[r]);
+                    a0[r] = a1[r] = fa_bcast_f8(0);
                 }
             fa_dec_pf_step(&pfs);
             const float* q = qt + d0 * ldqt;
@@ -322,8 +329,12 @@ FA_INLINE void K32(fa_score_keys32_wide)(const KE* const* kr, ptrdiff_t ldk, int
          * accumulator arrays in memory, a store and reload on every FMA chain step) */
         float o[4][16];
         for (int r = 0; r < 4; r++) {
-            fa_store_f8(o[r], FA_SCORE_SUM(a0[r], part[r], D, fa_load_f8) * sc);
-            fa_store_f8(o[r] + 8, FA_SCORE_SUM(a1[r], part[r] + 8, D, fa_load_f8) * sc);
+            if (D > FA_DCHUNK) {
+                a0[r] += fa_load_f8(part[r]);
+                a1[r] += fa_load_f8(part[r] + 8);
+            }
+            fa_store_f8(o[r], a0[r] * sc);
+            fa_store_f8(o[r] + 8, a1[r] * sc);
         }
         for (int r = 0; r < nstore && r < 4; r++)
             for (int t = 0; t < 16; t++) s[(16 * h + t) * lds + r] = o[r][t];

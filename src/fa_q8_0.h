@@ -8,8 +8,7 @@
  *
  * Rows are addressed one pointer per key (kr[j]), so that rows in pages cost what
  * contiguous rows do; their scales come converted to float32 (fa_q8_0_rows).  Included
- * by fa_kernels.h before q8_0's instantiation of the tile template (fa_tile_impl.h), whose
- * output kernel over row pointers reads V through fa_load_q8_0.
+ * by fa_kernels.h after the float kernels (it uses their transpose and vector helpers).
  */
 
 /* VL values of a q8_0 row from x, of the block whose scale is d (broadcast): widened
@@ -213,8 +212,11 @@ FA_INLINE void fa_score_q8_0_body(const int8_t* const* kr, const float* ksc, ptr
     for (ptrdiff_t d0 = 0; d0 < D; d0 += FA_VL_F) {
         if (d0 && d0 % FA_DCHUNK == 0)
             for (int g = 0; g < ng; g++)
-                for (int r = 0; r < nr; r++)
-                    FA_SCORE_FOLD(a[g][r], part[g][r], d0, fa_load_f, fa_store_f, fa_bcast_f(0));
+                for (int r = 0; r < nr; r++) {
+                    fa_store_f(part[g][r], d0 == FA_DCHUNK ? a[g][r]
+                                                           : fa_load_f(part[g][r]) + a[g][r]);
+                    a[g][r] = fa_bcast_f(0);
+                }
         const ptrdiff_t step = d0 / FA_VL_F;
         fa_q8_0_prefetch_rows(pf, step * l2_rows, fa_min_pd(npf, (step + 1) * l2_rows), npf, D, 2);
         fa_q8_0_prefetch_rows(l1, step * l1_rows, fa_min_pd(nl1, (step + 1) * l1_rows), nl1, D, 3);
@@ -240,7 +242,7 @@ FA_INLINE void fa_score_q8_0_body(const int8_t* const* kr, const float* ksc, ptr
     for (int g = 0; g < ng; g++)
         for (int r = 0; r < nr && r < nstore; r++) {
             float out[FA_VL_F];
-            fa_store_f(out, FA_SCORE_SUM(a[g][r], part[g][r], D, fa_load_f) * sc);
+            fa_store_f(out, (D > FA_DCHUNK ? fa_load_f(part[g][r]) + a[g][r] : a[g][r]) * sc);
             for (int t = 0; t < FA_VL_F && g * FA_VL_F + t < nk; t++)
                 s[(g * FA_VL_F + t) * lds + r] = out[t];
         }
@@ -259,14 +261,91 @@ FA_SCORE_Q8_0_NR(2, 2)
 FA_SCORE_Q8_0_NR(4, 1)
 FA_SCORE_Q8_0_NR(8, 1)
 #undef FA_SCORE_Q8_0_NR
-typedef void (*fa_score_q8_0_fn)(const int8_t* const* kr, const float* ksc, ptrdiff_t ldksc,
-                                 int nk, const float* qt, ptrdiff_t ldqt, ptrdiff_t D,
-                                 float scale, float* s, ptrdiff_t lds, int nstore,
-                                 const char* const* pf, int npf, const char* const* l1,
-                                 int nl1);
-/* The passes of 1, 2, 4 and 8 rows (fa_rows_slot). */
-static const fa_score_q8_0_fn fa_score_q8_0[4] = {
-    fa_score_q8_0_r1, fa_score_q8_0_r2, fa_score_q8_0_r4, fa_score_q8_0_r8,
-};
 /* keys per call of fa_score_q8_0_r<nr> */
 FA_INLINE int fa_score_q8_0_keys(int nr) { return (int)(nr <= 2 ? 2 * FA_VL_F : FA_VL_F); }
+
+/*
+ * The output of nr query rows (1 or 4) over nv vectors of value columns from column c0,
+ * V in q8_0 rows vr[j] with float32 scales vsc[j * nbv + c / 32]: per element the
+ * sequence of fa_pv_tile_f,
+ *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j*ldp + r] * v_j[c]
+ * the block's sum from zero in order of j, then one FMA.  Each V vector is dequantised
+ * once for all nr rows.  Row j + FA_PV_Q8_0_AHEAD is requested into L1 as row j is read,
+ * and pf[j] (the next block's rows, j < npf) into L2.
+ */
+#define FA_PV_Q8_0_AHEAD 4
+FA_INLINE void fa_pv_q8_0_cols(const float* p, ptrdiff_t ldp, ptrdiff_t nj,
+                               const int8_t* const* vr, const float* vsc, ptrdiff_t nbv,
+                               ptrdiff_t c0, float* acc, ptrdiff_t ldacc, const float* alpha,
+                               const int nr, const int nv, const char* const* pf,
+                               ptrdiff_t npf, ptrdiff_t pf_bytes)
+{
+    fa_vf c[4][8];
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < nv; i++) c[r][i] = fa_bcast_f(0);
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        const int8_t* x = vr[j] + c0;
+        const float* d = vsc + j * nbv + c0 / 32;
+        if (j + FA_PV_Q8_0_AHEAD < nj)
+            fa_prefetch_lines((const char*)(vr[j + FA_PV_Q8_0_AHEAD] + c0), nv * FA_VL_F, 3);
+        if (j < npf) fa_q8_0_prefetch_row(pf, j, npf, pf_bytes, 2);
+        fa_vf xv[8];
+        for (int i = 0; i < nv; i++)
+            xv[i] = fa_load_q8_0(x + i * FA_VL_F, fa_bcast_f(d[i * FA_VL_F / 32]));
+        for (int r = 0; r < nr; r++) {
+            const fa_vf b = fa_bcast_f(p[j * ldp + r]);
+            for (int i = 0; i < nv; i++) c[r][i] += b * xv[i];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const fa_vf a = fa_bcast_f(alpha[r]);
+        float* acc_r = acc + r * ldacc + c0;
+        for (int i = 0; i < nv; i++)
+            fa_store_f(acc_r + i * FA_VL_F, fa_load_f(acc_r + i * FA_VL_F) * a + c[r][i]);
+    }
+}
+
+/* Vectors of value columns per pass: 1 row x 8 (all of Dv = 128 with AVX-512 in one
+ * pass over the keys), 4 rows x FA_PV4_NV (accumulators and V vectors fit the register
+ * file, see fa_pv_rows4_f). */
+#define FA_PV_Q8_0_ROWS(NR, NV) \
+FA_NOINLINE void fa_pv_q8_0_r##NR##_v##NV(const float* p, ptrdiff_t ldp, ptrdiff_t nj, \
+                                           const int8_t* const* vr, const float* vsc, \
+                                           ptrdiff_t nbv, ptrdiff_t c0, float* acc, \
+                                           ptrdiff_t ldacc, const float* alpha, \
+                                           const char* const* pf, ptrdiff_t npf, \
+                                           ptrdiff_t pf_bytes) \
+{ fa_pv_q8_0_cols(p, ldp, nj, vr, vsc, nbv, c0, acc, ldacc, alpha, NR, NV, pf, npf, pf_bytes); }
+FA_PV_Q8_0_ROWS(1, 8)
+FA_PV_Q8_0_ROWS(1, 4)
+FA_PV_Q8_0_ROWS(1, 2)
+FA_PV_Q8_0_ROWS(1, 1)
+FA_PV_Q8_0_ROWS(4, 2)
+FA_PV_Q8_0_ROWS(4, 1)
+#if FA_PV4_NV >= 4
+FA_PV_Q8_0_ROWS(4, 4)
+#endif
+#undef FA_PV_Q8_0_ROWS
+
+/* acc = acc * alpha + P V over all Dv columns (a multiple of 32) for nr rows (1 or 4);
+ * the first pass over the keys requests pf[0 .. npf) (Dv bytes each) into L2. */
+FA_NOINLINE void fa_pv_q8_0(const float* p, ptrdiff_t ldp, ptrdiff_t nj,
+                            const int8_t* const* vr, const float* vsc, ptrdiff_t Dv,
+                            float* acc, ptrdiff_t ldacc, const float* alpha, int nr,
+                            const char* const* pf, ptrdiff_t npf)
+{
+    const ptrdiff_t VL = FA_VL_F, nbv = Dv / 32;
+    ptrdiff_t c0 = 0;
+#define FA_PASS(NR, NV) \
+    for (; c0 + NV * VL <= Dv; c0 += NV * VL, npf = 0) \
+        fa_pv_q8_0_r##NR##_v##NV(p, ldp, nj, vr, vsc, nbv, c0, acc, ldacc, alpha, pf, npf, Dv);
+    if (nr == 1) {
+        FA_PASS(1, 8) FA_PASS(1, 4) FA_PASS(1, 2) FA_PASS(1, 1)
+        return;
+    }
+#if FA_PV4_NV >= 4
+    FA_PASS(4, 4)
+#endif
+    FA_PASS(4, 2) FA_PASS(4, 1)
+#undef FA_PASS
+}

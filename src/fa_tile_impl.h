@@ -6,13 +6,6 @@
  *   KV, LOAD_KV, KV_SCALAR, LOAD_TRANSPOSE_KV    how K and V are stored and widened to T
  *   FA_KV_KERNELS_ONLY (optional)  only the kernels that read K or V (another storage type
  *                                  for a compute type whose other kernels already exist)
- *   FA_KV_PTR_ONLY (optional)  only the kernels that read rows one pointer per key (a
- *                              block-quantised type, whose values need their rows' scales)
- *   LOAD_V_ROW(vr, j, c, vsc, nbv) (optional)  VL values of V row j from column c, widened;
- *                              vsc: the rows' float32 scales, nbv a row (types with scales)
- *   KEYROWS_IMPL, KEYROWS_IMPL_WIDE, SCORE_GQA4 (optional)  ISA-specific decode score bodies
- * The kernels that read K or V end as this storage type's row of the table of storage types,
- * FA_FN(fa_kv_ops) (see fa_kv_ops in fa_kernels.h).
  * FA_FN and the storage-type macros are undefined at the end (each instantiation names its
  * own); the compute-type macros stay for the next storage type.
  *
@@ -34,7 +27,10 @@
  * Broadcast-FMA: one key element broadcast (straight from K's rows, any row stride), times a
  * contiguous vector of packed queries; 12 accumulators + 2 query vectors + 1 broadcast fit
  * the 16 registers of AVX2.
- * Each score in the canonical order (see FA_SCORE_FOLD in fa_kernels.h).
+ * The canonical order of a score, whichever kernel computes it: a sequential FMA chain
+ * over each chunk of FA_DCHUNK (16) dimensions, the chunks' sums added in order, then one
+ * multiply by scale.  Chunking bounds the rounding error of a score by about
+ * (FA_DCHUNK + D / FA_DCHUNK) units in the last place instead of D.
  */
 /* One chunk's sums a into the scores at p: the first chunk stores, later ones add to what
  * is there; the last one also applies the scale. */
@@ -44,58 +40,96 @@ FA_INLINE void FA_FN(fa_chunk_out)(T* p, V a, int first, int last, V sc)
     STORE(p, last ? a * sc : a);
 }
 
-#ifndef FA_KV_PTR_ONLY
-/* The score micro-tiles, one body: 6 keys x 2 vectors of rows (fa_score_tile), 6 keys x 1
- * vector (fa_score_tile1, the last lane group of a tile) and 4 keys x 2 vectors
- * (fa_score_tile4, the last 4 keys of a block: 64 = 10 x 6 + 4, so that no padding keys
- * are computed), per lane the identical chains.  The accumulators are named, one per key
- * and vector, rather than an array: an array compiles to the same AVX2 loop but spills
- * more in the SSE2 build.  KEYS45(x) is x for 6 keys, nothing for 4; with one vector, the
- * second vector's chains are dead code and compiled away. */
-#define FA_KEEP(...) __VA_ARGS__
-#define FA_DROP(...)
-#define FA_ST_KEY(j) \
-    b = BCAST(KV_SCALAR(k##j[d])); a##j##0 += b * q0; a##j##1 += b * q1;
-#define FA_ST_OUT(j) \
-    FA_FN(fa_chunk_out)(s + j * lds, a##j##0, first, last, sc); \
-    if (nvec == 2) FA_FN(fa_chunk_out)(s + j * lds + VL, a##j##1, first, last, sc);
-#define FA_SCORE_TILE(NAME, NVEC, KEYS45)                                                      \
-FA_NOINLINE void FA_FN(NAME)(const char* const* kr, const void* qt_, ptrdiff_t ldqt,           \
-                             ptrdiff_t D, double scale, void* s_, ptrdiff_t lds)               \
-{                                                                                            \
-    const T* qt = (const T*) qt_;                                                            \
-    T* s = (T*) s_;                                                                          \
-    const KV *k0 = (const KV*) kr[0], *k1 = (const KV*) kr[1];                               \
-    const KV *k2 = (const KV*) kr[2], *k3 = (const KV*) kr[3];                               \
-    KEYS45(const KV *k4 = (const KV*) kr[4], *k5 = (const KV*) kr[5];)                       \
-    const V sc = BCAST((T) scale);                                                           \
-    const int nvec = NVEC;                                                                   \
-    ptrdiff_t d0 = 0;                                                                        \
-    do {                                                                                     \
-        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;                        \
-        const int first = d0 == 0, last = d1 == D;                                           \
-        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};                  \
-        V a30 = {0}, a31 = {0};                                                              \
-        KEYS45(V a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};)                                \
-        for (ptrdiff_t d = d0; d < d1; d++) {                                                \
-            const V q0 = LOAD(qt + d * ldqt), q1 = NVEC == 2 ? LOAD(qt + d * ldqt + VL) : q0; \
-            V b;                                                                             \
-            FA_ST_KEY(0) FA_ST_KEY(1) FA_ST_KEY(2) FA_ST_KEY(3)                              \
-            KEYS45(FA_ST_KEY(4) FA_ST_KEY(5))                                                \
-        }                                                                                    \
-        FA_ST_OUT(0) FA_ST_OUT(1) FA_ST_OUT(2) FA_ST_OUT(3)                                  \
-        KEYS45(FA_ST_OUT(4) FA_ST_OUT(5))                                                    \
-        d0 = d1;                                                                             \
-    } while (d0 < D);                                                                        \
+FA_NOINLINE void FA_FN(fa_score_tile)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
+                                     ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
+{
+    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
+    const V sc = BCAST(scale);
+    ptrdiff_t d0 = 0;
+    do {
+        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
+        const int first = d0 == 0, last = d1 == D;
+        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
+        V a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
+        for (ptrdiff_t d = d0; d < d1; d++) {
+            const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
+            V b;
+            b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
+            b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
+            b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
+            b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
+            b = BCAST(KV_SCALAR(k4[d])); a40 += b * q0; a41 += b * q1;
+            b = BCAST(KV_SCALAR(k5[d])); a50 += b * q0; a51 += b * q1;
+        }
+#define OUT(j, a0, a1) FA_FN(fa_chunk_out)(s + j * lds, a0, first, last, sc); \
+                       FA_FN(fa_chunk_out)(s + j * lds + VL, a1, first, last, sc);
+        OUT(0, a00, a01) OUT(1, a10, a11) OUT(2, a20, a21)
+        OUT(3, a30, a31) OUT(4, a40, a41) OUT(5, a50, a51)
+#undef OUT
+        d0 = d1;
+    } while (d0 < D);
 }
-FA_SCORE_TILE(fa_score_tile, 2, FA_KEEP)
-FA_SCORE_TILE(fa_score_tile1, 1, FA_KEEP)
-FA_SCORE_TILE(fa_score_tile4, 2, FA_DROP)
-#undef FA_SCORE_TILE
-#undef FA_ST_KEY
-#undef FA_ST_OUT
-#undef FA_KEEP
-#undef FA_DROP
+
+/* The same score micro-tile for a single vector of query rows (the last lane group of a
+ * tile): per lane, the identical chains as fa_score_tile. */
+FA_NOINLINE void FA_FN(fa_score_tile1)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
+                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
+{
+    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3], *k4 = kr[4], *k5 = kr[5];
+    const V sc = BCAST(scale);
+    ptrdiff_t d0 = 0;
+    do {
+        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
+        const int first = d0 == 0, last = d1 == D;
+        V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
+        for (ptrdiff_t d = d0; d < d1; d++) {
+            const V q0 = LOAD(qt + d * ldqt);
+            a0 += BCAST(KV_SCALAR(k0[d])) * q0;
+            a1 += BCAST(KV_SCALAR(k1[d])) * q0;
+            a2 += BCAST(KV_SCALAR(k2[d])) * q0;
+            a3 += BCAST(KV_SCALAR(k3[d])) * q0;
+            a4 += BCAST(KV_SCALAR(k4[d])) * q0;
+            a5 += BCAST(KV_SCALAR(k5[d])) * q0;
+        }
+        FA_FN(fa_chunk_out)(s + 0 * lds, a0, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 1 * lds, a1, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 2 * lds, a2, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 3 * lds, a3, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 4 * lds, a4, first, last, sc);
+        FA_FN(fa_chunk_out)(s + 5 * lds, a5, first, last, sc);
+        d0 = d1;
+    } while (d0 < D);
+}
+
+/* The score micro-tile for the last 4 keys of a block (64 = 10 x 6 + 4), so that no
+ * padding keys are computed: 8 accumulators, per lane the identical chains.  Written
+ * out like fa_score_tile rather than sharing a body over an accumulator array: that form
+ * compiles to the same AVX2 loop but spills more in the SSE2 build. */
+FA_NOINLINE void FA_FN(fa_score_tile4)(const KV* const* kr, const T* qt, ptrdiff_t ldqt,
+                                      ptrdiff_t D, T scale, T* s, ptrdiff_t lds)
+{
+    const KV *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3];
+    const V sc = BCAST(scale);
+    ptrdiff_t d0 = 0;
+    do {
+        const ptrdiff_t d1 = D - d0 > FA_DCHUNK ? d0 + FA_DCHUNK : D;
+        const int first = d0 == 0, last = d1 == D;
+        V a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+        for (ptrdiff_t d = d0; d < d1; d++) {
+            const V q0 = LOAD(qt + d * ldqt), q1 = LOAD(qt + d * ldqt + VL);
+            V b;
+            b = BCAST(KV_SCALAR(k0[d])); a00 += b * q0; a01 += b * q1;
+            b = BCAST(KV_SCALAR(k1[d])); a10 += b * q0; a11 += b * q1;
+            b = BCAST(KV_SCALAR(k2[d])); a20 += b * q0; a21 += b * q1;
+            b = BCAST(KV_SCALAR(k3[d])); a30 += b * q0; a31 += b * q1;
+        }
+#define OUT(j, a0, a1) FA_FN(fa_chunk_out)(s + j * lds, a0, first, last, sc); \
+                       FA_FN(fa_chunk_out)(s + j * lds + VL, a1, first, last, sc);
+        OUT(0, a00, a01) OUT(1, a10, a11) OUT(2, a20, a21) OUT(3, a30, a31)
+#undef OUT
+        d0 = d1;
+    } while (d0 < D);
+}
 
 #ifndef FA_KV_KERNELS_ONLY
 /* -inf for nk keys of nvec whole vectors of rows: keys hidden from every row of a lane
@@ -227,13 +261,10 @@ FA_NOINLINE void FA_FN(fa_merge_acc)(T* ACC, const T* acc, ptrdiff_t n, T a, T b
  * p == 0 contribute exactly nothing, so callers may shorten [0, nj) to the keys visible
  * to any of these rows.
  */
-FA_NOINLINE void FA_FN(fa_pv_tile)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
-                                const char* v_, ptrdiff_t ldv,
-                                void* acc_, ptrdiff_t ldacc, const void* alpha_)
+FA_NOINLINE void FA_FN(fa_pv_tile)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                const KV* v, ptrdiff_t ldv,
+                                T* acc, ptrdiff_t ldacc, const T* alpha)
 {
-    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
-    const KV* v = (const KV*) v_;
-    T* acc = (T*) acc_;
 #define FA_PV_LOAD_ROW(r) V c##r##0 = {0}, c##r##1 = {0};
     FA_PV_LOAD_ROW(0) FA_PV_LOAD_ROW(1) FA_PV_LOAD_ROW(2)
     FA_PV_LOAD_ROW(3) FA_PV_LOAD_ROW(4) FA_PV_LOAD_ROW(5)
@@ -259,14 +290,11 @@ FA_NOINLINE void FA_FN(fa_pv_tile)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
 
 /* The output micro-tile for one query row (decode steps, rows left over by the 6-row
  * tiles): per element, the identical sequence as fa_pv_tile. */
-FA_NOINLINE void FA_FN(fa_pv_tile1)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
-                                   const char* v_, ptrdiff_t ldv,
-                                   void* acc_, ptrdiff_t ldacc, const void* alpha_)
+FA_NOINLINE void FA_FN(fa_pv_tile1)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                   const KV* v, ptrdiff_t ldv,
+                                   T* acc, ptrdiff_t ldacc, const T* alpha)
 {
     (void)ldacc;
-    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
-    const KV* v = (const KV*) v_;
-    T* acc = (T*) acc_;
     V c0 = {0}, c1 = {0};
     for (ptrdiff_t j = 0; j < nj; j++) {
         const V b = BCAST(p[j * ldp]);
@@ -311,7 +339,10 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int n
     for (int r = 0; r < nr; r++) a[r] = BCAST(0);
 #define FA_FOLD(d) \
     if ((d) && (d) % FA_DCHUNK == 0) \
-        for (int r = 0; r < nr; r++) FA_SCORE_FOLD(a[r], part[r], d, LOAD, STORE, BCAST(0));
+        for (int r = 0; r < nr; r++) { \
+            STORE(part[r], (d) == FA_DCHUNK ? a[r] : LOAD(part[r]) + a[r]); \
+            a[r] = BCAST(0); \
+        }
     ptrdiff_t d0 = 0;
     for (; d0 + VL <= D; d0 += VL) {
         FA_FOLD(d0)
@@ -336,7 +367,7 @@ FA_INLINE void FA_FN(fa_score_keyrows)(const KV* const* kr, ptrdiff_t ldk, int n
     const V sc = BCAST(scale);
     for (int r = 0; r < nr && r < nstore; r++) {
         T out[VL];
-        STORE(out, FA_SCORE_SUM(a[r], part[r], D, LOAD) * sc);
+        STORE(out, (D > FA_DCHUNK ? LOAD(part[r]) + a[r] : a[r]) * sc);
         for (int t = 0; t < nk; t++) s[t * lds + r] = out[t];
     }
 }
@@ -364,14 +395,11 @@ FA_INLINE void FA_FN(fa_score_keyrows_split)(const KV* const* kr, ptrdiff_t ldk,
 #define KEYROWS_IMPL_WIDE KEYROWS_IMPL
 #endif
 #define FA_SCORE_KEYROWS_NR(NR, IMPL) \
-FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const char* const* kr, ptrdiff_t ldk, int nk, \
-                                            const void* qt, ptrdiff_t ldqt, ptrdiff_t D, \
-                                            double scale, void* s, ptrdiff_t lds, int nstore, \
+FA_NOINLINE void FA_FN(fa_score_keyrows##NR)(const KV* const* kr, ptrdiff_t ldk, int nk, const T* qt, \
+                                            ptrdiff_t ldqt, ptrdiff_t D, T scale, T* s, \
+                                            ptrdiff_t lds, int nstore, \
                                             const char* const* pf, ptrdiff_t pf_bytes) \
-{ \
-    IMPL((const KV* const*) kr, ldk, nk, (const T*) qt, ldqt, D, (T) scale, (T*) s, lds, NR, \
-         nstore, pf, pf_bytes); \
-}
+{ IMPL(kr, ldk, nk, qt, ldqt, D, scale, s, lds, NR, nstore, pf, pf_bytes); }
 FA_SCORE_KEYROWS_NR(1, KEYROWS_IMPL)
 FA_SCORE_KEYROWS_NR(2, KEYROWS_IMPL)
 FA_SCORE_KEYROWS_NR(4, KEYROWS_IMPL_WIDE)
@@ -393,15 +421,11 @@ FA_SCORE_KEYROWS_NR(8, KEYROWS_IMPL_WIDE)   /* called only when FA_DEC_NR_MAX >=
  * requested into L1 about 4 KiB of rows ahead. */
 #define FA_PV_L1_AHEAD (4096 / (8 * VL * (ptrdiff_t)sizeof(KV)))
 #endif
-FA_NOINLINE void FA_FN(fa_pv_row8)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
-                                  const char* v_, ptrdiff_t ldv, void* acc_, ptrdiff_t ldacc,
-                                  const void* alpha_, const char* pf, ptrdiff_t pf_stride,
-                                  ptrdiff_t pf_rows, ptrdiff_t pf_bytes)
+FA_NOINLINE void FA_FN(fa_pv_row8)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                  const KV* v, ptrdiff_t ldv, T* acc, const T* alpha,
+                                  const char* pf, ptrdiff_t pf_stride, ptrdiff_t pf_rows,
+                                  ptrdiff_t pf_bytes)
 {
-    (void)ldacc;
-    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
-    const KV* v = (const KV*) v_;
-    T* acc = (T*) acc_;
     const V a = BCAST(alpha[0]);
     V c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
     for (ptrdiff_t j = 0; j < nj; j++) {
@@ -436,14 +460,20 @@ FA_NOINLINE void FA_FN(fa_pv_row8)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
  * accumulators, the V vectors and a broadcast fit the register file: all 4 at once with
  * 32 zmm registers; 2 with 16 ymm (4 x 4 accumulators would spill there, doubling the
  * time per key); 1 with SSE2's 16 xmm (a vector is 2 of them). */
-FA_NOINLINE void FA_FN(fa_pv_rows4)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
-                                   const char* v_, ptrdiff_t ldv, void* acc_, ptrdiff_t ldacc,
-                                   const void* alpha_, const char* pf, ptrdiff_t pf_stride,
+#ifndef FA_PV4_NV
+#if FA_VBYTES == 64
+#define FA_PV4_NV 4
+#elif defined(__AVX__)
+#define FA_PV4_NV 2
+#else
+#define FA_PV4_NV 1
+#endif
+#endif
+FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                   const KV* v, ptrdiff_t ldv, T* acc, ptrdiff_t ldacc,
+                                   const T* alpha, const char* pf, ptrdiff_t pf_stride,
                                    ptrdiff_t pf_rows, ptrdiff_t pf_bytes)
 {
-    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
-    const KV* v = (const KV*) v_;
-    T* acc = (T*) acc_;
     for (int c0 = 0; c0 < 4; c0 += FA_PV4_NV) {
         T* const acc_c = acc + c0 * VL;
         const KV* const v_c = v + c0 * VL;
@@ -471,11 +501,6 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
     }
 }
 
-#endif /* FA_KV_PTR_ONLY */
-
-#ifndef LOAD_V_ROW
-#define LOAD_V_ROW(vr, j, c, vsc, nbv) LOAD_KV((vr)[j] + (c))
-#endif
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
@@ -484,10 +509,10 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
  * of pf_bytes, the next block's) into L2, every line of it; rows of pf past nj after
  * the loop. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
-                                     const KV* const* vr, const float* vsc, ptrdiff_t nbv,
-                                     ptrdiff_t c0, T* acc, ptrdiff_t ldacc, const T* alpha,
-                                     const int nr, const int nv, const char* const* pf,
-                                     ptrdiff_t npf, ptrdiff_t pf_bytes)
+                                     const KV* const* vr, ptrdiff_t c0, T* acc,
+                                     ptrdiff_t ldacc, const T* alpha, const int nr,
+                                     const int nv, const char* const* pf, ptrdiff_t npf,
+                                     ptrdiff_t pf_bytes)
 {
     V c[4][8];
     for (int r = 0; r < nr; r++)
@@ -497,7 +522,7 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         if (j + 4 < nj)
             fa_prefetch_lines((const char*)(vr[j + 4] + c0), nv * VL * (ptrdiff_t)sizeof(KV), 3);
         V x[8];
-        for (int i = 0; i < nv; i++) x[i] = LOAD_V_ROW(vr, j, c0 + i * VL, vsc, nbv);
+        for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
         for (int r = 0; r < nr; r++) {
             const V b = BCAST(p[j * ldp + r]);
             for (int i = 0; i < nv; i++) c[r][i] += b * x[i];
@@ -513,14 +538,11 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 }
 #define FA_PV_PTR_PASS(SUF, NR, NV) \
 FA_NOINLINE void FA_FN(fa_pv_ptr_##SUF)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, \
-                                        const KV* const* vr, const float* vsc, ptrdiff_t nbv, \
-                                        ptrdiff_t c0, T* acc, ptrdiff_t ldacc, const T* alpha, \
-                                        const char* const* pf, ptrdiff_t npf, \
-                                        ptrdiff_t pf_bytes) \
-{ \
-    FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, vsc, nbv, c0, acc, ldacc, alpha, NR, NV, pf, npf, \
-                          pf_bytes); \
-}
+                                              const KV* const* vr, ptrdiff_t c0, T* acc, \
+                                              ptrdiff_t ldacc, const T* alpha, \
+                                              const char* const* pf, ptrdiff_t npf, \
+                                              ptrdiff_t pf_bytes) \
+{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV, pf, npf, pf_bytes); }
 FA_PV_PTR_PASS(r1_wide, 1, 8)
 FA_PV_PTR_PASS(r1_v4, 1, 4)
 FA_PV_PTR_PASS(r1_v2, 1, 2)
@@ -529,18 +551,14 @@ FA_PV_PTR_PASS(r4_wide, 4, FA_PV4_NV)
 FA_PV_PTR_PASS(r4_v1, 4, 1)
 #undef FA_PV_PTR_PASS
 /* pf: the next block's V rows (npf of them), requested into L2 by the first pass, a row
- * per key.  vsc: the rows' scales, Dv / 32 a row, for types with scales (else unread). */
-FA_NOINLINE void FA_FN(fa_pv_ptr)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
-                                  const char* const* vr_, const float* vsc, ptrdiff_t Dv,
-                                  void* acc_, ptrdiff_t ldacc, const void* alpha_, int nr,
+ * per key. */
+FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const KV* const* vr,
+                                  ptrdiff_t Dv, T* acc, ptrdiff_t ldacc, const T* alpha, int nr,
                                   const char* const* pf, ptrdiff_t npf)
 {
-    const T *p = (const T*) p_, *alpha = (const T*) alpha_;
-    const KV* const* vr = (const KV* const*) vr_;
-    T* acc = (T*) acc_;
     ptrdiff_t c0 = 0;
 #define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL, npf = 0) \
-        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, vsc, Dv / 32, c0, acc, ldacc, alpha, pf, npf, \
+        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, pf, npf, \
                                Dv * (ptrdiff_t)sizeof(KV))
     if (nr == 1) {
         FA_PASS(r1_wide, 8);
@@ -554,32 +572,8 @@ FA_NOINLINE void FA_FN(fa_pv_ptr)(const void* p_, ptrdiff_t ldp, ptrdiff_t nj,
 #undef FA_PASS
 }
 
-#ifndef FA_KV_PTR_ONLY
-FA_NOINLINE double FA_FN(fa_kv_elem)(const char* row, ptrdiff_t c)
-{ return KV_SCALAR(((const KV*) row)[c]); }
-#endif
-
-#ifndef SCORE_GQA4
-#define SCORE_GQA4 NULL
-#endif
-/* This storage type's row of the table of storage types (fa_kv_ops). */
-static const fa_kv_ops FA_FN(fa_kv_ops) = {
-#ifndef FA_KV_PTR_ONLY
-    .score_tile = {FA_FN(fa_score_tile), FA_FN(fa_score_tile4), FA_FN(fa_score_tile1)},
-    .score_keyrows = {FA_FN(fa_score_keyrows1), FA_FN(fa_score_keyrows2),
-                      FA_FN(fa_score_keyrows4), FA_FN(fa_score_keyrows8)},
-    .pv_tile = {FA_FN(fa_pv_tile), FA_FN(fa_pv_tile1)},
-    .pv_wide = {FA_FN(fa_pv_row8), FA_FN(fa_pv_rows4)},
-    .elem = FA_FN(fa_kv_elem),
-#endif
-    .score_gqa4 = SCORE_GQA4,
-    .pv_ptr = FA_FN(fa_pv_ptr),
-};
-
 #undef FA_FN
 #undef KV
 #undef LOAD_KV
 #undef KV_SCALAR
 #undef LOAD_TRANSPOSE_KV
-#undef LOAD_V_ROW
-#undef SCORE_GQA4
