@@ -80,7 +80,8 @@ def run_page(page):
         if first.startswith(CONTINUES):
             if namespace is None and skipped is None:
                 raise ValueError(f"{page.name}:{line} continues no earlier block")
-            why = skipped
+            # skipped with the block it continues, or for a package of its own
+            why = skipped or why_skipped(first, code)
         else:
             namespace = {"__name__": "__main__"}
             why = why_skipped(first, code)
