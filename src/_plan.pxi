@@ -300,6 +300,26 @@ cdef class KVCachePlanBase:
 
     def run(self, q, k_cache, v_cache, k=None, v=None, *, k_scale=None, v_scale=None,
             sinks=None, return_lse=False, out=None):
+        """Attend over one layer's caches (appending ``k`` and ``v`` first): exactly
+        :func:`fastattn.attention_with_kvcache` with these arguments and the plan's.
+
+        Parameters
+        ----------
+        q : ndarray, shape (B, Hq, Lq, D)
+        k_cache, v_cache : ndarray
+            ``(B, Hkv, Lmax, D / Dv)``, or pages ``(num_pages, Hkv, page, D / Dv)`` with
+            the plan's block table; float32, float64, float16, bfloat16, or int8 (q8_0)
+            with ``k_scale`` and ``v_scale``.
+        k, v : ndarray, shape (B, Hkv, Lnew, D / Dv), optional
+            New rows, written at ``cache_seqlens[b] + i`` before attending.
+        k_scale, v_scale, sinks, return_lse, out : optional
+            As in :func:`fastattn.attention_with_kvcache`.
+
+        Returns
+        -------
+        out : ndarray, shape (B, Hq, Lq, Dv); and lse, shape (B, Hq, Lq), with
+        ``return_lse=True``.
+        """
         res = self._run_compiled(q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
                                  return_lse, out) if self.compiled else None
         if res is None:

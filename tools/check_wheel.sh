@@ -91,7 +91,7 @@ missing=$("$TOOLS/python" - "$WHEEL" "$ISAS" <<'EOF'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = ["fastattn/py.typed", "fastattn/__init__.pyi", "fastattn/integrations/__init__.py",
-        "fastattn/integrations/_torch.py", "fastattn/integrations/transformers.py",
+        "fastattn/integrations/_ops.py", "fastattn/integrations/transformers.py",
         "fastattn/integrations/tabpfn.py"]
 bad = [n for n in need if n not in names]
 for isa in sys.argv[2].split():
