@@ -37,7 +37,7 @@ import numpy as np
 
 from . import _api, _args, _glue, _precision, _threads
 from ._glue import kernel as _kernel
-from ._q8_0 import BLOCK, check_block_dim, check_q8_0_pair, dequantize_q8_0, quantize
+from ._q8_0 import BLOCK, check_q8_0_pair, dequantize_q8_0, quantize
 
 __all__ = ["attention_with_kvcache", "plan_kvcache", "KVCachePlan"]
 
