@@ -162,10 +162,11 @@ cdef object _lean_sinks(object sinks, Py_ssize_t Hq, int nb, const cnp.npy_intp*
 
 
 cdef inline object _lean_out(object out, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
-                            int typenum):
-    # The result array: a new one, or the caller's `out` when it is exactly the result's
-    # type and shape, writeable, addressable in place and clear of the inputs; None when
-    # `out` needs the front end.
+                            int typenum, object more=None):
+    # The result array, q's shape with v's last axis: a new one, or the caller's `out` when
+    # it is exactly the result's type and shape, writeable, addressable in place and clear
+    # of the inputs (and of the arrays in `more`, where given); None when `out` needs the
+    # front end.
     cdef int nd = cnp.PyArray_NDIM(q), d
     cdef cnp.npy_intp shape[32]
     cdef cnp.ndarray oa
@@ -187,6 +188,10 @@ cdef inline object _lean_out(object out, cnp.ndarray q, cnp.ndarray k, cnp.ndarr
         return None
     if _extent_overlap(oa, q) or _extent_overlap(oa, k) or _extent_overlap(oa, v):
         return None
+    if more is not None:
+        for a in more:
+            if a is not None and _extent_overlap(oa, a):
+                return None
     return oa
 
 

@@ -113,32 +113,6 @@ cdef object _sinks_table(object sinks, Py_ssize_t B, Py_ssize_t Hq):
     return res
 
 
-cdef object _out_array(object out, Py_ssize_t B, Py_ssize_t Hq, Py_ssize_t Lq, Py_ssize_t Dv,
-                       cnp.ndarray like, bint like_result, arrays):
-    # The result array: new, of `like`'s dtype when like_result (a 16-bit result) or
-    # float32; or the caller's `out` when it is exactly that, writeable, addressable in
-    # place and clear of every array in `arrays`.  None when `out` needs the checked path.
-    cdef cnp.npy_intp dims[4]
-    cdef cnp.ndarray oa
-    dims[0], dims[1], dims[2], dims[3] = B, Hq, Lq, Dv
-    cdef int typenum = cnp.PyArray_TYPE(like) if like_result else cnp.NPY_FLOAT32
-    if out is None:
-        if typenum == _NPY_BFLOAT16:
-            return np.empty((B, Hq, Lq, Dv), dtype=like.dtype)
-        return cnp.PyArray_EMPTY(4, dims, typenum, 0)
-    if not _is_array(out):
-        return None
-    oa = out
-    if cnp.PyArray_TYPE(oa) != typenum or not _shape_is(oa, B, Hq, Lq, Dv):
-        return None
-    if not (cnp.PyArray_ISWRITEABLE(oa) and cnp.PyArray_ISNOTSWAPPED(oa) and _kernel_layout(oa)):
-        return None
-    for a in arrays:
-        if a is not None and _extent_overlap(oa, a):
-            return None
-    return oa
-
-
 cdef void _set_rows(Rows* r, cnp.ndarray x, cnp.ndarray cache, object scales) noexcept:
     # Where the new rows x of one array come from and go to (see Rows).
     r.data = <const char*> cnp.PyArray_DATA(x)
@@ -344,11 +318,10 @@ cdef class KVCachePlanBase:
             except ValueError:
                 return None
         cdef Py_ssize_t B = self.batch, Hq = cnp.PyArray_DIM(qa, 1), Lq = cnp.PyArray_DIM(qa, 2)
-        cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3), Dv
+        cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3)
         c_kind = _caches_kind(kc, vc, B, Hq, Lq, D)
         if c_kind < 0:
             return None
-        Dv = cnp.PyArray_DIM(vc, 3)
         cdef Py_ssize_t Lnew = _new_rows(k, v, kc, vc, B)
         if Lnew < 0:
             return None
@@ -375,8 +348,8 @@ cdef class KVCachePlanBase:
                 return None
         # The result: 16-bit only when q and the caches share that 16-bit dtype.
         cdef bint like_q = q_kind != FA_STORE_NATIVE and c_kind == q_kind
-        oa = _out_array(out, B, Hq, Lq, Dv, qa, like_q,
-                        (qa, kc, vc, k_scale, v_scale))
+        oa = _lean_out(out, qa, kc, vc, cnp.PyArray_TYPE(qa) if like_q else cnp.NPY_FLOAT32,
+                       (k_scale, v_scale))
         if oa is None:
             return None
         cdef cnp.ndarray seqlens = self._seqlens
