@@ -40,8 +40,10 @@ def forward_kvcache(p, *, cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cach
     (B, Hq, Lq, D), out and lse as for ``forward``.  The caches: (B, Hkv, Lmax, D / Dv),
     or with block_table (int32 (B, max_pages), C-contiguous) pages (num_pages, Hkv, page,
     D / Dv); any strides with a contiguous last axis; float32 (float64 with float64 q),
-    float16, bfloat16, or int8 for q8_0 with k_scale / v_scale: uint16 views of their
-    float16 scales, shaped like the cache with D / 32 in the last axis (contiguous).
+    float16, bfloat16; int8 (q8_0) or uint8 (q4_0, D / 2 bytes a row) with k_scale /
+    v_scale uint16 views of their float16 scales, shaped like the cache with D / 32 in
+    the last axis (contiguous); or ml_dtypes' float8_e4m3fn / float8_e5m2 with k_scale /
+    v_scale float32 (Hkv,), one scale per kv head (any stride).
     No validation happens here.
     """
     cdef Problem P
@@ -72,16 +74,26 @@ cdef int _fill_caches(Problem* P, Py_ssize_t* offs, cnp.ndarray k_cache, cnp.nda
         P.v_pst = cnp.PyArray_STRIDES(v_cache)[0] // P.v_isz
         for b in range(P.nbatch):   # unused: pages come from the block table
             offs[m + b] = offs[2 * m + b] = 0
-    if k_scale is not None:
+    if P.v_kind == FA_STORE_Q4_0:   # two values a byte
+        P.Dv = 2 * _dim(v_cache, -1)
+    if FA_BLOCK_SCALED(P.k_kind):
         sc = k_scale
         P.k_scale = <const uint16_t*> cnp.PyArray_DATA(sc)
         P.ks_pst, P.ks_sh, P.ks_sj = (cnp.PyArray_STRIDES(sc)[0] // 2, _estride(sc, -3),
                                       _estride(sc, -2))
-    if v_scale is not None:
+    elif FA_QUANTISED(P.k_kind):
+        sc = k_scale
+        P.k_fscale = <const float*> cnp.PyArray_DATA(sc)
+        P.kfs_sh = cnp.PyArray_STRIDES(sc)[0] // 4
+    if FA_BLOCK_SCALED(P.v_kind):
         sc = v_scale
         P.v_scale = <const uint16_t*> cnp.PyArray_DATA(sc)
         P.vs_pst, P.vs_sh, P.vs_sj = (cnp.PyArray_STRIDES(sc)[0] // 2, _estride(sc, -3),
                                       _estride(sc, -2))
+    elif FA_QUANTISED(P.v_kind):
+        sc = v_scale
+        P.v_fscale = <const float*> cnp.PyArray_DATA(sc)
+        P.vfs_sh = cnp.PyArray_STRIDES(sc)[0] // 4
     return 0
 
 

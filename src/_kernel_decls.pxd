@@ -6,7 +6,7 @@
 # when stored in it, else widened block by block from their 16-bit storage type
 # (fa_half.h, the tile pipeline's _load_block).
 
-from libc.stdint cimport int8_t, int32_t, uint16_t, uint32_t
+from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t, uint32_t
 
 ctypedef fused floating:
     float
@@ -33,6 +33,10 @@ cdef extern from "fa_kernels.h" nogil:
         FA_STORE_F16
         FA_STORE_BF16
         FA_STORE_Q8_0
+        FA_STORE_Q4_0
+        FA_STORE_E4M3
+        FA_STORE_E5M2
+        FA_E4M3_UNIT
     const Py_ssize_t FA_VL_F
     const Py_ssize_t FA_VL_D
     const char* FA_COMPILER
@@ -198,8 +202,6 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
     void fa_prefetch_l1(const char* p, Py_ssize_t nbytes)
     void fa_prefetch_row(const char* p, Py_ssize_t nbytes, int run_ends, int loc)
-    void fa_dequant_q8_0_f(const int8_t* x, const uint16_t* scale, Py_ssize_t n, float* y)
-    void fa_dequant_q8_0_d(const int8_t* x, const uint16_t* scale, Py_ssize_t n, double* y)
     # the decode output kernel over V rows addressed one pointer per key (paged caches)
     void fa_pv_ptr_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* const* vr,
                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
@@ -210,35 +212,33 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pv_ptr_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* const* vr,
                       Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
                       const char* const* pf, Py_ssize_t npf)
-    # decode kernels reading q8_0 K and V in place (fa_q8_0.h)
-    void fa_score_q8_0_r1(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
-    void fa_score_q8_0_r2(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
-    void fa_score_q8_0_r4(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
-    void fa_score_q8_0_r8(const int8_t** kr, const float* ksc, Py_ssize_t ldksc, int nk,
-                          const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                          Py_ssize_t lds, int nstore, const char** pf, int npf,
-                          const char** l1, int nl1)
-    int fa_score_q8_0_keys(int nr)
-    void fa_q8_0_rows(const char* k, Py_ssize_t k_row, const uint16_t* ks, Py_ssize_t ks_row,
-                      Py_ssize_t nbk, const char* v, Py_ssize_t v_row, const uint16_t* vs,
-                      Py_ssize_t vs_row, Py_ssize_t nbv, Py_ssize_t n, const char** kptr,
-                      const char** vptr, float* ksc, Py_ssize_t ldksc, float* vsc)
-    void fa_q8_0_next_rows(const char* k, Py_ssize_t k_row, const uint16_t* ks,
-                           Py_ssize_t ks_row, Py_ssize_t nbk, const char* v, Py_ssize_t v_row,
-                           const uint16_t* vs, Py_ssize_t vs_row, Py_ssize_t nbv, Py_ssize_t n,
-                           const char** kpf, const char** vpf)
-    void fa_pv_q8_0(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const int8_t** vr,
-                    const float* vsc, Py_ssize_t Dv, float* acc, Py_ssize_t ldacc,
-                    const float* alpha, int nr, const char** pf, Py_ssize_t npf)
+    # K and V stored in a byte per value or less (fa_quant.h): rows dequantised, and the
+    # decode kernels that read them in place
+    bint FA_QUANTISED(int kind)
+    bint FA_BLOCK_SCALED(int kind)
+    Py_ssize_t fa_quant_row_bytes(int kind, Py_ssize_t n)
+    void fa_dequant_row_f(int kind, const uint8_t* x, const uint16_t* bscale, float fscale,
+                          Py_ssize_t n, float* y)
+    void fa_dequant_row_d(int kind, const uint8_t* x, const uint16_t* bscale, float fscale,
+                          Py_ssize_t n, double* y)
+    void fa_score_quant(int kind, int nr, const uint8_t** kr, const float* ksc,
+                        Py_ssize_t ldksc, int nk, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
+                        float scale, float* s, Py_ssize_t lds, int nstore, const char** pf,
+                        int npf, const char** l1, int nl1)
+    int fa_score_quant_keys(int nr)
+    void fa_quant_rows(int kind, const char* k, Py_ssize_t k_row, const uint16_t* ks,
+                       Py_ssize_t ks_row, Py_ssize_t nbk, float kfs, const char* v,
+                       Py_ssize_t v_row, const uint16_t* vs, Py_ssize_t vs_row, Py_ssize_t nbv,
+                       float vfs, Py_ssize_t n, const char** kptr, const char** vptr,
+                       float* ksc, Py_ssize_t ldksc, float* vsc)
+    void fa_quant_next_rows(int kind, const char* k, Py_ssize_t k_row, const uint16_t* ks,
+                            Py_ssize_t ks_row, Py_ssize_t nbk, const char* v, Py_ssize_t v_row,
+                            const uint16_t* vs, Py_ssize_t vs_row, Py_ssize_t nbv,
+                            Py_ssize_t n, const char** kpf, const char** vpf)
+    void fa_pv_quant(int kind, const float* p, Py_ssize_t ldp, Py_ssize_t nj,
+                     const uint8_t** vr, const float* vsc, Py_ssize_t Dv, float* acc,
+                     Py_ssize_t ldacc, const float* alpha, int nr, const char** pf,
+                     Py_ssize_t npf)
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
                          Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,
                          Py_ssize_t pf_rows)
@@ -405,22 +405,6 @@ cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char* const* vr, Py
     else:
         fa_pv_ptr_f(p, FA_BQ, nj, <const float* const*> vr, Dv, acc, ldacc, alpha, nr, pf, npf)
 
-
-cdef inline void score_q8_0(Py_ssize_t nr, const char** krows, const float* ksc, int nk,
-                            const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale,
-                            float* s, int nstore, const char** pf, int npf, const char** l1,
-                            int nl1) noexcept nogil:
-    # One decode score pass of nr (8, 4, 2 or 1) query rows over fa_score_q8_0_keys(nr)
-    # keys (lanes) of q8_0 K read in place: values krows, scales ksc (see fa_score_q8_0_r1).
-    cdef const int8_t** kr = <const int8_t**> krows
-    if nr == 8:
-        fa_score_q8_0_r8(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
-    elif nr == 4:
-        fa_score_q8_0_r4(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
-    elif nr == 2:
-        fa_score_q8_0_r2(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
-    else:
-        fa_score_q8_0_r1(kr, ksc, FA_BK, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, npf, l1, nl1)
 
 
 cdef inline void score_gqa4(const char** krows, Py_ssize_t ldk, const float* qt,
@@ -599,13 +583,14 @@ cdef inline floating load_elem(const char* row, Py_ssize_t c, int kind,
     return (<const floating*> row)[c]
 
 
-cdef inline void dequant_q8_0(const int8_t* x, const uint16_t* scale, Py_ssize_t n,
-                              floating* y) noexcept nogil:
-    # A q8_0 row of n values (a multiple of 32) in the compute type.
+cdef inline void dequant_row(int kind, const char* x, const uint16_t* bscale, float fscale,
+                             Py_ssize_t n, floating* y) noexcept nogil:
+    # A row of n values stored as `kind` (q8_0, q4_0, fp8) in the compute type: block
+    # scales bscale, or the row's kv head's fp8 scale fscale (see fa_dequant_row_f).
     if floating is float:
-        fa_dequant_q8_0_f(x, scale, n, y)
+        fa_dequant_row_f(kind, <const uint8_t*> x, bscale, fscale, n, y)
     else:
-        fa_dequant_q8_0_d(x, scale, n, y)
+        fa_dequant_row_d(kind, <const uint8_t*> x, bscale, fscale, n, y)
 
 
 cdef inline void widen_rows(int kind, const char* src, Py_ssize_t ld, Py_ssize_t nrows,

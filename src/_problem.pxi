@@ -106,9 +106,14 @@ cdef void _fill_offsets(cnp.ndarray a, int n_core, int nb, const Py_ssize_t* bsh
 
 cdef inline int _store_kind(cnp.ndarray a):
     # How the kernel reads (or writes) an array's elements: the compute type itself, one
-    # of the 16-bit types, or int8 for a q8_0 cache (the front end passes nothing else).
+    # of the 16-bit types, or for a cache int8 (q8_0), uint8 (q4_0) or one of ml_dtypes'
+    # fp8 types (the front end passes nothing else).
     if cnp.PyArray_ITEMSIZE(a) == 1:
-        return FA_STORE_Q8_0
+        if cnp.PyArray_TYPE(a) == cnp.NPY_INT8:
+            return FA_STORE_Q8_0
+        if cnp.PyArray_TYPE(a) == cnp.NPY_UINT8:
+            return FA_STORE_Q4_0
+        return FA_STORE_E5M2 if a.dtype.name == "float8_e5m2" else FA_STORE_E4M3
     if cnp.PyArray_ITEMSIZE(a) != 2:
         return FA_STORE_NATIVE
     return FA_STORE_F16 if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT16 else FA_STORE_BF16
@@ -221,6 +226,8 @@ cdef Py_ssize_t* _fill_layout(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.ndar
     P.bt_stride = P.page = P.k_pst = P.v_pst = 0
     P.k_scale = P.v_scale = NULL
     P.ks_pst = P.ks_sh = P.ks_sj = P.vs_pst = P.vs_sh = P.vs_sj = 0
+    P.k_fscale = P.v_fscale = NULL
+    P.kfs_sh = P.vfs_sh = 0
     P.bf16_dot = (P.q_kind == FA_STORE_BF16 and P.k_kind == FA_STORE_BF16
                   and P.v_kind == FA_STORE_BF16 and _bf16_dot_takes(P.D, P.Dv))
     return offs

@@ -69,15 +69,19 @@ cdef struct Problem:
     bint bf16_dot
     # Serving caches.  Pages: key j of batch element b is row j % page of page
     # block_table[b * bt_stride + j // page], pages k_pst (v_pst) elements apart (k_boff,
-    # v_boff unused); NULL: rows of batch element b from k_boff[b] as usual.  q8_0 K or V
-    # (kind FA_STORE_Q8_0, int8 values): one float16 scale per 32 values of a row, at
-    # k_scale addressed like K with the strides ks_pst (a page, or a batch element),
-    # ks_sh, ks_sj; likewise v_scale.
+    # v_boff unused); NULL: rows of batch element b from k_boff[b] as usual.  K or V in
+    # a byte per value or less (FA_QUANTISED kinds, fa_quant.h): q8_0 and q4_0 rows have
+    # one float16 scale per 32 values, at k_scale addressed like K with the strides
+    # ks_pst (a page, or a batch element), ks_sh, ks_sj (likewise v_scale); fp8 rows one
+    # float32 scale per kv head, k_fscale[g * kfs_sh] (likewise v_fscale).
     const int32_t* block_table
     Py_ssize_t bt_stride, page, k_pst, v_pst
     const uint16_t* k_scale
     const uint16_t* v_scale
     Py_ssize_t ks_pst, ks_sh, ks_sj, vs_pst, vs_sh, vs_sj
+    const float* k_fscale
+    const float* v_fscale
+    Py_ssize_t kfs_sh, vfs_sh
 
 
 cdef struct Workspace:
@@ -102,7 +106,7 @@ cdef struct Tile:
     bint bf16_dot                 # products in bfloat16 pairs (Problem.bf16_dot)
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
-    bint q8_in_place              # decode over q8_0 K and V read where stored (fa_q8_0.h)
+    bint quant_in_place           # decode over quantised K and V read where stored (fa_quant.h)
     bint copy_rows                # decode over paged float rows: K copied as stored
     bint k_in_place               # (16-bit K: read through row pointers instead)
     bint v_in_place               # and V read through row pointers (fa_pv_ptr)
@@ -115,6 +119,8 @@ cdef struct Tile:
     bint same_keys                # every row sees exactly [tile_lo, tile_hi), not empty
     bint gqa4                     # 4-row score passes over 16-bit K: fa_score_gqa4
     bint softmax_pairs            # the softmax step of <= 4 rows: fa_softmax_pairs_f
+    # fp8 K and V: kv head g's scales, times FA_E4M3_UNIT for e4m3 (fa_quant.h); else 0.
+    float kfs, vfs
     # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.
     const char* kb
     const char* vb
@@ -147,10 +153,10 @@ cdef struct Tile:
     Py_ssize_t pv_hi[FA_BQ]
     const char* krows[32]         # key rows of one score call (FA_MR_K or FA_DEC_KEYS_F)
     # The block's K and V rows where they are stored (gathered blocks, bfloat16 products,
-    # q8_0 read in place).
+    # quantised rows read in place).
     const char* kptr[FA_BK]
     const char* vptr[FA_BK]
-    # q8_0 read in place, and spread_next: the next block's K and V rows (npf of them),
+    # Quantised rows read in place, and spread_next: the next block's K and V rows (npf of them),
     # which the kernels request into L2 as they go.
     const char* kpf[FA_BK]
     const char* vpf[FA_BK]
@@ -200,9 +206,8 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
 
 cdef inline bint _gathers(const Problem* P) noexcept nogil:
     # Whether K and V blocks are gathered row by row into the workspace: rows in pages, or
-    # q8_0 values dequantised.
-    return (P.block_table != NULL or P.k_kind == FA_STORE_Q8_0
-            or P.v_kind == FA_STORE_Q8_0)
+    # quantised values dequantised.
+    return P.block_table != NULL or FA_QUANTISED(P.k_kind) or FA_QUANTISED(P.v_kind)
 
 
 cdef Py_ssize_t _carve_backward(Workspace* w, const Problem* P, Py_ssize_t VL,
@@ -335,15 +340,17 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # broadcast single elements; bfloat16 V, whose shift would compete with the FMAs;
     # float16 V without F16C, whose integer widening would be repeated by every 6-row
     # tile; and both for double compute.
-    # Rows in pages or in q8_0 are gathered (and widened) a block at a time, except where
-    # the kernels read them through the block's row pointers: the bfloat16 products', and
-    # q8_0 K and V in decode tiles of float compute, dequantised in registers.  Decode
-    # tiles of float compute copy paged float rows as they are stored, for the decode
-    # kernels to widen in registers as they do in place.
+    # Rows in pages or quantised are gathered (and widened or dequantised) a block at a
+    # time, except where the kernels read them through the block's row pointers: the
+    # bfloat16 products', and quantised K and V in decode tiles of float compute,
+    # dequantised in registers (whole blocks of 32 dims).  Decode tiles of float compute
+    # copy paged float rows as they are stored, for the decode kernels to widen in
+    # registers as they do in place.
     t.gather = _gathers(P)
-    t.q8_in_place = (floating is float and t.decode and P.k_kind == FA_STORE_Q8_0
-                     and P.v_kind == FA_STORE_Q8_0)
-    t.copy_rows = floating is float and t.decode and t.gather and not t.q8_in_place
+    cdef bint quant = FA_QUANTISED(P.k_kind)
+    t.quant_in_place = (floating is float and t.decode and quant and P.v_kind == P.k_kind
+                        and P.D % 32 == 0 and P.Dv % 32 == 0)
+    t.copy_rows = floating is float and t.decode and t.gather and not quant
     # ... 16-bit K rows then read where they are by the score kernels, which transpose or
     # widen them anyway; V read through row pointers, whole vectors of columns (else
     # copied too)
@@ -354,9 +361,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # _gather requests them as it copies, the faster order for that path.
     t.spread_next = t.k_in_place and t.v_in_place
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
-        t.decode and floating is float or t.bf16_dot)
+        t.decode and floating is float and not quant or t.quant_in_place or t.bf16_dot)
     t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
-        t.decode or t.bf16_dot
+        t.decode and not quant or t.quant_in_place or t.bf16_dot
         or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C and not t.gather)))
     # A single row of float32 V streams the next block's V from the output kernel (see
     # _pv_decode); 16-bit V rows, half as long, arrive sooner when the score kernel
@@ -372,8 +379,19 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.q_len = P.q_len[b] if P.q_len != NULL else P.Lq
     t.k_row, t.v_row = P.k_sj * P.k_isz, P.v_sj * P.v_isz
     t.kb = P.k + (P.k_boff[b] + g * P.k_sh) * P.k_isz
+    t.kfs = _fp8_scale(P.k_kind, P.k_fscale, g * P.kfs_sh)
+    t.vfs = _fp8_scale(P.v_kind, P.v_fscale, g * P.vfs_sh)
     t.vb = P.v + (P.v_boff[b] + g * P.v_sh) * P.v_isz
     t.lo, t.hi = lo, hi
+
+
+cdef inline float _fp8_scale(int kind, const float* fscale, Py_ssize_t i) noexcept nogil:
+    # The scale a kernel multiplies an fp8 level by (see fa_quant.h); 0 for other kinds.
+    if kind == FA_STORE_E4M3:
+        return fscale[i] * FA_E4M3_UNIT
+    if kind == FA_STORE_E5M2:
+        return fscale[i]
+    return 0
 
 
 cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
@@ -459,14 +477,15 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
     # in 16 bits where a float kernel widens them in registers (see widen_k), they are
     # read in place.  Otherwise 16-bit rows are widened into the workspace while the
     # next block's rows are prefetched: one pass over the block serves every row of the
-    # tile.  Rows in pages or in q8_0 are gathered into the workspace row by row (_gather).
-    # Widening and dequantising are exact (every float16, bfloat16 and q8_0 value is a
-    # float32), so the kernels compute the same bits whichever way a value arrives.
+    # tile.  Rows in pages or quantised are gathered into the workspace row by row
+    # (_gather).  Widening is exact, and dequantising is one multiplication wherever it
+    # happens (fa_quant.h), so the kernels compute the same bits whichever way a value
+    # arrives.
     cdef Py_ssize_t nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
     t.kblk_kind = t.vblk_kind = FA_STORE_NATIVE
     t.vblk_esz = sizeof(floating)
-    if floating is float and t.q8_in_place:
-        _gather_q8_0(P, t, w, ws)
+    if floating is float and t.quant_in_place:
+        _gather_quant(P, t, w, ws)
         return
     if t.gather:
         _gather(P, t, w, ws)
@@ -552,8 +571,8 @@ cdef inline void _cache_next(const Problem* P, const Tile* t, CacheRows* c) noex
 
 cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) noexcept nogil:
     # The block's K and V rows looked up one by one (pages), into kptr and vptr, and,
-    # unless the bfloat16 products read them there, widened (or dequantised from q8_0)
-    # into the workspace; meanwhile the next block's rows are requested into L2, since
+    # unless the bfloat16 products read them there, widened (or dequantised) into the
+    # workspace; meanwhile the next block's rows are requested into L2, since
     # no hardware prefetcher follows rows across pages (or, spread_next, looked up into
     # kpf and vpf for the kernels to request).
     cdef Py_ssize_t u, nxt = max(0, min(FA_BK, t.tile_hi - t.j1))
@@ -574,8 +593,10 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
                 t.vpf[u] = P.v + n.v * P.v_isz
             else:
                 # (a page's last row ends its run: page_left 1)
-                fa_prefetch_row(P.k + n.k * P.k_isz, P.D * P.k_isz, n.page_left == 1, 2)
-                fa_prefetch_row(P.v + n.v * P.v_isz, P.Dv * P.v_isz, n.page_left == 1, 2)
+                fa_prefetch_row(P.k + n.k * P.k_isz, _row_bytes(P.k_kind, P.D, P.k_isz),
+                                n.page_left == 1, 2)
+                fa_prefetch_row(P.v + n.v * P.v_isz, _row_bytes(P.v_kind, P.Dv, P.v_isz),
+                                n.page_left == 1, 2)
             if u + 1 < nxt:   # (never past the last key: its page may be the table's last)
                 _cache_next(P, t, &n)
         if t.copy_rows:
@@ -584,19 +605,20 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
             if not t.defer_v and not t.v_in_place:
                 memcpy(<char*> vdst + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
         elif not t.bf16_dot:
-            _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, P.D, kdst + u * P.D)
+            _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, t.kfs, P.D, kdst + u * P.D)
             if not t.defer_v:
-                _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, vdst + u * P.Dv)
+                _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, t.vfs, P.Dv,
+                            vdst + u * P.Dv)
         if u + 1 < t.nj:
             _cache_next(P, t, &c)
 
 
-cdef void _gather_q8_0(const Problem* P, Tile* t, const Workspace* w,
-                       float* ws) noexcept nogil:
-    # The block's q8_0 rows for the decode kernels that read them in place, run by run of
-    # evenly spaced rows (a page, or the whole block): their pointers into kptr and vptr,
-    # their scales in float32 into the workspace (kblk, vblk; see fa_q8_0_rows), and the
-    # next block's row pointers into kpf and vpf.
+cdef void _gather_quant(const Problem* P, Tile* t, const Workspace* w,
+                        float* ws) noexcept nogil:
+    # The block's quantised rows for the decode kernels that read them in place, run by
+    # run of evenly spaced rows (a page, or the whole block): their pointers into kptr
+    # and vptr, their scales in float32 into the workspace (kblk, vblk; see
+    # fa_quant_rows), and the next block's row pointers into kpf and vpf.
     cdef Py_ssize_t u = 0, n, nbk = P.D // 32, nbv = P.Dv // 32, b
     cdef float* ksc = ws + w.kblk
     cdef float* vsc = ws + w.vblk
@@ -604,9 +626,9 @@ cdef void _gather_q8_0(const Problem* P, Tile* t, const Workspace* w,
     while u < t.nj:
         _cache_seek(P, t, &c, t.j0 + u)
         n = t.nj - u if c.page_left < 0 else min(t.nj - u, c.page_left)
-        fa_q8_0_rows(P.k + c.k, P.k_sj, P.k_scale + c.ks, P.ks_sj, nbk,
-                     P.v + c.v, P.v_sj, P.v_scale + c.vs, P.vs_sj, nbv, n,
-                     t.kptr + u, t.vptr + u, ksc + u, FA_BK, vsc + u * nbv)
+        fa_quant_rows(P.k_kind, P.k + c.k, P.k_sj, P.k_scale + c.ks, P.ks_sj, nbk, t.kfs,
+                      P.v + c.v, P.v_sj, P.v_scale + c.vs, P.vs_sj, nbv, t.vfs, n,
+                      t.kptr + u, t.vptr + u, ksc + u, FA_BK, vsc + u * nbv)
         u += n
     for u in range(t.nj, _round_up(t.nj, 2 * t.VL)):   # padding keys' lanes: defined zeros
         for b in range(nbk):
@@ -616,9 +638,9 @@ cdef void _gather_q8_0(const Problem* P, Tile* t, const Workspace* w,
     while u < t.npf:
         _cache_seek(P, t, &c, t.j1 + u)
         n = t.npf - u if c.page_left < 0 else min(t.npf - u, c.page_left)
-        fa_q8_0_next_rows(P.k + c.k, P.k_sj, P.k_scale + c.ks, P.ks_sj, nbk,
-                          P.v + c.v, P.v_sj, P.v_scale + c.vs, P.vs_sj, nbv, n,
-                          t.kpf + u, t.vpf + u)
+        fa_quant_next_rows(P.k_kind, P.k + c.k, P.k_sj, P.k_scale + c.ks, P.ks_sj, nbk,
+                           P.v + c.v, P.v_sj, P.v_scale + c.vs, P.vs_sj, nbv, n,
+                           t.kpf + u, t.vpf + u)
         u += n
 
 
@@ -633,18 +655,25 @@ cdef void _gather_v(const Problem* P, Tile* t, const Workspace* w,
         if t.copy_rows:
             memcpy(<char*> (ws + w.vblk) + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
         else:
-            _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, P.Dv, ws + w.vblk + u * P.Dv)
+            _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, t.vfs, P.Dv,
+                        ws + w.vblk + u * P.Dv)
         if u + 1 < t.nj:
             _cache_next(P, t, &c)
 
 
-cdef inline void _gather_row(const char* src, int kind, const uint16_t* scale, Py_ssize_t n,
-                             floating* dst) noexcept nogil:
-    # One row of n values stored as `kind` in the compute type (scale: its q8_0 scales).
+cdef inline Py_ssize_t _row_bytes(int kind, Py_ssize_t n, Py_ssize_t isz) noexcept nogil:
+    # The bytes of a row of n values stored as `kind`, isz bytes per stored element.
+    return fa_quant_row_bytes(kind, n) if FA_QUANTISED(kind) else n * isz
+
+
+cdef inline void _gather_row(const char* src, int kind, const uint16_t* bscale, float fscale,
+                             Py_ssize_t n, floating* dst) noexcept nogil:
+    # One row of n values stored as `kind` in the compute type (bscale: its block scales;
+    # fscale: its fp8 scale, see _fp8_scale).
     if kind == FA_STORE_NATIVE:
         memcpy(dst, src, n * sizeof(floating))
-    elif kind == FA_STORE_Q8_0:
-        dequant_q8_0(<const int8_t*> src, scale, n, dst)
+    elif FA_QUANTISED(kind):
+        dequant_row(kind, src, bscale, fscale, n, dst)
     else:
         widen_rows(kind, src, 0, 1, n, dst, n, NULL, 0)
 
@@ -768,8 +797,8 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     cdef bint pf_v = ((not t.pv_next_v or t.first_blk) and not t.widen_v or t.defer_v
                       or t.spread_next)
     cdef int nk
-    if floating is float and t.q8_in_place:
-        _scores_q8_0(P, t, w, ws)
+    if floating is float and t.quant_in_place:
+        _scores_quant(P, t, w, ws)
         return
     for ig in range((nj + KC - 1) // KC):
         jb = ig * KC
@@ -818,16 +847,16 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     t.first_blk = False
 
 
-cdef void _scores_q8_0(const Problem* P, Tile* t, const Workspace* w,
-                       float* ws) noexcept nogil:
-    # S^T of a decode tile over q8_0 K read in place (fa_score_q8_0_r*): KC keys at a
+cdef void _scores_quant(const Problem* P, Tile* t, const Workspace* w,
+                        float* ws) noexcept nogil:
+    # S^T of a decode tile over quantised K read in place (fa_score_quant): KC keys at a
     # time as the lanes (zero rows pad the last call), against the rows in passes of
     # 8/4/2/1.  The first pass of each call requests the next call's K rows into L1 and
     # the next block's into L2.
     cdef const char* zrow = <const char*> (ws + w.zrow)
     cdef Py_ssize_t jb = 0, u, r, nr, KC
     cdef int nk, npf, nl1
-    KC = fa_score_q8_0_keys(<int> _keyrows_pass(t, t.nrows))
+    KC = fa_score_quant_keys(<int> _keyrows_pass(t, t.nrows))
     for u in range(KC, 32):
         t.krows[u] = zrow
     while jb < t.nj:
@@ -839,9 +868,10 @@ cdef void _scores_q8_0(const Problem* P, Tile* t, const Workspace* w,
         r = 0
         while r < t.nrows:
             nr = _keyrows_pass(t, t.nrows - r)
-            score_q8_0(nr, t.krows, ws + w.kblk + jb, nk, ws + w.qt + r, t.ldqt, P.D,
-                       <float> t.scale_log2, ws + w.s + jb * FA_BQ + r, <int> (t.nrows - r),
-                       t.kpf + jb, npf, t.kptr + jb + KC, nl1)
+            fa_score_quant(P.k_kind, <int> nr, <const uint8_t**> t.krows, ws + w.kblk + jb,
+                           FA_BK, nk, ws + w.qt + r, t.ldqt, P.D, <float> t.scale_log2,
+                           ws + w.s + jb * FA_BQ + r, FA_BQ, <int> (t.nrows - r),
+                           t.kpf + jb, npf, t.kptr + jb + KC, nl1)
             r += nr
             npf = nl1 = 0
         jb += KC
@@ -1156,8 +1186,8 @@ cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
     cdef Py_ssize_t nr = 4 if t.nrows >= 2 else 1, rg, pf_rows = 0, ja, z
     cdef Py_ssize_t pf_stride, pf_cols
     cdef const char* pf
-    if floating is float and t.q8_in_place:
-        _pv_q8_0(P, t, w, ws, nr)
+    if floating is float and t.quant_in_place:
+        _pv_quant(P, t, w, ws, nr)
         return
     if floating is float and t.v_in_place:
         _pv_rows_ptr(P, t, w, ws, nr)
@@ -1195,21 +1225,21 @@ cdef void _pv_rows_ptr(const Problem* P, const Tile* t, const Workspace* w, floa
         rg += nr
 
 
-cdef void _pv_q8_0(const Problem* P, const Tile* t, const Workspace* w, float* ws,
-                   Py_ssize_t nr) noexcept nogil:
-    # _pv_decode over q8_0 V read in place: rows in groups of nr (4, or 1 for a single
-    # row), each over the keys any of its rows sees; the first group requests the next
-    # block's V rows into L2.
+cdef void _pv_quant(const Problem* P, const Tile* t, const Workspace* w, float* ws,
+                    Py_ssize_t nr) noexcept nogil:
+    # _pv_decode over quantised V read in place: rows in groups of nr (4, or 1 for a
+    # single row), each over the keys any of its rows sees; the first group requests the
+    # next block's V rows into L2.
     cdef Py_ssize_t rg = 0, ja, z, na
     while rg < t.nrows:
         _keys_seen(t, rg, rg + nr, &ja, &z)
         ja = min(max(t.j0, ja), t.j1)
         na = max(0, min(t.j1, z) - ja)
-        fa_pv_q8_0(ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na,
-                   <const int8_t**> (t.vptr + (ja - t.j0)),
-                   ws + w.vblk + (ja - t.j0) * (P.Dv // 32), P.Dv,
-                   ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
-                   t.vpf, t.npf if rg == 0 else 0)
+        fa_pv_quant(P.v_kind, ws + w.s + (ja - t.j0) * FA_BQ + rg, FA_BQ, na,
+                    <const uint8_t**> (t.vptr + (ja - t.j0)),
+                    ws + w.vblk + (ja - t.j0) * (P.Dv // 32), P.Dv,
+                    ws + w.acc + rg * t.dv_pad, t.dv_pad, ws + w.alpha + rg, <int> nr,
+                    t.vpf, t.npf if rg == 0 else 0)
         rg += nr
 
 

@@ -22,8 +22,17 @@
 #define FA_STORE_NATIVE 0
 #define FA_STORE_F16 1
 #define FA_STORE_BF16 2
-/* K or V only: llama.cpp's q8_0, int8 values with one float16 scale per 32 of a row. */
+/* K or V only, one byte per value or two values per byte (fa_quant.h):
+ *   q8_0  llama.cpp's int8 values with one float16 scale per 32 of a row;
+ *   q4_0  llama.cpp's 4-bit values (+ 8) with one float16 scale per 32, two to a byte;
+ *   e4m3, e5m2  fp8 (float8_e4m3fn, float8_e5m2) with one float32 scale per kv head. */
 #define FA_STORE_Q8_0 3
+#define FA_STORE_Q4_0 4
+#define FA_STORE_E4M3 5
+#define FA_STORE_E5M2 6
+/* Whether a kind is one of those, and whether its scales are float16 per 32 values. */
+#define FA_QUANTISED(kind) ((kind) >= FA_STORE_Q8_0)
+#define FA_BLOCK_SCALED(kind) ((kind) == FA_STORE_Q8_0 || (kind) == FA_STORE_Q4_0)
 
 /* Whether float16 widens in one instruction (F16C), or in the portable integer sequence. */
 #if defined(__F16C__)
@@ -219,53 +228,6 @@ static void fa_widen_rows_##SUF(int kind, const uint16_t* src, ptrdiff_t ld, ptr
         if (j < pf_rows) fa_prefetch_l2((const char*)(pf + j * ld), n * 2);                    \
         fa_widen_##SUF(kind, src + j * ld, n, dst + j * ldd);                                 \
     }                                                                                         \
-}
-
-/* A q8_0 row of n values (n a multiple of 32) in the compute type: value c is
- * x[c] * scale[c / 32], exact in float32 (an 8-bit integer times a float16). */
-#if defined(__AVX512F__)
-static void fa_dequant_q8_0_f(const int8_t* __restrict x, const uint16_t* __restrict scale,
-                              ptrdiff_t n, float* __restrict y)
-{
-    for (ptrdiff_t b = 0; b < n / 32; b++) {
-        const __m512 d = _mm512_set1_ps(fa_f16_to_f32(scale[b]));
-        for (int h = 0; h < 2; h++) {
-            const __m128i v = _mm_loadu_si128((const __m128i*) (x + 32 * b + 16 * h));
-            const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-            _mm512_storeu_ps(y + 32 * b + 16 * h, _mm512_mul_ps(f, d));
-        }
-    }
-}
-#elif defined(__AVX2__)
-static void fa_dequant_q8_0_f(const int8_t* __restrict x, const uint16_t* __restrict scale,
-                              ptrdiff_t n, float* __restrict y)
-{
-    for (ptrdiff_t b = 0; b < n / 32; b++) {
-        const __m256 d = _mm256_set1_ps(fa_f16_to_f32(scale[b]));
-        for (int h = 0; h < 4; h++) {
-            const __m128i v = _mm_loadl_epi64((const __m128i*) (x + 32 * b + 8 * h));
-            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-            _mm256_storeu_ps(y + 32 * b + 8 * h, _mm256_mul_ps(f, d));
-        }
-    }
-}
-#else
-static void fa_dequant_q8_0_f(const int8_t* __restrict x, const uint16_t* __restrict scale,
-                              ptrdiff_t n, float* __restrict y)
-{
-    for (ptrdiff_t b = 0; b < n / 32; b++) {
-        const float d = fa_f16_to_f32(scale[b]);
-        for (int c = 0; c < 32; c++) y[32 * b + c] = (float) x[32 * b + c] * d;
-    }
-}
-#endif
-static void fa_dequant_q8_0_d(const int8_t* __restrict x, const uint16_t* __restrict scale,
-                              ptrdiff_t n, double* __restrict y)
-{
-    for (ptrdiff_t b = 0; b < n / 32; b++) {
-        const double d = fa_f16_to_f32(scale[b]);
-        for (int c = 0; c < 32; c++) y[32 * b + c] = (double) x[32 * b + c] * d;
-    }
 }
 
 #endif /* FA_HALF_H */

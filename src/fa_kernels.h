@@ -743,7 +743,7 @@ static inline int fa_cpu_supports(const char* isa)
 #endif
 }
 
-#include "fa_q8_0.h"
+#include "fa_quant.h"
 #include "fa_bf16dot.h"
 
 #endif /* FA_KERNELS_H */

@@ -1,0 +1,512 @@
+/*
+ * fa_quant.h -- decode kernels that read K and V stored in one byte per value or less
+ * (q8_0, q4_0, fp8) where they are stored (float compute).  Each storage kind is an
+ * instantiation of one template, given by three things:
+ *
+ *   fa_quant_bytes   the stored bytes of VL values of a row from dim d0 (int8 for q8_0
+ *                    and q4_0, whose nibbles are unpacked here; the bit patterns for fp8);
+ *   fa_quant_widen   those bytes as floats: the value's *level*, exact in float32;
+ *   the scales       float32, per key and block of 32 dims (q8_0, q4_0: the float16
+ *                    scales) or one per kv head (fp8: the scale times FA_E4M3_UNIT).
+ *
+ * A value is level * scale, one float32 multiplication, wherever it is read: in these
+ * kernels, as they load, or by fa_dequant_row (the prefill's gather) into a workspace that
+ * the float kernels read.  The chains after it are the float kernels', so a decode step
+ * gives the bits of the prefill over the same cache.  For q8_0 and q4_0 the product is
+ * exact (a small integer times a float16); for fp8 it is the stored value times the
+ * scale rounded once to float32.
+ *
+ * Rows are addressed one pointer per key (kr[j]), so that rows in pages cost what
+ * contiguous rows do.  Included by fa_kernels.h after the float kernels (it uses their
+ * transpose and vector helpers).
+ */
+
+/* The kinds instantiated below: X(name, kind). */
+#define FA_QUANT_KINDS(X) \
+    X(q8_0, FA_STORE_Q8_0) X(q4_0, FA_STORE_Q4_0) X(e4m3, FA_STORE_E4M3) X(e5m2, FA_STORE_E5M2)
+
+/* An e4m3 value's level is the value / 2^8: its bits then read as a float16's (exponent
+ * bias 15 against 7), subnormals included.  Its per-head scale is multiplied by 2^8 once. */
+#define FA_E4M3_UNIT 256.0f
+
+FA_INLINE ptrdiff_t fa_quant_row_bytes(const int kind, ptrdiff_t n)
+{
+    return kind == FA_STORE_Q4_0 ? n / 2 : n;
+}
+
+/* Where the byte of value d of a q4_0 row is: blocks of 32 values in 16 bytes, value
+ * j < 16 of a block in the low nibble of byte j, value j + 16 in its high nibble. */
+FA_INLINE ptrdiff_t fa_q4_0_byte(ptrdiff_t d) { return (d / 32) * 16 + d % 16; }
+
+/* The float16 bits of 16-bit lanes each holding an fp8 byte (see FA_E4M3_UNIT); e4m3fn's
+ * only NaNs, S.1111.111, become float16 NaNs. */
+FA_INLINE uint16_t fa_fp8_half(const int kind, uint16_t x)
+{
+    if (kind == FA_STORE_E5M2) return (uint16_t)(x << 8);
+    return (uint16_t)(((x & 0x80) << 8) | ((x & 0x7F) << 7) | ((x & 0x7F) == 0x7F ? 0x7E00 : 0));
+}
+
+/* The level of value d of a row, one at a time (the portable build, and row tails). */
+FA_INLINE float fa_quant_level(const int kind, const uint8_t* row, ptrdiff_t d)
+{
+    if (kind == FA_STORE_Q8_0) return (float)(int8_t)row[d];
+    if (kind == FA_STORE_Q4_0) {
+        const uint8_t b = row[fa_q4_0_byte(d)];
+        return (float)(((d & 16) ? b >> 4 : b & 15) - 8);
+    }
+    return fa_f16_to_f32(fa_fp8_half(kind, row[d]));
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* The bytes of values d0 .. d0 + VL of a row (d0 a multiple of VL), in the low VL bytes. */
+FA_INLINE __m128i fa_quant_bytes(const int kind, const uint8_t* row, ptrdiff_t d0)
+{
+    const uint8_t* p = row + (kind == FA_STORE_Q4_0 ? fa_q4_0_byte(d0) : d0);
+#if FA_VBYTES == 64
+    __m128i x = _mm_loadu_si128((const __m128i*)p);
+#else
+    __m128i x = _mm_loadl_epi64((const __m128i*)p);
+#endif
+    if (kind != FA_STORE_Q4_0) return x;
+    if (d0 & 16) x = _mm_srli_epi16(x, 4);
+    return _mm_sub_epi8(_mm_and_si128(x, _mm_set1_epi8(15)), _mm_set1_epi8(8));
+}
+
+/* VL 16-bit lanes (fp8 bytes widened, then float16 bits). */
+typedef uint16_t fa_vh16 __attribute__((vector_size(2 * FA_VL_F)));
+typedef int16_t fa_vh16i __attribute__((vector_size(2 * FA_VL_F)));
+
+/* VL bytes (the low VL of b) as the levels of their values. */
+FA_INLINE fa_vf fa_quant_widen(const int kind, __m128i b)
+{
+#if FA_VBYTES == 64
+    if (kind == FA_STORE_Q8_0 || kind == FA_STORE_Q4_0)
+        return (fa_vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const fa_vh16 w = (fa_vh16)_mm256_cvtepu8_epi16(b);
+#else
+    if (kind == FA_STORE_Q8_0 || kind == FA_STORE_Q4_0)
+        return (fa_vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const fa_vh16 w = (fa_vh16)_mm_cvtepu8_epi16(b);
+#endif
+    fa_vh16 h;
+    if (kind == FA_STORE_E5M2) {
+        h = w << 8;
+    } else {   /* fa_fp8_half, lane by lane */
+        const fa_vh16 mag = w & 0x7F;
+        h = ((w & 0x80) << 8) | (mag << 7) | ((fa_vh16)(mag == 0x7F) & 0x7E00);
+    }
+#if FA_VBYTES == 64
+    return (fa_vf)_mm512_cvtph_ps((__m256i)h);
+#else
+    return (fa_vf)_mm256_cvtph_ps((__m128i)h);
+#endif
+}
+
+/* The levels of values d0 .. d0 + VL of a row. */
+FA_INLINE fa_vf fa_quant_vload(const int kind, const uint8_t* row, ptrdiff_t d0)
+{
+    return fa_quant_widen(kind, fa_quant_bytes(kind, row, d0));
+}
+#else
+FA_INLINE fa_vf fa_quant_vload(const int kind, const uint8_t* row, ptrdiff_t d0)
+{
+    float w[FA_VL_F];
+    for (int i = 0; i < FA_VL_F; i++) w[i] = fa_quant_level(kind, row, d0 + i);
+    return fa_load_f(w);
+}
+#endif
+
+/* A row of n values in the compute type (the gather of the prefill tiles): value c is
+ * level(c) * d, d the float32 scale of c's block (bscale, float16 per 32 values) or of
+ * the whole row (fscale: an fp8 row's kv head, times FA_E4M3_UNIT for e4m3). */
+FA_INLINE float fa_quant_scale(const int kind, const uint16_t* bscale, float fscale,
+                               ptrdiff_t c)
+{
+    return FA_BLOCK_SCALED(kind) ? fa_f16_to_f32(bscale[c / 32]) : fscale;
+}
+
+static void fa_dequant_row_f(int kind, const uint8_t* __restrict x,
+                             const uint16_t* __restrict bscale, float fscale, ptrdiff_t n,
+                             float* __restrict y)
+{
+    ptrdiff_t c = 0;
+    for (; c + FA_VL_F <= n; c += FA_VL_F)
+        fa_store_f(y + c, fa_quant_vload(kind, x, c) * fa_bcast_f(fa_quant_scale(kind, bscale, fscale, c)));
+    for (; c < n; c++) y[c] = fa_quant_level(kind, x, c) * fa_quant_scale(kind, bscale, fscale, c);
+}
+
+/* In double compute the product is exact (at most 4 + 24 significant bits). */
+static void fa_dequant_row_d(int kind, const uint8_t* __restrict x,
+                             const uint16_t* __restrict bscale, float fscale, ptrdiff_t n,
+                             double* __restrict y)
+{
+    for (ptrdiff_t c = 0; c < n; c++)
+        y[c] = (double)fa_quant_level(kind, x, c) * (double)fa_quant_scale(kind, bscale, fscale, c);
+}
+
+/* A VL x VL block of keys (rows kr[0..VL), dims d0 .. d0 + VL) transposed in two steps:
+ * fa_quant_load reads it, fa_quant_half(h) then gives t[i] = the VL keys at dim
+ * d0 + h VL/2 + i (i < VL/2) as levels, not yet scaled.  In halves, the FMAs of two
+ * blocks can be interleaved without spilling. */
+#if FA_VBYTES == 64
+/* The 16 x 16 byte block is transposed as bytes, 24 shuffles against the 80 of a float
+ * transpose (then a lane extraction and a widening per dim): rows t, t + 4, t + 8,
+ * t + 12 in the 128-bit lanes of z[t]; byte unpacks (kept: x[0..1] dims 0-7, x[2..3]
+ * dims 8-15) and word unpacks leave in lane g the dims of keys 4g .. 4g + 3, a dword per
+ * dim; one dword permutation then gathers a dim's 16 keys into one 128-bit lane, which
+ * is widened. */
+typedef struct { __m512i x[4]; } fa_quant_blk;
+
+FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
+                             fa_quant_blk* u)
+{
+    __m512i z[4];
+    for (int r = 0; r < 4; r++) {
+        __m512i x = _mm512_castsi128_si512(fa_quant_bytes(kind, kr[r], d0));
+        x = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[4 + r], d0), 1);
+        x = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[8 + r], d0), 2);
+        z[r] = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[12 + r], d0), 3);
+    }
+    u->x[0] = _mm512_unpacklo_epi8(z[0], z[1]);
+    u->x[1] = _mm512_unpacklo_epi8(z[2], z[3]);
+    u->x[2] = _mm512_unpackhi_epi8(z[0], z[1]);
+    u->x[3] = _mm512_unpackhi_epi8(z[2], z[3]);
+}
+
+FA_INLINE fa_vf fa_quant_lane(const int kind, __m512i b, const int lane)
+{
+    return fa_quant_widen(kind, lane ? _mm512_extracti32x4_epi32(b, lane)
+                                     : _mm512_castsi512_si128(b));
+}
+
+FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h, fa_vf* t)
+{
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i lo = u->x[2 * h], hi = u->x[2 * h + 1];
+    const __m512i b0 = _mm512_permutexvar_epi32(idx, _mm512_unpacklo_epi16(lo, hi));
+    const __m512i b1 = _mm512_permutexvar_epi32(idx, _mm512_unpackhi_epi16(lo, hi));
+    for (int i = 0; i < 4; i++) {
+        t[i] = fa_quant_lane(kind, b0, i);
+        t[4 + i] = fa_quant_lane(kind, b1, i);
+    }
+}
+#else
+/* Each row widened into a small buffer, then the float transpose, all at load. */
+typedef struct { fa_vf t[FA_VL_F]; } fa_quant_blk;
+
+FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
+                             fa_quant_blk* u)
+{
+    float w[FA_VL_F][FA_VL_F];
+    const float* rows[FA_VL_F];
+    for (int i = 0; i < FA_VL_F; i++) {
+        fa_store_f(w[i], fa_quant_vload(kind, kr[i], d0));
+        rows[i] = w[i];
+    }
+    fa_load_transpose_vf(rows, 0, u->t);
+}
+
+FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h, fa_vf* t)
+{
+    (void)kind;
+    for (int i = 0; i < FA_VL_F / 2; i++) t[i] = u->t[h * FA_VL_F / 2 + i];
+}
+#endif
+
+#if FA_VBYTES == 64
+/* The float32 scales of 16 keys x 4 blocks (D = 128), stored key by key (ks, 64 float16
+ * values), transposed block by block into ksc[b * ldksc + u]. */
+FA_INLINE void fa_q8_0_ksc16x4(const uint16_t* ks, float* ksc, ptrdiff_t ldksc)
+{
+    __m512 a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 16 * i)));
+    /* lane m: block (m >> 3) (+ 2 for hi) of key m & 7 of the pair a[0], a[1] (a[2], a[3]) */
+    const __m512i lo = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28,
+                                         1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(2));
+    const __m512 t_lo = _mm512_permutex2var_ps(a[0], lo, a[1]);
+    const __m512 t_hi = _mm512_permutex2var_ps(a[0], hi, a[1]);
+    const __m512 s_lo = _mm512_permutex2var_ps(a[2], lo, a[3]);
+    const __m512 s_hi = _mm512_permutex2var_ps(a[2], hi, a[3]);
+    _mm512_storeu_ps(ksc, _mm512_shuffle_f32x4(t_lo, s_lo, 0x44));
+    _mm512_storeu_ps(ksc + ldksc, _mm512_shuffle_f32x4(t_lo, s_lo, 0xEE));
+    _mm512_storeu_ps(ksc + 2 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0x44));
+    _mm512_storeu_ps(ksc + 3 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0xEE));
+}
+#endif
+
+/* n consecutive rows of K and V stored as `kind` (a page, or a contiguous run of a cache)
+ * for the kernels below: row pointers kptr[u] = k + u k_row (likewise vptr), and the
+ * scales in float32: K's transposed, ksc[b * ldksc + u] (a vector then holds consecutive
+ * keys' scales of one block of 32 dims), V's by row, vsc[u * nbv + b].  Block scales come
+ * from ks (vs), rows ks_row (vs_row) elements apart; an fp8 kind's are its kv head's kfs
+ * (vfs) in every block. */
+static void fa_quant_rows(int kind, const char* k, ptrdiff_t k_row, const uint16_t* ks,
+                          ptrdiff_t ks_row, ptrdiff_t nbk, float kfs, const char* v,
+                          ptrdiff_t v_row, const uint16_t* vs, ptrdiff_t vs_row,
+                          ptrdiff_t nbv, float vfs, ptrdiff_t n, const char** kptr,
+                          const char** vptr, float* ksc, ptrdiff_t ldksc, float* vsc)
+{
+    for (ptrdiff_t u = 0; u < n; u++) {
+        kptr[u] = k + u * k_row;
+        vptr[u] = v + u * v_row;
+    }
+    if (!FA_BLOCK_SCALED(kind)) {
+        for (ptrdiff_t b = 0; b < nbk; b++)
+            for (ptrdiff_t u = 0; u < n; u++) ksc[b * ldksc + u] = kfs;
+        for (ptrdiff_t i = 0; i < n * nbv; i++) vsc[i] = vfs;
+        return;
+    }
+    ptrdiff_t u0 = 0;
+#if FA_VBYTES == 64
+    if (nbk == 4 && ks_row == 4)
+        for (; u0 + 16 <= n; u0 += 16) fa_q8_0_ksc16x4(ks + 4 * u0, ksc + u0, ldksc);
+#endif
+    for (ptrdiff_t b = 0; b < nbk; b++)
+        for (ptrdiff_t u = u0; u < n; u++) ksc[b * ldksc + u] = fa_f16_to_f32(ks[u * ks_row + b]);
+    if (vs_row == nbv) {
+        fa_widen_f(FA_STORE_F16, vs, n * nbv, vsc);
+        return;
+    }
+    for (ptrdiff_t u = 0; u < n; u++) fa_widen_f(FA_STORE_F16, vs + u * vs_row, nbv, vsc + u * nbv);
+}
+
+/* The same rows' addresses for the next block, whose rows the kernels request as they go
+ * (kpf, vpf), and the lines of their block scales (if any) requested into L2 now. */
+static void fa_quant_next_rows(int kind, const char* k, ptrdiff_t k_row, const uint16_t* ks,
+                               ptrdiff_t ks_row, ptrdiff_t nbk, const char* v, ptrdiff_t v_row,
+                               const uint16_t* vs, ptrdiff_t vs_row, ptrdiff_t nbv, ptrdiff_t n,
+                               const char** kpf, const char** vpf)
+{
+    for (ptrdiff_t u = 0; u < n; u++) {
+        kpf[u] = k + u * k_row;
+        vpf[u] = v + u * v_row;
+    }
+    if (!FA_BLOCK_SCALED(kind)) return;
+    /* the lines from the first row's scales to the last's */
+    fa_prefetch_lines((const char*)ks, ((n - 1) * ks_row + nbk) * 2, 2);
+    fa_prefetch_lines((const char*)vs, ((n - 1) * vs_row + nbv) * 2, 2);
+}
+
+FA_INLINE ptrdiff_t fa_min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
+
+/* Row pf[i] (bytes long) requested into the cache level of locality loc; its run of
+ * rows ends unless row i + 1 (< n) follows it in memory (see fa_prefetch_row). */
+FA_INLINE void fa_quant_prefetch_row(const char* const* pf, ptrdiff_t i, ptrdiff_t n,
+                                     ptrdiff_t bytes, const int loc)
+{
+    fa_prefetch_row(pf[i], bytes, i + 1 == n || pf[i + 1] != pf[i] + bytes, loc);
+}
+
+/* Rows [i0, i1) of pf[0 .. n). */
+FA_INLINE void fa_quant_prefetch_rows(const char* const* pf, ptrdiff_t i0, ptrdiff_t i1,
+                                      ptrdiff_t n, ptrdiff_t bytes, const int loc)
+{
+    for (ptrdiff_t i = i0; i < i1; i++) fa_quant_prefetch_row(pf, i, n, bytes, loc);
+}
+
+/*
+ * Scores of ng x VL keys (the lanes of ng vectors) against nr query rows of Q^T, as
+ * fa_score_keyrows_f:
+ *   s[t*lds + r] = scale * sum_d k_t[d] * qt[d*ldqt + r]    t < nk, r < min(nr, nstore)
+ * Each VL x VL block of keys is transposed, then scaled per lane by its key's scale
+ * (ksc[(d / 32) * ldksc + t]; see fa_quant_rows); per score the chain acc += k[d] * q[d]
+ * in order of d, chunk sums every FA_DCHUNK dims, then * scale.  Two groups of keys
+ * (ng 2) give one or two rows independent chains to interleave.  Rows past nk must be
+ * zero rows: they are read, not stored.  Requested as the dims go: pf[0 .. npf), the
+ * next block's K rows at these keys, into L2; l1[0 .. nl1), the next call's, into L1.
+ */
+FA_INLINE void fa_score_quant_body(const int kind, const uint8_t* const* kr, const float* ksc,
+                                   ptrdiff_t ldksc, int nk, const float* qt, ptrdiff_t ldqt,
+                                   ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
+                                   const int nr, const int ng, int nstore,
+                                   const char* const* pf, int npf, const char* const* l1,
+                                   int nl1)
+{
+    fa_vf a[2][8];
+    float part[2][8][FA_VL_F];   /* the sums of the chunks before the current one */
+    for (int g = 0; g < ng; g++)
+        for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f(0);
+    /* rows to request per step of VL dims */
+    const ptrdiff_t steps = D / FA_VL_F, row_bytes = fa_quant_row_bytes(kind, D);
+    const ptrdiff_t l2_rows = (npf + steps - 1) / steps, l1_rows = (nl1 + steps - 1) / steps;
+    for (ptrdiff_t d0 = 0; d0 < D; d0 += FA_VL_F) {
+        if (d0 && d0 % FA_DCHUNK == 0)
+            for (int g = 0; g < ng; g++)
+                for (int r = 0; r < nr; r++) {
+                    fa_store_f(part[g][r], d0 == FA_DCHUNK ? a[g][r]
+                                                           : fa_load_f(part[g][r]) + a[g][r]);
+                    a[g][r] = fa_bcast_f(0);
+                }
+        const ptrdiff_t step = d0 / FA_VL_F;
+        fa_quant_prefetch_rows(pf, step * l2_rows, fa_min_pd(npf, (step + 1) * l2_rows), npf,
+                               row_bytes, 2);
+        fa_quant_prefetch_rows(l1, step * l1_rows, fa_min_pd(nl1, (step + 1) * l1_rows), nl1,
+                               row_bytes, 3);
+        fa_quant_blk u[2];
+        fa_vf d[2];
+        for (int g = 0; g < ng; g++) {
+            fa_quant_load(kind, kr + g * FA_VL_F, d0, &u[g]);
+            d[g] = fa_load_f(ksc + (d0 / 32) * ldksc + g * FA_VL_F);
+        }
+        for (int h = 0; h < 2; h++) {
+            fa_vf t[2][FA_VL_F / 2];
+            for (int g = 0; g < ng; g++) fa_quant_half(kind, &u[g], h, t[g]);
+            for (int i = 0; i < FA_VL_F / 2; i++) {
+                const float* qd = qt + (d0 + h * FA_VL_F / 2 + i) * ldqt;
+                for (int g = 0; g < ng; g++) {
+                    const fa_vf ki = t[g][i] * d[g];
+                    for (int r = 0; r < nr; r++) a[g][r] += fa_bcast_f(qd[r]) * ki;
+                }
+            }
+        }
+    }
+    const fa_vf sc = fa_bcast_f(scale);
+    for (int g = 0; g < ng; g++)
+        for (int r = 0; r < nr && r < nstore; r++) {
+            float out[FA_VL_F];
+            fa_store_f(out, (D > FA_DCHUNK ? fa_load_f(part[g][r]) + a[g][r] : a[g][r]) * sc);
+            for (int t = 0; t < FA_VL_F && g * FA_VL_F + t < nk; t++)
+                s[(g * FA_VL_F + t) * lds + r] = out[t];
+        }
+}
+
+#define FA_SCORE_QUANT_ARGS const uint8_t* const* kr, const float* ksc, ptrdiff_t ldksc, \
+    int nk, const float* qt, ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s, ptrdiff_t lds, \
+    int nstore, const char* const* pf, int npf, const char* const* l1, int nl1
+#define FA_SCORE_QUANT_PASS kr, ksc, ldksc, nk, qt, ldqt, D, scale, s, lds
+#define FA_SCORE_QUANT_NR(NAME, KIND, NR, NG) \
+FA_NOINLINE void fa_score_##NAME##_r##NR(FA_SCORE_QUANT_ARGS) \
+{ fa_score_quant_body(KIND, FA_SCORE_QUANT_PASS, NR, NG, nstore, pf, npf, l1, nl1); }
+#define FA_SCORE_QUANT_KIND(NAME, KIND) \
+    FA_SCORE_QUANT_NR(NAME, KIND, 1, 2) FA_SCORE_QUANT_NR(NAME, KIND, 2, 2) \
+    FA_SCORE_QUANT_NR(NAME, KIND, 4, 1) FA_SCORE_QUANT_NR(NAME, KIND, 8, 1)
+FA_QUANT_KINDS(FA_SCORE_QUANT_KIND)
+
+/* keys per call of fa_score_quant with nr rows */
+FA_INLINE int fa_score_quant_keys(int nr) { return (int)(nr <= 2 ? 2 * FA_VL_F : FA_VL_F); }
+
+/* One decode score pass of nr (8, 4, 2 or 1) query rows over fa_score_quant_keys(nr) keys
+ * of K stored as `kind`: the kind's instantiation of fa_score_quant_body. */
+static void fa_score_quant(int kind, int nr, FA_SCORE_QUANT_ARGS)
+{
+#define FA_CASE(NAME, KIND) \
+    case KIND: \
+        if (nr == 8) fa_score_##NAME##_r8(FA_SCORE_QUANT_PASS, nstore, pf, npf, l1, nl1); \
+        else if (nr == 4) fa_score_##NAME##_r4(FA_SCORE_QUANT_PASS, nstore, pf, npf, l1, nl1); \
+        else if (nr == 2) fa_score_##NAME##_r2(FA_SCORE_QUANT_PASS, nstore, pf, npf, l1, nl1); \
+        else fa_score_##NAME##_r1(FA_SCORE_QUANT_PASS, nstore, pf, npf, l1, nl1); \
+        return;
+    switch (kind) { FA_QUANT_KINDS(FA_CASE) }
+#undef FA_CASE
+}
+#undef FA_SCORE_QUANT_KIND
+#undef FA_SCORE_QUANT_NR
+#undef FA_SCORE_QUANT_PASS
+#undef FA_SCORE_QUANT_ARGS
+
+/*
+ * The output of nr query rows (1 or 4) over nv vectors of value columns from column c0,
+ * V stored as `kind` in rows vr[j] with float32 scales vsc[j * nbv + c / 32]: per
+ * element the sequence of fa_pv_tile_f,
+ *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j*ldp + r] * v_j[c]
+ * the block's sum from zero in order of j, then one FMA.  Each V vector is dequantised
+ * once for all nr rows.  Row j + FA_PV_QUANT_AHEAD is requested into L1 as row j is read,
+ * and pf[j] (the next block's rows, j < npf, pf_bytes each) into L2.
+ */
+#define FA_PV_QUANT_AHEAD 4
+FA_INLINE void fa_pv_quant_cols(const int kind, const float* p, ptrdiff_t ldp, ptrdiff_t nj,
+                                const uint8_t* const* vr, const float* vsc, ptrdiff_t nbv,
+                                ptrdiff_t c0, float* acc, ptrdiff_t ldacc, const float* alpha,
+                                const int nr, const int nv, const char* const* pf,
+                                ptrdiff_t npf, ptrdiff_t pf_bytes)
+{
+    fa_vf c[4][8];
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < nv; i++) c[r][i] = fa_bcast_f(0);
+    /* the bytes of columns c0 .. c0 + nv VL (q4_0: whole 16-byte blocks) */
+    const ptrdiff_t col = kind == FA_STORE_Q4_0 ? fa_q4_0_byte(c0) : c0;
+    const ptrdiff_t col_bytes = kind == FA_STORE_Q4_0 ? (nv * FA_VL_F + 31) / 32 * 16
+                                                      : nv * FA_VL_F;
+    for (ptrdiff_t j = 0; j < nj; j++) {
+        const float* d = vsc + j * nbv + c0 / 32;
+        if (j + FA_PV_QUANT_AHEAD < nj)
+            fa_prefetch_lines((const char*)(vr[j + FA_PV_QUANT_AHEAD] + col), col_bytes, 3);
+        if (j < npf) fa_quant_prefetch_row(pf, j, npf, pf_bytes, 2);
+        fa_vf xv[8];
+        for (int i = 0; i < nv; i++)
+            xv[i] = fa_quant_vload(kind, vr[j], c0 + i * FA_VL_F) * fa_bcast_f(d[i * FA_VL_F / 32]);
+        for (int r = 0; r < nr; r++) {
+            const fa_vf b = fa_bcast_f(p[j * ldp + r]);
+            for (int i = 0; i < nv; i++) c[r][i] += b * xv[i];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const fa_vf a = fa_bcast_f(alpha[r]);
+        float* acc_r = acc + r * ldacc + c0;
+        for (int i = 0; i < nv; i++)
+            fa_store_f(acc_r + i * FA_VL_F, fa_load_f(acc_r + i * FA_VL_F) * a + c[r][i]);
+    }
+}
+
+/* acc = acc * alpha + P V over all Dv columns (a multiple of 32) for nr rows (1 or 4), V
+ * stored as the kind of NAME, in passes of vectors of value columns: 1 row x 8 (all of
+ * Dv = 128 with AVX-512 in one pass over the keys), 4 rows x FA_PV4_NV (accumulators and
+ * V vectors fit the register file, see fa_pv_rows4_f).  The first pass over the keys
+ * requests pf[0 .. npf) into L2. */
+#define FA_PV_QUANT_ARGS const float* p, ptrdiff_t ldp, ptrdiff_t nj, const uint8_t* const* vr, \
+    const float* vsc, ptrdiff_t nbv, ptrdiff_t c0, float* acc, ptrdiff_t ldacc, \
+    const float* alpha, const char* const* pf, ptrdiff_t npf, ptrdiff_t pf_bytes
+#define FA_PV_QUANT_ROWS(NAME, KIND, NR, NV) \
+FA_NOINLINE void fa_pv_##NAME##_r##NR##_v##NV(FA_PV_QUANT_ARGS) \
+{ fa_pv_quant_cols(KIND, p, ldp, nj, vr, vsc, nbv, c0, acc, ldacc, alpha, NR, NV, pf, npf, \
+                   pf_bytes); }
+#if FA_PV4_NV >= 4
+#define FA_PV_QUANT_R4_V4(NAME, KIND) FA_PV_QUANT_ROWS(NAME, KIND, 4, 4)
+#define FA_PASS_R4_V4(NAME, KIND) FA_PASS(NAME, KIND, 4, 4)
+#else
+#define FA_PV_QUANT_R4_V4(NAME, KIND)
+#define FA_PASS_R4_V4(NAME, KIND)
+#endif
+#define FA_PASS(NAME, KIND, NR, NV) \
+    for (; c0 + NV * FA_VL_F <= Dv; c0 += NV * FA_VL_F, npf = 0) \
+        fa_pv_##NAME##_r##NR##_v##NV(p, ldp, nj, vr, vsc, Dv / 32, c0, acc, ldacc, alpha, pf, \
+                                     npf, fa_quant_row_bytes(KIND, Dv));
+#define FA_PV_QUANT_KIND(NAME, KIND) \
+    FA_PV_QUANT_ROWS(NAME, KIND, 1, 8) FA_PV_QUANT_ROWS(NAME, KIND, 1, 4) \
+    FA_PV_QUANT_ROWS(NAME, KIND, 1, 2) FA_PV_QUANT_ROWS(NAME, KIND, 1, 1) \
+    FA_PV_QUANT_ROWS(NAME, KIND, 4, 2) FA_PV_QUANT_ROWS(NAME, KIND, 4, 1) \
+    FA_PV_QUANT_R4_V4(NAME, KIND) \
+FA_NOINLINE void fa_pv_##NAME(const float* p, ptrdiff_t ldp, ptrdiff_t nj, \
+                              const uint8_t* const* vr, const float* vsc, ptrdiff_t Dv, \
+                              float* acc, ptrdiff_t ldacc, const float* alpha, int nr, \
+                              const char* const* pf, ptrdiff_t npf) \
+{ \
+    ptrdiff_t c0 = 0; \
+    if (nr == 1) { \
+        FA_PASS(NAME, KIND, 1, 8) FA_PASS(NAME, KIND, 1, 4) \
+        FA_PASS(NAME, KIND, 1, 2) FA_PASS(NAME, KIND, 1, 1) \
+        return; \
+    } \
+    FA_PASS_R4_V4(NAME, KIND) FA_PASS(NAME, KIND, 4, 2) FA_PASS(NAME, KIND, 4, 1) \
+}
+FA_QUANT_KINDS(FA_PV_QUANT_KIND)
+#undef FA_PV_QUANT_KIND
+#undef FA_PASS
+#undef FA_PASS_R4_V4
+#undef FA_PV_QUANT_R4_V4
+#undef FA_PV_QUANT_ROWS
+#undef FA_PV_QUANT_ARGS
+
+/* The output kernel of V stored as `kind` (fa_pv_<kind>). */
+static void fa_pv_quant(int kind, const float* p, ptrdiff_t ldp, ptrdiff_t nj,
+                        const uint8_t* const* vr, const float* vsc, ptrdiff_t Dv, float* acc,
+                        ptrdiff_t ldacc, const float* alpha, int nr, const char* const* pf,
+                        ptrdiff_t npf)
+{
+#define FA_CASE(NAME, KIND) \
+    case KIND: fa_pv_##NAME(p, ldp, nj, vr, vsc, Dv, acc, ldacc, alpha, nr, pf, npf); return;
+    switch (kind) { FA_QUANT_KINDS(FA_CASE) }
+#undef FA_CASE
+}
