@@ -47,8 +47,9 @@ Both call paths::
 - ``fastattn/_backward.py``   ``attention_backward`` / ``attention_varlen_backward``.
 - ``fastattn/_merge.py``      ``merge_attention``: partial results over disjoint keys.
 - ``fastattn/_kvcache_attn.py`` ``attention_with_kvcache``, ``plan_kvcache``: serving caches
-  (paged, q8_0; a plan per decode step, run per layer),
-                              appended in place; ``_q8_0.py`` the q8_0 format.
+  (paged, quantised; a plan per decode step, run per layer),
+                              appended in place; ``_quant.py`` the quantised formats
+                              (q8_0, q4_0, fp8).
 - ``fastattn/reference.py``   the plain-NumPy oracle (float64, materialised scores), public
                               for users and tests; no other function computes through it.
 - ``src/``                    the kernel, compiled once per instruction set;
@@ -70,7 +71,8 @@ from importlib import metadata as _metadata
 from ._api import attention, attention_varlen, attention_weights, softmax
 from ._backward import attention_backward, attention_varlen_backward
 from ._kvcache_attn import KVCachePlan, attention_with_kvcache, plan_kvcache
-from ._q8_0 import dequantize_q8_0, quantize_q8_0
+from ._quant import (dequantize_fp8, dequantize_q4_0, dequantize_q8_0, quantize_fp8,
+                     quantize_q4_0, quantize_q8_0)
 from ._merge import merge_attention
 from ._threads import get_num_threads, num_threads, set_num_threads
 from ._precision import float32_precision, get_float32_precision, set_float32_precision
@@ -88,6 +90,7 @@ __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
     "attention_with_kvcache", "plan_kvcache", "KVCachePlan", "quantize_q8_0", "dequantize_q8_0",
+    "quantize_q4_0", "dequantize_q4_0", "quantize_fp8", "dequantize_fp8",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
     "show_config", "reference",

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from . import _args
-from ._q8_0 import Q8_0, cache_dtype, check_block_dim, quantize
+from ._quant import cache_dtype, check_fp8_scale, dequantize, quantize
 
 __all__ = ["KVCache"]
 
@@ -26,7 +26,8 @@ class KVCache:
     ``max(needed, growth * capacity)`` (one copy, amortised O(1) per token).
 
     ``dtype`` (float16, bfloat16 -- ``ml_dtypes.bfloat16`` or the string
-    ``"bfloat16"`` --, float32, float64, or ``"q8_0"``) is the storage dtype; by
+    ``"bfloat16"`` --, float32, float64, ``"q8_0"``, ``"q4_0"``, or fp8:
+    ``"float8_e4m3fn"``, ``"float8_e5m2"`` or those ``ml_dtypes`` types) is the storage dtype; by
     default it is the dtype of the first keys and values appended.  Keys and values of
     another dtype are rounded to it (to nearest, once) as they are appended; a
     finite value beyond its range (float16 stops at 65504) raises
@@ -36,9 +37,20 @@ class KVCache:
 
     ``dtype="q8_0"`` stores llama.cpp's q8_0 (see :func:`fastattn.quantize_q8_0`):
     int8 values and one float16 scale per 32 of them, 1.0625 bytes a value; ``d``
-    and ``d_value`` must be multiples of 32.  ``keys_values`` then gives the int8
-    values and ``scales`` their scales, and ``MultiHeadAttention`` attends over it
-    with :func:`fastattn.attention_with_kvcache`.
+    and ``d_value`` must be multiples of 32.  ``dtype="q4_0"`` stores llama.cpp's q4_0
+    (:func:`fastattn.quantize_q4_0`): two 4-bit values a byte (rows of ``d // 2``
+    uint8) and one float16 scale per 32 values, 0.5625 bytes a value.  ``keys_values``
+    then gives the stored values and ``scales`` their scales.
+
+    An fp8 ``dtype`` stores ``x / scale`` rounded to nearest even and saturated
+    (:func:`fastattn.quantize_fp8`), one byte a value, with the float32 scales
+    ``k_scale`` and ``v_scale``: a float or an array of shape ``()`` (per tensor) or
+    ``(n_kv_heads,)`` (per kv head), finite and > 0.  They default to 1.0, what vLLM
+    uses when no scales were calibrated; calibrated ones (e.g. ``max|k| / 448`` per
+    head for e4m3fn) keep more precision.  ``scales`` gives them back.
+
+    ``MultiHeadAttention`` attends over a quantised cache with
+    :func:`fastattn.attention_with_kvcache`, which reads it in place.
 
     Each batch element has its own length (``lengths``, shape ``batch``), so
     sequences of different lengths share one cache: rows at or beyond a
@@ -60,27 +72,42 @@ class KVCache:
     KVCache(batch=(1,), n_kv_heads=4, d=4, d_value=4, lengths=[6], capacity=256, dtype=float32)
     """
 
-    def __init__(self, capacity=64, *, growth=2.0, dtype=None):
+    def __init__(self, capacity=64, *, growth=2.0, dtype=None, k_scale=None, v_scale=None):
         self._initial_capacity = _args.check_index(capacity, "capacity", 1)
         growth = float(growth)
         if not growth > 1.0:
             raise ValueError(f"growth must be > 1, got {growth}")
         self._growth = growth
         self._dtype = None if dtype is None else cache_dtype(dtype, "dtype")
+        self._fp8_scales = None
+        if self.format == "fp8":
+            self._fp8_scales = tuple(
+                check_fp8_scale(1.0 if s is None else s, name, None, "cache")
+                for name, s in (("k_scale", k_scale), ("v_scale", v_scale)))
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale are the scales of an fp8 cache "
+                             f"(dtype='float8_e4m3fn' or 'float8_e5m2'), got dtype={dtype!r}")
         self.reset()
 
     @property
     def dtype(self):
-        """The storage dtype, or the string ``"q8_0"`` (None until the first append when
-        none was given)."""
-        if self._k is None or self._dtype == Q8_0:
+        """The storage dtype, or the string ``"q8_0"`` or ``"q4_0"`` (None until the
+        first append when none was given)."""
+        if self._k is None or isinstance(self._dtype, str):
             return self._dtype
         return self._k.dtype
 
     @property
+    def format(self):
+        """The quantised format stored: ``"q8_0"``, ``"q4_0"``, ``"fp8"``, or None."""
+        if isinstance(self._dtype, str):
+            return self._dtype
+        return "fp8" if self._dtype is not None and self._dtype.itemsize == 1 else None
+
+    @property
     def quantized(self):
-        """Whether the cache stores q8_0 (int8 values with float16 scales)."""
-        return self._dtype == Q8_0
+        """Whether the cache stores a quantised format (q8_0, q4_0, fp8)."""
+        return self.format is not None
 
     def reset(self):
         """Forget all tokens and release the storage."""
@@ -91,15 +118,18 @@ class KVCache:
         self._lengths = None
 
     def _take_dtype(self, dtype):
-        # A layer's kv_dtype for an empty cache without one (q8_0 cannot be read off the
-        # float rows the layer appends).
+        # A layer's kv_dtype for an empty cache without one (a quantised format cannot be
+        # read off the float rows the layer appends); fp8 with the default scales.
         if self._k is None and self._dtype is None:
             self._dtype = dtype
+            if self.format == "fp8":
+                self._fp8_scales = (np.float32(1.0), np.float32(1.0))
 
     _STORAGE = ("_k", "_v", "_k_scale", "_v_scale")
 
     def _storage(self):
-        """The names of the storage arrays in use (the scales only for q8_0)."""
+        """The names of the storage arrays in use (the block scales only for q8_0 and
+        q4_0)."""
         return [n for n in self._STORAGE if getattr(self, n, None) is not None]
 
     # -- read-only views ------------------------------------------------------
@@ -140,10 +170,13 @@ class KVCache:
         return self._k[..., :length, :], self._v[..., :length, :]
 
     def scales(self, length=None):
-        """Views of the q8_0 scales of the first ``length`` rows, ``(k_scale, v_scale)``
-        shaped ``(*batch, n_kv_heads, length, d // 32)`` and ``(..., d_value // 32)``
-        (float16), beside :meth:`keys_values`' int8 values; ``(None, None)`` for a float or
+        """Views of the q8_0 or q4_0 scales of the first ``length`` rows, ``(k_scale,
+        v_scale)`` shaped ``(*batch, n_kv_heads, length, d // 32)`` and ``(...,
+        d_value // 32)`` (float16), beside :meth:`keys_values`' values; an fp8 cache's
+        float32 scales (shape ``()`` or ``(n_kv_heads,)``); ``(None, None)`` for a float or
         empty cache."""
+        if self._fp8_scales is not None:
+            return self._fp8_scales
         if self._k_scale is None:
             return None, None
         length = self.max_length if length is None else _args.check_index(length, "length", 0)
@@ -191,6 +224,7 @@ class KVCache:
         state = dict(state)
         state.setdefault("_k_scale", None)     # pickles of float caches made before q8_0
         state.setdefault("_v_scale", None)
+        state.setdefault("_fp8_scales", None)
         capacity = state.pop("capacity", None)
         self.__dict__.update(state)
         if capacity is not None:
@@ -241,11 +275,11 @@ class KVCache:
         """
         k, v = _args.check_array(k, "k"), _args.check_array(v, "v")
         self._check_shapes(k, v)
-        dtype = self.dtype if self.dtype is not None else _args.dtypes(k=k, v=v)[1]
+        dtype = self._dtype if self._dtype is not None else _args.dtypes(k=k, v=v)[1]
         batch, L = k.shape[:-3], k.shape[-2]
         new = self._new_counts(lengths, L, batch)
         # Rounded or quantised (and checked) before anything is allocated or written.
-        rows = self._stored(k, v, dtype)
+        rows = self._stored(k, v, dtype, self._fp8_scales)
         if self._k is None:
             cap = max(self._initial_capacity, L)
             for name, a in zip(self._STORAGE, rows):
@@ -263,15 +297,26 @@ class KVCache:
         return old
 
     @staticmethod
-    def _stored(k, v, dtype):
+    def _stored(k, v, dtype, fp8_scales=None):
         """``(k, v, k_scale, v_scale)`` as stored: rounded to a float dtype (scales None),
-        or quantised to q8_0."""
-        if dtype == Q8_0:
-            check_block_dim(k.shape[-1], "k", k.shape)
-            check_block_dim(v.shape[-1], "v", v.shape)
-            (kq, ks), (vq, vs) = quantize(k, "k"), quantize(v, "v")
-            return kq, vq, ks, vs
+        or quantised (block scales for q8_0 and q4_0, None for fp8, whose scales
+        ``fp8_scales`` are the cache's own)."""
+        if isinstance(dtype, str) or dtype.itemsize == 1:
+            ks, vs = (None, None) if fp8_scales is None else (
+                check_fp8_scale(s, name, a, name[0]) for name, s, a in
+                (("k_scale", fp8_scales[0], k), ("v_scale", fp8_scales[1], v)))
+            (kq, kb), (vq, vb) = quantize(k, "k", dtype, ks), quantize(v, "v", dtype, vs)
+            return kq, vq, kb, vb
         return _args.store_as(k, dtype, "k"), _args.store_as(v, dtype, "v"), None, None
+
+    def dequantized(self, length=None):
+        """The float32 numbers a quantised cache stores, ``(k, v)`` like
+        :meth:`keys_values` (copies); :meth:`keys_values` itself for a float cache."""
+        k, v = self.keys_values(length)
+        if k is None or not self.quantized:
+            return k, v
+        ks, vs = self.scales(length)
+        return dequantize(k, ks, self.format), dequantize(v, vs, self.format)
 
     @staticmethod
     def _write(target, old, rows):

@@ -3,8 +3,10 @@ appended in place.
 
 A server keeps the keys and values of many sequences in one cache: a ``(B, Hkv, Lmax, D)``
 array, or a pool of pages ``(num_pages, Hkv, page, D)`` that a ``block_table`` hands out
-to the sequences, in float32, float64, float16, bfloat16 or q8_0 (int8 values with a
-float16 scale per 32 of them, :mod:`fastattn._q8_0`).  One call does what a decode or
+to the sequences, in float32, float64, float16, bfloat16, or a quantised format
+(:mod:`fastattn._quant`): llama.cpp's q8_0 (int8) and q4_0 (uint8, two values a byte) with
+a float16 scale per 32 values, or fp8 (``ml_dtypes``' float8_e4m3fn, float8_e5m2) with a
+float32 scale per tensor or kv head.  One call does what a decode or
 prefill step needs: it checks everything, rotates the new keys (rotary embedding), writes
 them at the end of each sequence, and attends over each sequence's keys with the rules of
 :func:`fastattn.attention` (causal and window aligned bottom-right to the sequence's own
@@ -37,7 +39,8 @@ import numpy as np
 
 from . import _api, _args, _glue, _precision, _threads
 from ._glue import kernel as _kernel
-from ._q8_0 import BLOCK, check_q8_0_pair, dequantize_q8_0, quantize
+from ._quant import (BLOCK, cache_format, check_block_pair, check_fp8_scale, dequantize,
+                     quantize)
 
 __all__ = ["attention_with_kvcache", "plan_kvcache", "KVCachePlan"]
 
@@ -175,8 +178,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            rotary_sin=None, rotary_interleaved=False, scale=None,
                            causal=False, window=None, softcap=None, alibi_slopes=None,
                            sinks=None, return_lse=False, out=None):
-    """Attention over a KV cache -- contiguous or paged, float or q8_0 -- appending the new
-    keys and values in place first (FlashAttention's ``flash_attn_with_kvcache``, heads
+    """Attention over a KV cache -- contiguous or paged, float, q8_0, q4_0 or fp8 --
+    appending the new keys and values in place first (FlashAttention's ``flash_attn_with_kvcache``, heads
     first).
 
     Parameters
@@ -184,13 +187,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     q : array_like, shape (B, Hq, Lq, D)
     k_cache : ndarray, shape (B, Hkv, Lmax, D), or (num_pages, Hkv, page, D) with block_table
     v_cache : ndarray, shape (B, Hkv, Lmax, Dv), or (num_pages, Hkv, page, Dv)
-        float32, float64, float16, bfloat16 (``ml_dtypes``) or int8, which means q8_0 and
-        needs ``k_scale``/``v_scale``; both caches of one dtype.  Any strides: a
+        float32, float64, float16, bfloat16 (``ml_dtypes``); int8, which means q8_0, or
+        uint8, which means q4_0 (the last axis holds ``D // 2`` bytes), both with
+        ``k_scale``/``v_scale``; or ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` (fp8)
+        with ``k_scale``/``v_scale``.  Both caches of one dtype.  Any strides: a
         ``(num_pages, page, Hkv, D)`` pool is passed as ``np.swapaxes(pool, 1, 2)``, a view.
         Rows beyond a sequence's keys are never read.
     k, v : array_like, shape (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv), optional
         New keys and values, written at positions ``cache_seqlens[b] + i`` of sequence ``b``
-        before attending (rounded once to a float cache's dtype, quantised for q8_0).
+        before attending (rounded once to a float cache's dtype, quantised for the
+        others: fp8 stores ``x / scale`` rounded to nearest even and saturated).
     cache_seqlens : int or array_like of int, shape (B,)
         The number of keys each sequence has in the cache before this call; it is not
         changed (the caller adds ``Lnew`` for the next step).
@@ -198,8 +204,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         Page ``p`` of sequence ``b`` (its keys ``p * page .. (p + 1) * page - 1``) is
         ``k_cache[block_table[b, p]]``.  Only the pages a sequence uses are read (or
         checked); the rest of its row may hold anything.
-    k_scale, v_scale : ndarray of float16, shape cache.shape[:-1] + (D // 32,)
-        The q8_0 scales of an int8 cache, written in place with the new rows.
+    k_scale, v_scale : ndarray
+        q8_0 and q4_0: float16 of shape ``cache.shape[:-1] + (D // 32,)``, written in
+        place with the new rows.  fp8: float32 of shape ``()`` (per tensor) or ``(Hkv,)``
+        (per kv head), or a float, every scale finite and > 0 (vLLM's ``k_scale`` /
+        ``v_scale``): a stored value ``x`` reads as ``float32(x) * scale``.
     rotary_cos, rotary_sin : array_like, shape (max_pos, rotary_dim / 2), optional
         Rotary embedding of the new keys (needs ``k``) at positions ``cache_seqlens[b] + i``,
         stored rotated, and of ``q`` at the same positions when ``causal`` or ``window`` is
@@ -214,8 +223,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     Returns
     -------
     out : ndarray, shape (B, Hq, Lq, Dv)
-        In :func:`attention`'s result dtype of ``q`` and the cache, a q8_0 cache counting as
-        float32.  Each sequence's rows have the bits of :func:`attention` over that
+        In :func:`attention`'s result dtype of ``q`` and the cache, a quantised cache
+        counting as float32.  Each sequence's rows have the bits of :func:`attention` over that
         sequence's keys alone, whatever the paging, page size, layout, batch or threads.
     lse : ndarray, shape (B, Hq, Lq)
         Only with ``return_lse=True``.
@@ -254,27 +263,40 @@ def _cache(a, name):
     if not a.dtype.isnative:
         raise TypeError(f"{name} must be in native byte order (it is written in place), got "
                         f"dtype {a.dtype}")
-    if not (a.dtype == np.int8 or a.dtype in (np.float16, np.float32, np.float64)
+    if not (cache_format(a.dtype) or a.dtype in (np.float16, np.float32, np.float64)
             or _args.is_bfloat16(a.dtype)):
-        raise TypeError(f"{name} must be float16, bfloat16 (ml_dtypes), float32, float64 or "
-                        f"int8 (q8_0, with scales), got dtype {a.dtype} (shape {a.shape})")
+        raise TypeError(f"{name} must be float16, bfloat16 (ml_dtypes), float32, float64, "
+                        f"int8 (q8_0, with scales), uint8 (q4_0, with scales) or "
+                        f"float8_e4m3fn / float8_e5m2 (ml_dtypes; fp8, with scales), got "
+                        f"dtype {a.dtype} (shape {a.shape})")
     return a
 
 
+def _row_values(cache):
+    """The values in a row of ``cache``: its last axis, twice that for q4_0."""
+    return cache.shape[-1] * (2 if cache.dtype == np.uint8 else 1)
+
+
 def _check_scales(cache, s, name, cache_name):
-    """``s``, the float16 scales of an int8 (q8_0) cache; ``None`` for a float cache."""
-    if cache.dtype != np.int8:
+    """``s``, the scales of a quantised cache: float16 blocks for q8_0 and q4_0 (an ndarray,
+    written in place), a float32 array of shape () or (Hkv,) for fp8; ``None`` for a float
+    cache."""
+    fmt = cache_format(cache.dtype)
+    if fmt is None:
         if s is not None:
-            raise ValueError(f"{name} is only for an int8 (q8_0) {cache_name}, which is "
-                             f"{cache.dtype}")
+            raise ValueError(f"{name} is only for a quantised {cache_name} (q8_0, q4_0, fp8), "
+                             f"which is {cache.dtype}")
         return None
+    if fmt == "fp8":
+        return check_fp8_scale(s, name, cache, cache_name)
     if s is None:
-        raise ValueError(f"an int8 {cache_name} is q8_0 and needs its scales: {name} float16 "
-                         f"of shape {cache.shape[:-1] + (cache.shape[-1] // BLOCK,)}")
+        raise ValueError(f"a {cache.dtype} {cache_name} is {fmt} and needs its scales: {name} "
+                         f"float16 of shape "
+                         f"{cache.shape[:-1] + (_row_values(cache) // BLOCK,)}")
     if not isinstance(s, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray (it is written in place), got "
                         f"{type(s).__name__}")
-    check_q8_0_pair(cache, s, cache_name, name)
+    check_block_pair(cache, s, cache_name, name, fmt)
     return s
 
 
@@ -292,9 +314,10 @@ def _check_caches(q, k_cache, v_cache, k_scale, v_scale):
     if k_cache.shape[:-1] != v_cache.shape[:-1]:
         raise ValueError(f"k_cache and v_cache must agree on all but the last axis: "
                          f"k_cache.shape={k_cache.shape}, v_cache.shape={v_cache.shape}")
-    if k_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"q and k_cache must have the same head dim D: q.shape={q.shape}, "
-                         f"k_cache.shape={k_cache.shape}")
+    if _row_values(k_cache) != q.shape[-1]:
+        half = " (q4_0: D // 2 bytes a row)" if k_cache.dtype == np.uint8 else ""
+        raise ValueError(f"q and k_cache must have the same head dim D{half}: "
+                         f"q.shape={q.shape}, k_cache.shape={k_cache.shape}")
     Hkv = k_cache.shape[1]
     if Hkv == 0 or q.shape[1] % Hkv:
         raise ValueError(f"the number of query heads must be a multiple of the key/value "
@@ -475,14 +498,16 @@ def _check_pages(c, table, num_pages):
 
 def _check_call(plan, q, k_cache, v_cache, k, v, k_scale, v_scale):
     """Every cache argument of one run of ``plan``, checked: a namespace of the normalised
-    arrays and sizes (``B, Hq, Hkv, Lq, Lnew, D, Dv, seqlens, seen, pages, page, q8_0``)."""
+    arrays and sizes (``B, Hq, Hkv, Lq, Lnew, D, Dv, seqlens, seen, pages, page``, and
+    ``fmt``, the caches' quantised format or None)."""
     q = _args.as_array(q, "q")
     _args.check_dtype(q, "q")
     if q.ndim != 4:
         raise ValueError(f"q must have shape (B, Hq, Lq, D), got {q.shape}")
     B, Hq, Lq, D = q.shape
     k_cache, v_cache, k_scale, v_scale = _check_caches(q, k_cache, v_cache, k_scale, v_scale)
-    Hkv, Dv = k_cache.shape[1], v_cache.shape[-1]
+    Hkv, Dv = k_cache.shape[1], _row_values(v_cache)
+    fmt = cache_format(k_cache.dtype)
     table = plan._table
     if table is not None:
         _check_table_batch(table, B)
@@ -503,16 +528,15 @@ def _check_call(plan, q, k_cache, v_cache, k, v, k_scale, v_scale):
     seqlens = plan._batch_of(B)
     _check_room(seqlens, Lnew, capacity, capacity_text)
     if k is not None:
-        for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
-                        ("v_scale", v_scale)):
-            if a is not None:
-                _check_writable(a, name, "k and v are to be written into it")
+        scales = (("k_scale", k_scale), ("v_scale", v_scale)) if fmt in ("q8_0", "q4_0") else ()
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)) + scales:
+            _check_writable(a, name, "k and v are to be written into it")
     c = SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale,
                         v_scale=v_scale, k=k, v=v, B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, Lnew=Lnew, D=D,
                         Dv=Dv, seqlens=seqlens, seen=seqlens + Lnew, page=page, pages=None,
                         cos=plan._cos, sin=plan._sin, interleaved=plan._interleaved,
                         rotate_q_per_row=plan._causal != "none" or plan._window is not None,
-                        q8_0=k_cache.dtype == np.int8)
+                        fmt=fmt)
     _check_rotary_fits(c, plan._cos, k is not None)
     if table is not None:
         _check_pages(c, table, k_cache.shape[0])
@@ -520,8 +544,9 @@ def _check_call(plan, q, k_cache, v_cache, k, v, k_scale, v_scale):
 
 
 def _value_dtype(c):
-    """The dtype the keys are attended in: a float cache's own, float32 for q8_0."""
-    return np.dtype(np.float32) if c.q8_0 else c.k_cache.dtype
+    """The dtype the keys are attended in: a float cache's own, float32 for a quantised
+    one."""
+    return np.dtype(np.float32) if c.fmt else c.k_cache.dtype
 
 
 def _stand_in(dtype, shape):
@@ -586,12 +611,14 @@ def _rotated(c):
 def _stored_rows(c, new_rows):
     """The new rows in the cache's format: ``((k, k_scale), (v, v_scale))``, rounded once
     to a float cache's dtype (a finite value beyond float16's range is refused), or
-    quantised to q8_0; None without new rows.  Raises before anything is written."""
+    quantised (the scales None for fp8, whose scales are not written); None without new
+    rows.  Raises before anything is written."""
     k, v = new_rows
     if k is None:
         return None
-    if c.q8_0:
-        return quantize(k, "k"), quantize(v, "v")
+    if c.fmt:
+        fmt = c.k_cache.dtype if c.fmt == "fp8" else c.fmt
+        return quantize(k, "k", fmt, c.k_scale), quantize(v, "v", fmt, c.v_scale)
     dt = c.k_cache.dtype
     return (_args.store_as(k, dt, "k"), None), (_args.store_as(v, dt, "v"), None)
 
@@ -607,13 +634,13 @@ def _row_index(c):
 
 
 def _append(c, stored):
-    """Write the new rows (and q8_0 scales) into the caches, in place."""
+    """Write the new rows (and block scales) into the caches, in place."""
     if stored is None or c.Lnew == 0 or c.B == 0:
         return
     first, row = _row_index(c)
     (k, ks), (v, vs) = stored
     for target, rows in ((c.k_cache, k), (c.v_cache, v), (c.k_scale, ks), (c.v_scale, vs)):
-        if target is not None:
+        if rows is not None:
             # advanced indices on axes 0 and 2 put their (B, Lnew) axes first
             target[first, :, row] = np.swapaxes(rows, 1, 2)
 
@@ -636,7 +663,7 @@ def _kernel_reads(c, p):
 def _rounds_to_bfloat16(c, p):
     """Whether :func:`fastattn.attention` over this call's float keys would round q, k and
     v to bfloat16 (the float32 opt-in), which the kernel reading a cache does not do."""
-    if c.q8_0 or p.compute_dtype != np.float32:
+    if c.fmt or p.compute_dtype != np.float32:
         return False
     all_bf16 = _args.is_bfloat16(c.q.dtype) and _args.is_bfloat16(c.k_cache.dtype)
     return not all_bf16 and _precision.rounds_float32(c.D, c.Dv)
@@ -644,12 +671,11 @@ def _rounds_to_bfloat16(c, p):
 
 def _attend(c, q, p):
     """One kernel call over the caches in place: pages looked up in the block table and
-    q8_0 rows dequantised as each key block is loaded, with the bits of
+    quantised rows dequantised as each key block is loaded, with the bits of
     :func:`fastattn.attention` over each sequence's own (dequantised) keys."""
     cdt = p.compute_dtype
     q = _glue.kernel_ready(q, cdt)
-    scales = [None if s is None else np.ascontiguousarray(s).view(np.uint16)
-              for s in (c.k_scale, c.v_scale)]
+    scales = [_kernel_scales(c, s) for s in (c.k_scale, c.v_scale)]
     # the checked table: the pages each sequence uses, 0 past them (never read)
     block_table = None if c.page is None else _table32(c.pages)
     res, lse, direct = _glue.result_arrays(p, p.out, cdt, (c.B, c.Hq, c.Lq, c.Dv),
@@ -661,17 +687,27 @@ def _attend(c, q, p):
     return (res, lse) if p.return_lse else res
 
 
+def _kernel_scales(c, s):
+    """Scales as the kernel reads them: uint16 views of the float16 blocks, or fp8's
+    float32 scale per kv head (Hkv,)."""
+    if s is None:
+        return None
+    if c.fmt == "fp8":
+        return np.broadcast_to(s, (c.Hkv,))
+    return np.ascontiguousarray(s).view(np.uint16)
+
+
 def _gather_keys(c):
     """Each sequence's first ``cache_seqlens[b] + Lnew`` keys and values as arrays
     ``(B, Hkv, Lk, D)`` that :func:`fastattn.attention` reads with ``kv_lengths``, for the
     calls the kernel does not read in place (:func:`_kernel_reads`).
 
     A contiguous float cache is passed as it is (a view).  Pages are copied into one
-    contiguous array per sequence, and q8_0 rows dequantised to float32 (exactly); the
+    contiguous array per sequence, and quantised rows dequantised to float32; the
     rows beyond a sequence's keys are zeros.
     """
     lk = int(c.seen.max(initial=0))
-    if c.page is None and not c.q8_0:
+    if c.page is None and not c.fmt:
         return c.k_cache[:, :, :lk], c.v_cache[:, :, :lk]
     return (_gathered(c, c.k_cache, c.k_scale, lk),
             _gathered(c, c.v_cache, c.v_scale, lk))
@@ -680,8 +716,10 @@ def _gather_keys(c):
 def _gathered(c, cache, scales, lk):
     """One cache's keys (or values) of every sequence, contiguous ``(B, Hkv, lk, last)``."""
     rows = _sequence_rows(c, cache, lk)
-    if scales is not None:
-        rows = dequantize_q8_0(rows, _sequence_rows(c, scales, lk))
+    if c.fmt == "fp8":
+        rows = dequantize(rows, scales, "fp8")
+    elif c.fmt:
+        rows = dequantize(rows, _sequence_rows(c, scales, lk), c.fmt)
     # zeros, not stale rows, beyond each sequence's keys: nothing there can be NaN
     beyond = np.arange(lk) >= c.seen[:, None]                       # (B, lk)
     rows[np.broadcast_to(beyond[:, None, :, None], rows.shape)] = 0

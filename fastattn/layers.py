@@ -36,7 +36,7 @@ import numpy as np
 from . import _api, _args
 from ._kvcache import KVCache
 from ._kvcache_attn import attention_with_kvcache
-from ._q8_0 import Q8_0, cache_dtype, check_block_dim, dequantize_q8_0, quantize
+from ._quant import cache_dtype, check_block_dim
 from ._state_dict import layer_from_state_dict
 from .positions import _check_base
 from .positions import rope as _rope
@@ -147,6 +147,23 @@ def _merge_heads(o):
     return o.reshape(o.shape[:-2] + (o.shape[-2] * o.shape[-1],))
 
 
+
+def _quantized(kv_dtype):
+    """Whether a layer's ``kv_dtype`` is a quantised format (q8_0, q4_0, fp8)."""
+    return kv_dtype is not None and (isinstance(kv_dtype, str) or kv_dtype.itemsize == 1)
+
+
+def _as_cached(k, v, kv_dtype, cache):
+    """``k`` and ``v`` as a cache of the quantised ``kv_dtype`` gives them back (float32), so
+    that a full pass attends over what decoding reads: fp8 with ``cache``'s scales, or
+    1.0 without a cache (or with an empty one of no dtype, which takes those)."""
+    scales = {}
+    if cache is not None and cache.format == "fp8":
+        scales = dict(zip(("k_scale", "v_scale"), cache.scales()))
+    held = KVCache(capacity=max(k.shape[-2], 1), dtype=kv_dtype, **scales)
+    held.append(k, v)
+    return held.dequantized()
+
 class MultiHeadAttention:
     """Multi-head self-attention with NumPy weights, GQA and a KV cache.
 
@@ -193,10 +210,13 @@ class MultiHeadAttention:
         embedding, with a cache or without (so a cached decode step reproduces the
         full forward pass), and an empty ``KVCache`` without a dtype of its own takes
         it.  Attention still computes in float32; the cache takes half the memory.
-        ``"q8_0"`` stores llama.cpp's 8-bit blocks (``d_head`` and ``d_value``
-        multiples of 32; 1.0625 bytes a value): keys and values are quantised and
-        dequantised the same way with a cache or without, and a cached step attends
-        through :func:`fastattn.attention_with_kvcache` (no ``mask``).
+        ``"q8_0"`` and ``"q4_0"`` store llama.cpp's 8- and 4-bit blocks (``d_head``
+        and ``d_value`` multiples of 32; 1.0625 and 0.5625 bytes a value), and
+        ``"float8_e4m3fn"`` / ``"float8_e5m2"`` fp8 (one byte a value; an empty cache
+        takes the scales 1.0, vLLM's default; a ``KVCache`` may bring its own): keys and
+        values are quantised and dequantised the same way with a cache or without (the
+        full pass with the scales 1.0), and a cached step attends through
+        :func:`fastattn.attention_with_kvcache` (no ``mask``).
 
     Attributes
     ----------
@@ -267,9 +287,9 @@ class MultiHeadAttention:
         self.softcap = _args.check_softcap(softcap)
         self.sinks = np.zeros(n_heads, dtype) if sinks else None
         self.kv_dtype = None if kv_dtype is None else cache_dtype(kv_dtype, "kv_dtype")
-        if self.kv_dtype == Q8_0:
-            check_block_dim(d_head, "d_head", (d_head,))
-            check_block_dim(d_value, "d_value", (d_value,))
+        if isinstance(self.kv_dtype, str):
+            check_block_dim(d_head, "d_head", (d_head,), self.kv_dtype)
+            check_block_dim(d_value, "d_value", (d_value,), self.kv_dtype)
 
         rng = np.random.default_rng(seed)
 
@@ -339,7 +359,7 @@ class MultiHeadAttention:
                 y = y + b    # e.g. integer weights with a float bias
         return y
 
-    def _qkv(self, x, W, positions=None):
+    def _qkv(self, x, W, positions=None, cache=None):
         x = _args.check_array(x, "x")
         if x.ndim < 2 or x.shape[-1] != self.d_model:
             raise ValueError(
@@ -351,10 +371,8 @@ class MultiHeadAttention:
         if self.rope:
             q = _rope(q, positions, self.rope_base)
             k = _rope(k, positions, self.rope_base)
-        if self.kv_dtype == Q8_0:
-            # the numbers a q8_0 cache holds: a full pass attends over what decoding reads
-            k = dequantize_q8_0(*quantize(k, "k"))
-            v = dequantize_q8_0(*quantize(v, "v"))
+        if _quantized(self.kv_dtype):
+            k, v = _as_cached(k, v, self.kv_dtype, cache)
         elif self.kv_dtype is not None:
             k = _args.store_as(k, self.kv_dtype, "k")
             v = _args.store_as(v, self.kv_dtype, "v")
@@ -445,12 +463,12 @@ class MultiHeadAttention:
             positions = self._cached_positions(positions, cache.lengths, batch, L)
         else:
             positions = None
-        q, k, v = self._qkv(x, W, positions)
+        q, k, v = self._qkv(x, W, positions, cache)
         new = KVCache._new_counts(kv_lengths, L, batch, "kv_lengths")
-        # An empty cache without a dtype takes k's and v's, which _qkv gave kv_dtype (q8_0,
-        # whose rows _qkv gives as float32, is handed over by name).
-        if self.kv_dtype == Q8_0:
-            cache._take_dtype(Q8_0)
+        # An empty cache without a dtype takes k's and v's, which _qkv gave kv_dtype (a
+        # quantised format, whose rows _qkv gives as float32, is handed over by name).
+        if _quantized(self.kv_dtype):
+            cache._take_dtype(self.kv_dtype)
         old = cache.append(k, v, lengths=new)
         # Causal alignment is bottom-right: the L queries must be the last L keys the
         # kernel sees, so padded rows count as keys (the real queries cannot see them,
@@ -459,19 +477,21 @@ class MultiHeadAttention:
         lk = int(seen.max(initial=0))
         keys, values = cache.keys_values(lk)
         if cache.quantized:
-            o = self._attend_q8_0(q, cache, lk, seen, causal, W)
+            o = self._attend_quantized(q, cache, lk, seen, causal, W)
         else:
             lengths = None if seen.size == 0 or np.all(seen == lk) else seen
             o = _api.attention(q, keys, values, causal=bool(causal), mask=mask,
                                kv_lengths=lengths, **self._attention_kwargs(W))
         return self._out(o, W)
 
-    def _attend_q8_0(self, q, cache, lk, seen, causal, W):
-        # The serving call over the cache's int8 rows and scales, the batch flattened.
+    def _attend_quantized(self, q, cache, lk, seen, causal, W):
+        # The serving call over the cache's stored rows and scales, the batch flattened.
         (keys, values), (k_scale, v_scale) = cache.keys_values(lk), cache.scales(lk)
         flat = lambda a: a.reshape((-1,) + a.shape[-3:])
-        o = attention_with_kvcache(flat(q), flat(keys), flat(values), k_scale=flat(k_scale),
-                                   v_scale=flat(v_scale), cache_seqlens=seen.reshape(-1),
+        if cache.format != "fp8":                 # block scales, one row per key
+            k_scale, v_scale = flat(k_scale), flat(v_scale)
+        o = attention_with_kvcache(flat(q), flat(keys), flat(values), k_scale=k_scale,
+                                   v_scale=v_scale, cache_seqlens=seen.reshape(-1),
                                    causal=bool(causal), **self._attention_kwargs(W))
         return o.reshape(q.shape[:-1] + (o.shape[-1],))
 
@@ -486,9 +506,9 @@ class MultiHeadAttention:
                 f"causal={causal!r} cannot be used with a cache (the cached tokens precede the "
                 "new ones); use causal=True"
             )
-        if mask is not None and (cache.quantized or self.kv_dtype == Q8_0):
-            raise ValueError("mask is not taken with a q8_0 cache (attention_with_kvcache has "
-                             "none): use causal, window or kv_lengths")
+        if mask is not None and (cache.quantized or _quantized(self.kv_dtype)):
+            raise ValueError("mask is not taken with a quantised cache (attention_with_kvcache "
+                             "has none): use causal, window or kv_lengths")
 
     def _cached_positions(self, positions, old, batch, L):
         # Absolute rotary positions of the new rows, (*batch, 1, L) broadcast over heads:

@@ -162,16 +162,16 @@ cdef object _lean_sinks(object sinks, Py_ssize_t Hq, int nb, const cnp.npy_intp*
 
 
 cdef inline object _lean_out(object out, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
-                            int typenum, object more=None):
-    # The result array, q's shape with v's last axis: a new one, or the caller's `out` when
-    # it is exactly the result's type and shape, writeable, addressable in place and clear
-    # of the inputs (and of the arrays in `more`, where given); None when `out` needs the
-    # front end.
+                            int typenum, object more=None, Py_ssize_t dv=-1):
+    # The result array, q's shape with v's last axis (or dv, where given: the values of a
+    # q4_0 row): a new one, or the caller's `out` when it is exactly the result's type and
+    # shape, writeable, addressable in place and clear of the inputs (and of the arrays in
+    # `more`, where given); None when `out` needs the front end.
     cdef int nd = cnp.PyArray_NDIM(q), d
     cdef cnp.npy_intp shape[32]
     cdef cnp.ndarray oa
     memcpy(shape, cnp.PyArray_DIMS(q), (nd - 1) * sizeof(cnp.npy_intp))
-    shape[nd - 1] = cnp.PyArray_DIMS(v)[nd - 1]
+    shape[nd - 1] = cnp.PyArray_DIMS(v)[nd - 1] if dv < 0 else dv
     if out is None:
         if typenum == _NPY_BFLOAT16:
             return np.empty([shape[d] for d in range(nd)], dtype=q.dtype)

@@ -20,22 +20,26 @@ cdef extern from "fa_append.h" nogil:
                        int interleaved)
     void fa_round_row(int kind, float* x, Py_ssize_t n)
     int fa_store_row(int kind, const float* x, Py_ssize_t n, char* dst)
-    int fa_quantize_q8_0_row(const float* x, Py_ssize_t n, int8_t* qs, uint16_t* ds)
+    int fa_quantize_row(int kind, const float* x, Py_ssize_t n, char* qs, uint16_t* ds,
+                        float fscale)
 
 
 cdef struct Rows:
     # New rows of one array (k or v): (B, Hkv, Lnew, cols) at `data` with byte strides,
-    # in storage kind `kind`; `dst` the cache, `scale` its q8_0 scales (or NULL).
+    # in storage kind `kind`; `dst` the cache, `scale` its float16 block scales (q8_0,
+    # q4_0) or NULL, `fscale` its fp8 scales (one per kv head, fs_sh elements apart).
     const char* data
     Py_ssize_t sb, sh, si, sc
     int kind
     Py_ssize_t cols
     char* dst
     Py_ssize_t db, dh, di                 # the cache's byte strides (page or batch, head, row)
-    int dst_kind                          # FA_STORE_NATIVE (float32), F16, BF16 or Q8_0
+    int dst_kind                          # FA_STORE_NATIVE (float32), F16, BF16, or quantised
     Py_ssize_t dst_row                    # bytes of one stored row
     char* scale
     Py_ssize_t ssb, ssh, ssi              # the scales' byte strides
+    const float* fscale
+    Py_ssize_t fs_sh
 
 
 cdef inline int _float_kind(cnp.ndarray a) noexcept:
@@ -49,6 +53,41 @@ cdef inline int _float_kind(cnp.ndarray a) noexcept:
     if t >= 0 and t == _NPY_BFLOAT16:
         return FA_STORE_BF16
     return -1
+
+
+cdef int _NPY_E4M3 = -1, _NPY_E5M2 = -1   # ml_dtypes' fp8 type numbers, once seen
+
+
+cdef int _cache_kind(cnp.ndarray a):
+    # The storage kind of a cache in native order: float32 / float16 / bfloat16, int8
+    # (q8_0), uint8 (q4_0) or ml_dtypes' float8_e4m3fn / float8_e5m2 (fp8); else -1.  The
+    # fp8 type numbers are learnt from the first array of each (ml_dtypes not imported).
+    global _NPY_E4M3, _NPY_E5M2
+    cdef int t = cnp.PyArray_TYPE(a)
+    if cnp.PyArray_ITEMSIZE(a) != 1:
+        return _float_kind(a)
+    if t == cnp.NPY_INT8:
+        return FA_STORE_Q8_0
+    if t == cnp.NPY_UINT8:
+        return FA_STORE_Q4_0
+    if t == _NPY_E4M3:
+        return FA_STORE_E4M3
+    if t == _NPY_E5M2:
+        return FA_STORE_E5M2
+    if a.dtype.type.__module__.split(".")[0] != "ml_dtypes":
+        return -1
+    if a.dtype.name == "float8_e4m3fn":
+        _NPY_E4M3 = t
+        return FA_STORE_E4M3
+    if a.dtype.name == "float8_e5m2":
+        _NPY_E5M2 = t
+        return FA_STORE_E5M2
+    return -1
+
+
+cdef inline Py_ssize_t _row_values(int kind, cnp.ndarray cache) noexcept:
+    # The values in a row of a cache of storage kind `kind`: q4_0 holds two a byte.
+    return cnp.PyArray_DIM(cache, 3) * (2 if kind == FA_STORE_Q4_0 else 1)
 
 
 cdef inline bint _is_array(object a) noexcept:
@@ -65,20 +104,50 @@ cdef bint _shape_is(cnp.ndarray a, Py_ssize_t d0, Py_ssize_t d1, Py_ssize_t d2,
             and (d3 < 0 or s[3] == d3))
 
 
-cdef bint _scales_fit(object s, cnp.ndarray cache, bint write) noexcept:
-    # q8_0 scales: float16 of shape cache.shape[:-1] + (D // 32,), rows the kernel reads in
-    # place, writeable when rows are appended.
+cdef bint _scales_fit(object s, cnp.ndarray cache, int kind, bint write) noexcept:
+    # A quantised cache's scales: for q8_0 and q4_0 float16 of shape cache.shape[:-1] +
+    # (D // 32,), rows the kernel reads in place, writeable when rows are appended; for
+    # fp8 float32 of shape () or (Hkv,), every scale finite and > 0.
     cdef cnp.ndarray a
+    cdef Py_ssize_t D = _row_values(kind, cache)
     if not _is_array(s):
         return False
     a = s
+    if not FA_BLOCK_SCALED(kind):
+        return _fp8_scales_fit(a, cnp.PyArray_DIM(cache, 1))
     if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT16 or not cnp.PyArray_ISNOTSWAPPED(a):
         return False
-    if cnp.PyArray_DIM(cache, 3) % 32 or not _shape_is(
-            a, cnp.PyArray_DIM(cache, 0), cnp.PyArray_DIM(cache, 1), cnp.PyArray_DIM(cache, 2),
-            cnp.PyArray_DIM(cache, 3) // 32):
+    if D % 32 or not _shape_is(a, cnp.PyArray_DIM(cache, 0), cnp.PyArray_DIM(cache, 1),
+                               cnp.PyArray_DIM(cache, 2), D // 32):
         return False
     return _kernel_layout(a) and (not write or cnp.PyArray_ISWRITEABLE(a))
+
+
+cdef bint _fp8_scales_fit(cnp.ndarray a, Py_ssize_t Hkv) noexcept:
+    # fp8 scales: float32 in native order, shape () or (Hkv,), each finite and > 0.
+    cdef Py_ssize_t n, i, st
+    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or not cnp.PyArray_ISNOTSWAPPED(a):
+        return False
+    if cnp.PyArray_NDIM(a) == 0:
+        n, st = 1, 0
+    elif cnp.PyArray_NDIM(a) == 1 and cnp.PyArray_DIM(a, 0) == Hkv:
+        n, st = Hkv, cnp.PyArray_STRIDE(a, 0)
+    else:
+        return False
+    cdef const char* p = <const char*> cnp.PyArray_DATA(a)
+    cdef float x
+    for i in range(n):
+        x = (<const float*> (p + i * st))[0]
+        if not (x > 0 and isfinite(x)):
+            return False
+    return True
+
+
+cdef object _fp8_scales(object s, cnp.ndarray cache):
+    # fp8 scales as the kernel reads them, float32 (Hkv,) (a () scale broadcast); else s.
+    if not FA_QUANTISED(_cache_kind(cache)) or FA_BLOCK_SCALED(_cache_kind(cache)):
+        return s
+    return np.broadcast_to(s, (cnp.PyArray_DIM(cache, 1),))
 
 
 cdef object _sinks_table(object sinks, Py_ssize_t B, Py_ssize_t Hq):
@@ -123,37 +192,44 @@ cdef void _set_rows(Rows* r, cnp.ndarray x, cnp.ndarray cache, object scales) no
     r.dst = <char*> cnp.PyArray_DATA(cache)
     r.db, r.dh, r.di = (cnp.PyArray_STRIDE(cache, 0), cnp.PyArray_STRIDE(cache, 1),
                         cnp.PyArray_STRIDE(cache, 2))
-    r.dst_kind = FA_STORE_Q8_0 if scales is not None else _store_kind(cache)
-    r.dst_row = r.cols * cnp.PyArray_ITEMSIZE(cache)
+    r.dst_kind = _cache_kind(cache)
+    r.dst_row = cnp.PyArray_DIM(cache, 3) * cnp.PyArray_ITEMSIZE(cache)
     r.scale = NULL
     r.ssb = r.ssh = r.ssi = 0
+    r.fscale = NULL
+    r.fs_sh = 0
     cdef cnp.ndarray s
-    if scales is not None:
+    if FA_BLOCK_SCALED(r.dst_kind):
         s = scales
         r.scale = <char*> cnp.PyArray_DATA(s)
         r.ssb, r.ssh, r.ssi = (cnp.PyArray_STRIDE(s, 0), cnp.PyArray_STRIDE(s, 1),
                                cnp.PyArray_STRIDE(s, 2))
+    elif FA_QUANTISED(r.dst_kind):
+        s = scales
+        r.fscale = <const float*> cnp.PyArray_DATA(s)
+        r.fs_sh = cnp.PyArray_STRIDE(s, 0) // 4 if cnp.PyArray_NDIM(s) else 0
 
 
 cdef int _stage_row(const Rows* r, Py_ssize_t b, Py_ssize_t h, Py_ssize_t i, const float* cos,
                     const float* sin, Py_ssize_t half, int interleaved, float* x,
                     char* staged) noexcept nogil:
     # New row (b, h, i) in the cache's format at `staged` (the row's bytes, then for q8_0
-    # its scales), rotated first when cos is given (and rounded back to its own dtype, as
-    # the front end's rotation is).  -1 for a value the cache refuses.
+    # its block scales), rotated first when cos is given (and rounded back to its own
+    # dtype, as the front end's rotation is).  -1 for a value the cache refuses.
     fa_load_row(r.kind, r.data + b * r.sb + h * r.sh + i * r.si, r.sc, r.cols, x)
     if cos != NULL:
         fa_rotate_row(x, cos, sin, half, interleaved)
         fa_round_row(r.kind, x, r.cols)
-    if r.dst_kind == FA_STORE_Q8_0:
-        return fa_quantize_q8_0_row(x, r.cols, <int8_t*> staged,
-                                    <uint16_t*> (staged + r.cols))
+    if FA_QUANTISED(r.dst_kind):
+        return fa_quantize_row(r.dst_kind, x, r.cols, staged, <uint16_t*> (staged + r.dst_row),
+                               r.fscale[h * r.fs_sh] if r.fscale != NULL else 0)
     return fa_store_row(r.dst_kind, x, r.cols, staged)
 
 
 cdef inline Py_ssize_t _staged_bytes(const Rows* r) noexcept nogil:
-    # One staged row: its values, and for q8_0 its float16 scales (2 bytes per 32 values).
-    return r.dst_row + (r.cols // 16 if r.dst_kind == FA_STORE_Q8_0 else 0)
+    # One staged row: its values, and for q8_0 and q4_0 its float16 scales (2 bytes per
+    # 32 values).
+    return r.dst_row + (r.cols // 16 if FA_BLOCK_SCALED(r.dst_kind) else 0)
 
 
 cdef void _store_new_row(const Rows* r, Py_ssize_t first, Py_ssize_t h, Py_ssize_t row,
@@ -167,30 +243,31 @@ cdef void _store_new_row(const Rows* r, Py_ssize_t first, Py_ssize_t h, Py_ssize
 
 cdef int _caches_kind(cnp.ndarray kc, cnp.ndarray vc, Py_ssize_t B, Py_ssize_t Hq,
                       Py_ssize_t Lq, Py_ssize_t D) noexcept:
-    # The storage kind of the two caches (FA_STORE_Q8_0 for int8), when they are 4-d, of one
-    # dtype in native order, agree with each other and with q's head dim D and heads Hq,
-    # and have rows the kernel reads in place; else -1.  (Empty calls go to the checked
-    # path too.)
-    cdef int kind
-    if not (_shape_is(kc, -1, -1, -1, D) and cnp.PyArray_NDIM(vc) == 4):
+    # The storage kind of the two caches (_cache_kind), when they are 4-d, of one dtype in
+    # native order, agree with each other and with q's head dim D and heads Hq, and have
+    # rows the kernel reads in place; else -1.  (Empty calls go to the checked path too.)
+    if cnp.PyArray_NDIM(kc) != 4 or cnp.PyArray_NDIM(vc) != 4:
+        return -1
+    if (cnp.PyArray_TYPE(kc) != cnp.PyArray_TYPE(vc) or not cnp.PyArray_ISNOTSWAPPED(kc)
+            or not cnp.PyArray_ISNOTSWAPPED(vc)):
+        return -1
+    cdef int kind = _cache_kind(kc)
+    if kind < 0 or _row_values(kind, kc) != D:
         return -1
     cdef Py_ssize_t Hkv = cnp.PyArray_DIM(kc, 1), Dv = cnp.PyArray_DIM(vc, 3)
     if (B == 0 or Lq == 0 or D == 0 or Dv == 0 or Hkv == 0 or Hq % Hkv
             or not _shape_is(vc, cnp.PyArray_DIM(kc, 0), Hkv, cnp.PyArray_DIM(kc, 2), Dv)):
         return -1
-    if (cnp.PyArray_TYPE(kc) != cnp.PyArray_TYPE(vc) or not cnp.PyArray_ISNOTSWAPPED(kc)
-            or not cnp.PyArray_ISNOTSWAPPED(vc)):
-        return -1
-    kind = FA_STORE_Q8_0 if cnp.PyArray_TYPE(kc) == cnp.NPY_INT8 else _float_kind(kc)
-    if kind < 0 or not (_kernel_layout(kc) and _kernel_layout(vc)):
+    if not (_kernel_layout(kc) and _kernel_layout(vc)):
         return -1
     return kind
 
 
-cdef Py_ssize_t _new_rows(object k, object v, cnp.ndarray kc, cnp.ndarray vc,
+cdef Py_ssize_t _new_rows(object k, object v, cnp.ndarray kc, cnp.ndarray vc, int kind,
                           Py_ssize_t B) noexcept:
     # Lnew: 0 without new rows; k and v's rows when both are float32 / 16-bit arrays of
-    # shapes (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv) for writeable caches; else -1.
+    # shapes (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv) for writeable caches of storage kind
+    # `kind`; else -1.
     cdef cnp.ndarray ka, va
     if k is None and v is None:
         return 0
@@ -200,10 +277,10 @@ cdef Py_ssize_t _new_rows(object k, object v, cnp.ndarray kc, cnp.ndarray vc,
     if _float_kind(ka) < 0 or _float_kind(va) < 0:
         return -1
     cdef Py_ssize_t Hkv = cnp.PyArray_DIM(kc, 1), Lnew
-    if not _shape_is(ka, B, Hkv, -1, cnp.PyArray_DIM(kc, 3)):
+    if not _shape_is(ka, B, Hkv, -1, _row_values(kind, kc)):
         return -1
     Lnew = cnp.PyArray_DIM(ka, 2)
-    if not _shape_is(va, B, Hkv, Lnew, cnp.PyArray_DIM(vc, 3)):
+    if not _shape_is(va, B, Hkv, Lnew, _row_values(kind, vc)):
         return -1
     if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)):
         return -1
@@ -322,14 +399,14 @@ cdef class KVCachePlanBase:
         c_kind = _caches_kind(kc, vc, B, Hq, Lq, D)
         if c_kind < 0:
             return None
-        cdef Py_ssize_t Lnew = _new_rows(k, v, kc, vc, B)
+        cdef Py_ssize_t Lnew = _new_rows(k, v, kc, vc, c_kind, B)
         if Lnew < 0:
             return None
         if k is not None:
             ka, va = k, v
-        if c_kind == FA_STORE_Q8_0:
-            if not (_scales_fit(k_scale, kc, k is not None)
-                    and _scales_fit(v_scale, vc, k is not None)):
+        if FA_QUANTISED(c_kind):
+            if not (_scales_fit(k_scale, kc, c_kind, k is not None)
+                    and _scales_fit(v_scale, vc, c_kind, k is not None)):
                 return None
         elif k_scale is not None or v_scale is not None:
             return None
@@ -349,7 +426,7 @@ cdef class KVCachePlanBase:
         # The result: 16-bit only when q and the caches share that 16-bit dtype.
         cdef bint like_q = q_kind != FA_STORE_NATIVE and c_kind == q_kind
         oa = _lean_out(out, qa, kc, vc, cnp.PyArray_TYPE(qa) if like_q else cnp.NPY_FLOAT32,
-                       (k_scale, v_scale))
+                       (k_scale, v_scale), _row_values(c_kind, vc))
         if oa is None:
             return None
         cdef cnp.ndarray seqlens = self._seqlens
@@ -363,8 +440,8 @@ cdef class KVCachePlanBase:
         if return_lse:
             ldims[0], ldims[1], ldims[2] = B, Hq, Lq
             la = cnp.PyArray_EMPTY(3, ldims, cnp.NPY_FLOAT32, 0)
-        self._attend(qa, kc, vc, oa, la, k_scale, v_scale, Lnew, seqlens, block_table, scale,
-                     alibi, sinks64)
+        self._attend(qa, kc, vc, oa, la, _fp8_scales(k_scale, kc), _fp8_scales(v_scale, vc),
+                     Lnew, seqlens, block_table, scale, alibi, sinks64)
         return (oa, la) if return_lse else oa
 
     cdef int _fits(self, cnp.ndarray kc, Py_ssize_t Lnew, Py_ssize_t Lq,
@@ -506,25 +583,34 @@ cdef class KVCachePlanBase:
         return 0
 
 
-def quantize_q8_0_rows(cnp.ndarray x, cnp.ndarray values, cnp.ndarray scales):
-    """Quantise rows to q8_0 (fastattn._q8_0.quantize): ``x`` float32, float16 or bfloat16
-    ``(n, D)``, D a multiple of 32, into ``values`` int8 ``(n, D)`` and ``scales`` float16
-    ``(n, D // 32)``, all C-contiguous (nothing is checked here).  False, with the rows up to
-    the refused one written, when a value is not finite or beyond 127 * 65504."""
+def quantize_rows(cnp.ndarray x, cnp.ndarray values, cnp.ndarray scales):
+    """Quantise rows (fastattn._q8_0, _q4_0, _fp8): ``x`` float32, float16 or bfloat16
+    ``(n, D)``, D a multiple of 32 for q8_0 and q4_0, into ``values`` ``(n, row bytes)`` of
+    a quantised cache's dtype (int8: q8_0, uint8: q4_0, D / 2 bytes a row, ml_dtypes'
+    float8_e4m3fn / float8_e5m2: fp8) and ``scales``: float16 ``(n, D // 32)`` written for
+    q8_0 and q4_0, float32 ``(n,)`` read for fp8 (each row divided by its scale).  All
+    C-contiguous; nothing is checked here.  False, with the rows up to the refused one
+    written, when a value is not finite or too large for a finite float16 block scale."""
     cdef Py_ssize_t n = cnp.PyArray_DIM(x, 0), D = cnp.PyArray_DIM(x, 1), r
-    cdef int kind = _float_kind(x), bad = 0
-    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(x)
+    cdef int kind = _float_kind(x), dst = _cache_kind(values), bad = 0
+    cdef Py_ssize_t isz = cnp.PyArray_ITEMSIZE(x), row = cnp.PyArray_DIM(values, 1)
     cdef const char* src = <const char*> cnp.PyArray_DATA(x)
-    cdef int8_t* qs = <int8_t*> cnp.PyArray_DATA(values)
-    cdef uint16_t* ds = <uint16_t*> cnp.PyArray_DATA(scales)
-    cdef float* row = <float*> PyMem_RawMalloc(D * sizeof(float) + 64)
-    if row == NULL:
+    cdef char* qs = <char*> cnp.PyArray_DATA(values)
+    cdef uint16_t* ds = NULL
+    cdef const float* fs = NULL
+    if FA_BLOCK_SCALED(dst):
+        ds = <uint16_t*> cnp.PyArray_DATA(scales)
+    else:
+        fs = <const float*> cnp.PyArray_DATA(scales)
+    cdef float* buf = <float*> PyMem_RawMalloc(D * sizeof(float) + 64)
+    if buf == NULL:
         raise MemoryError("fastattn: cannot allocate a row")
     with nogil:
         for r in range(n):
-            fa_load_row(kind, src + r * D * isz, isz, D, row)
-            if fa_quantize_q8_0_row(row, D, qs + r * D, ds + r * (D // 32)) < 0:
+            fa_load_row(kind, src + r * D * isz, isz, D, buf)
+            if fa_quantize_row(dst, buf, D, qs + r * row, ds + r * (D // 32) if ds != NULL else NULL,
+                               fs[r] if fs != NULL else 0) < 0:
                 bad = 1
                 break
-    PyMem_RawFree(row)
+    PyMem_RawFree(buf)
     return not bad

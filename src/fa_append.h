@@ -1,7 +1,8 @@
 /*
  * fa_append.h -- new rows of a serving cache in the cache's format: read from q, k or v in
  * float32, float16 or bfloat16 (any element stride), rotated (rotary embedding), and
- * stored as float32, float16, bfloat16 or llama.cpp's q8_0.
+ * stored as float32, float16, bfloat16, llama.cpp's q8_0 or q4_0, or fp8 (float8_e4m3fn,
+ * float8_e5m2) with a float32 scale.
  *
  * Every value here must equal the NumPy front end's, bit for bit, since either may append
  * the rows of one cache:
@@ -11,10 +12,15 @@
  *  - rounding to float16 and bfloat16 is to nearest even; NaN becomes NumPy's float16 NaN
  *    (the top bits of the payload) and ml_dtypes' bfloat16 NaN (the sign and 0x7fc0);
  *  - q8_0 is quantize_row_q8_0_ref: d = max|x| / 127 in float32, values round(x * (1 / d))
- *    with ties away from zero, d stored rounded to float16.
+ *    with ties away from zero, d stored rounded to float16;
+ *  - q4_0 is quantize_row_q4_0_ref: d = m / -8, m the value of largest |x| with its sign,
+ *    values min(15, trunc(x * (1 / d) + 8.5)), d stored rounded to float16;
+ *  - fp8 is vLLM's: x / scale rounded once to float32, then to the nearest fp8 value (ties
+ *    to even), saturated to the largest finite one (448, or 57344 for e5m2).
  * A function that would store a value the front end refuses (a finite value that
- * overflows float16, a non-finite or huge value for q8_0) returns -1 and stores nothing of
- * that row; the caller then leaves the whole call to the front end, which names the value.
+ * overflows float16, a non-finite value, a value too large for a finite float16 block
+ * scale) returns -1 and stores nothing of that row; the caller then leaves the whole call
+ * to the front end, which names the value.
  */
 #ifndef FA_APPEND_H
 #define FA_APPEND_H
@@ -22,9 +28,11 @@
 #include <math.h>
 #include "fa_half.h"
 
-/* llama.cpp's QK8_0, and the largest |x| whose block scale is a finite float16. */
+/* llama.cpp's QK8_0 (and QK4_0), and the largest |x| whose block scale is a finite
+ * float16: 127 (q8_0) or 8 (q4_0) times float16's largest value. */
 #define FA_Q8_0_BLOCK 32
 #define FA_Q8_0_MAX_ABS (127.0f * 65504.0f)
+#define FA_Q4_0_MAX_ABS (8.0f * 65504.0f)
 
 /* x as rounded to float32: the compiler may not fuse the operation that made it into a
  * later addition. */
@@ -147,6 +155,88 @@ static inline int fa_quantize_q8_0_row(const float* x, ptrdiff_t n, int8_t* qs, 
         ds[b / FA_Q8_0_BLOCK] = fa_f32_to_f16(d);
     }
     return 0;
+}
+
+/* x[0 .. n), n a multiple of 32, as q4_0: bytes qs[0 .. n / 2) (value j of a block in the
+ * low nibble of its byte j, value j + 16 in the high one), float16 scales ds[0 .. n / 32).
+ * -1 for a value that is not finite or beyond 8 * 65504. */
+static inline int fa_quantize_q4_0_row(const float* x, ptrdiff_t n, uint8_t* qs, uint16_t* ds)
+{
+    for (ptrdiff_t b = 0; b < n; b += FA_Q8_0_BLOCK) {
+        float amax = 0.0f, max = 0.0f;
+        int bad = 0;
+        for (int j = 0; j < FA_Q8_0_BLOCK; j++) {
+            const float a = fabsf(x[b + j]);
+            bad |= !(a <= FA_Q4_0_MAX_ABS);
+            if (amax < a) {                     /* the first of equal magnitudes */
+                amax = a;
+                max = x[b + j];
+            }
+        }
+        if (bad)
+            return -1;
+        const float d = max / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint8_t q[FA_Q8_0_BLOCK];
+        /* x * id is rounded before 8.5 is added (no FMA), then truncated */
+        for (int j = 0; j < FA_Q8_0_BLOCK; j++) {
+            const int v = (int8_t)(fa_rounded(x[b + j] * id) + 8.5f);
+            q[j] = (uint8_t)(v < 15 ? v : 15);
+        }
+        for (int j = 0; j < FA_Q8_0_BLOCK / 2; j++)
+            qs[b / 2 + j] = (uint8_t)(q[j] | q[j + FA_Q8_0_BLOCK / 2] << 4);
+        ds[b / FA_Q8_0_BLOCK] = fa_f32_to_f16(d);
+    }
+    return 0;
+}
+
+/* f as fp8 of kind FA_STORE_E4M3 (float8_e4m3fn) or FA_STORE_E5M2: rounded to nearest,
+ * ties to even, saturated to the largest finite value (inf too); f is not NaN. */
+FA_INLINE uint8_t fa_f32_to_fp8(int kind, float f)
+{
+    const int m = kind == FA_STORE_E4M3 ? 3 : 2;            /* mantissa bits */
+    const int bias = kind == FA_STORE_E4M3 ? 7 : 15;
+    const float top = kind == FA_STORE_E4M3 ? 448.0f : 57344.0f;
+    const float a = fminf(fabsf(f), top);
+    int e;
+    frexpf(a, &e);                                            /* a in [2^(e-1), 2^e) */
+    /* the binade's exponent; subnormals share the smallest normal's step 2^(1 - bias - m) */
+    const int ex = e - 1 < 1 - bias ? 1 - bias : e - 1;
+    int mant = (int)nearbyintf(ldexpf(a, m - ex));            /* a in steps, exact; RNE */
+    int expo = ex + bias;
+    if (mant == 2 << m) {                                     /* rounded up a binade */
+        mant = 1 << m;
+        expo++;
+    }
+    if (mant < 1 << m)                                        /* subnormal (or zero) */
+        expo = 0;
+    else
+        mant -= 1 << m;
+    return (uint8_t)((signbit(f) ? 0x80 : 0) | expo << m | mant);
+}
+
+/* x[0 .. n) / scale as fp8 of kind `kind` at qs.  -1 for a value that is not finite. */
+static inline int fa_quantize_fp8_row(int kind, const float* x, ptrdiff_t n, float scale,
+                                      uint8_t* qs)
+{
+    for (ptrdiff_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return -1;
+    for (ptrdiff_t i = 0; i < n; i++)
+        qs[i] = fa_f32_to_fp8(kind, x[i] / scale);
+    return 0;
+}
+
+/* x[0 .. n) stored as the quantised kind `kind` (FA_QUANTISED): values at qs, and float16
+ * block scales at ds (q8_0, q4_0), or divided by the float32 scale fscale first (fp8). */
+static inline int fa_quantize_row(int kind, const float* x, ptrdiff_t n, char* qs, uint16_t* ds,
+                                  float fscale)
+{
+    if (kind == FA_STORE_Q8_0)
+        return fa_quantize_q8_0_row(x, n, (int8_t*)qs, ds);
+    if (kind == FA_STORE_Q4_0)
+        return fa_quantize_q4_0_row(x, n, (uint8_t*)qs, ds);
+    return fa_quantize_fp8_row(kind, x, n, fscale, (uint8_t*)qs);
 }
 
 #endif

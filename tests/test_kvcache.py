@@ -785,7 +785,7 @@ def test_kvcache_q8_0_refuses_before_writing(rng):
     assert [a.tobytes() for a in after] == before     # stale rows too: compared as bytes
     np.testing.assert_array_equal(cache.lengths, [2])
     with pytest.raises(TypeError, match="q8_0"):
-        fastattn.KVCache(dtype="q4_0")
+        fastattn.KVCache(dtype="q5_0")
 
 
 @pytest.mark.parametrize("rope", [False, True])
