@@ -256,13 +256,15 @@ class KVCache:
                 f"v must have shape {k.shape[:-1] + ('d_value',)} to match k {k.shape}, "
                 f"got v with shape {v.shape}"
             )
-        if self._k is not None and (k.shape[:-2] != self._k.shape[:-2]
-                                    or k.shape[-1] != self._k.shape[-1]
-                                    or v.shape[-1] != self._v.shape[-1]):
+        per_byte = 2 if self.format == "q4_0" else 1        # q4_0: two values a byte
+        d, dv = self._k.shape[-1] * per_byte if self._k is not None else None, None
+        if d is not None:
+            dv = self._v.shape[-1] * per_byte
+        if d is not None and (k.shape[:-2] != self._k.shape[:-2] or k.shape[-1] != d
+                              or v.shape[-1] != dv):
             raise ValueError(
                 f"k {k.shape} / v {v.shape} do not match the cache's keys "
-                f"{self._k.shape[:-2] + ('L', self._k.shape[-1])} / values "
-                f"{self._v.shape[:-2] + ('L', self._v.shape[-1])}"
+                f"{self._k.shape[:-2] + ('L', d)} / values {self._v.shape[:-2] + ('L', dv)}"
             )
 
     def append(self, k, v, lengths=None):

@@ -105,16 +105,13 @@ cdef bint _shape_is(cnp.ndarray a, Py_ssize_t d0, Py_ssize_t d1, Py_ssize_t d2,
 
 
 cdef bint _scales_fit(object s, cnp.ndarray cache, int kind, bint write) noexcept:
-    # A quantised cache's scales: for q8_0 and q4_0 float16 of shape cache.shape[:-1] +
-    # (D // 32,), rows the kernel reads in place, writeable when rows are appended; for
-    # fp8 float32 of shape () or (Hkv,), every scale finite and > 0.
+    # The block scales of a q8_0 or q4_0 cache: float16 of shape cache.shape[:-1] +
+    # (D // 32,), rows the kernel reads in place, writeable when rows are appended.
     cdef cnp.ndarray a
     cdef Py_ssize_t D = _row_values(kind, cache)
     if not _is_array(s):
         return False
     a = s
-    if not FA_BLOCK_SCALED(kind):
-        return _fp8_scales_fit(a, cnp.PyArray_DIM(cache, 1))
     if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT16 or not cnp.PyArray_ISNOTSWAPPED(a):
         return False
     if D % 32 or not _shape_is(a, cnp.PyArray_DIM(cache, 0), cnp.PyArray_DIM(cache, 1),
@@ -123,31 +120,33 @@ cdef bint _scales_fit(object s, cnp.ndarray cache, int kind, bint write) noexcep
     return _kernel_layout(a) and (not write or cnp.PyArray_ISWRITEABLE(a))
 
 
-cdef bint _fp8_scales_fit(cnp.ndarray a, Py_ssize_t Hkv) noexcept:
-    # fp8 scales: float32 in native order, shape () or (Hkv,), each finite and > 0.
+cdef object _fp8_scales(object s, Py_ssize_t Hkv):
+    # An fp8 cache's scales as the kernel reads them, float32 (Hkv,) (a () scale broadcast),
+    # from a float32 array of shape () or (Hkv,) in native order, an np.float32 or a Python
+    # float; each finite and > 0.  None when the checked path must take them.
+    cdef cnp.ndarray a
     cdef Py_ssize_t n, i, st
+    if type(s) is float or type(s) is np.float32:
+        a = np.array(s, dtype=np.float32)
+    elif _is_array(s):
+        a = s
+    else:
+        return None
     if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or not cnp.PyArray_ISNOTSWAPPED(a):
-        return False
+        return None
     if cnp.PyArray_NDIM(a) == 0:
         n, st = 1, 0
     elif cnp.PyArray_NDIM(a) == 1 and cnp.PyArray_DIM(a, 0) == Hkv:
         n, st = Hkv, cnp.PyArray_STRIDE(a, 0)
     else:
-        return False
+        return None
     cdef const char* p = <const char*> cnp.PyArray_DATA(a)
     cdef float x
     for i in range(n):
         x = (<const float*> (p + i * st))[0]
         if not (x > 0 and isfinite(x)):
-            return False
-    return True
-
-
-cdef object _fp8_scales(object s, cnp.ndarray cache):
-    # fp8 scales as the kernel reads them, float32 (Hkv,) (a () scale broadcast); else s.
-    if not FA_QUANTISED(_cache_kind(cache)) or FA_BLOCK_SCALED(_cache_kind(cache)):
-        return s
-    return np.broadcast_to(s, (cnp.PyArray_DIM(cache, 1),))
+            return None
+    return a if n == Hkv and cnp.PyArray_NDIM(a) == 1 else np.broadcast_to(a, (Hkv,))
 
 
 cdef object _sinks_table(object sinks, Py_ssize_t B, Py_ssize_t Hq):
@@ -204,10 +203,10 @@ cdef void _set_rows(Rows* r, cnp.ndarray x, cnp.ndarray cache, object scales) no
         r.scale = <char*> cnp.PyArray_DATA(s)
         r.ssb, r.ssh, r.ssi = (cnp.PyArray_STRIDE(s, 0), cnp.PyArray_STRIDE(s, 1),
                                cnp.PyArray_STRIDE(s, 2))
-    elif FA_QUANTISED(r.dst_kind):
+    elif FA_QUANTISED(r.dst_kind):          # fp8: float32 (Hkv,), see _fp8_scales
         s = scales
         r.fscale = <const float*> cnp.PyArray_DATA(s)
-        r.fs_sh = cnp.PyArray_STRIDE(s, 0) // 4 if cnp.PyArray_NDIM(s) else 0
+        r.fs_sh = cnp.PyArray_STRIDE(s, 0) // 4
 
 
 cdef int _stage_row(const Rows* r, Py_ssize_t b, Py_ssize_t h, Py_ssize_t i, const float* cos,
@@ -404,9 +403,14 @@ cdef class KVCachePlanBase:
             return None
         if k is not None:
             ka, va = k, v
-        if FA_QUANTISED(c_kind):
+        if FA_BLOCK_SCALED(c_kind):
             if not (_scales_fit(k_scale, kc, c_kind, k is not None)
                     and _scales_fit(v_scale, vc, c_kind, k is not None)):
+                return None
+        elif FA_QUANTISED(c_kind):
+            k_scale = _fp8_scales(k_scale, cnp.PyArray_DIM(kc, 1))
+            v_scale = _fp8_scales(v_scale, cnp.PyArray_DIM(kc, 1))
+            if k_scale is None or v_scale is None:
                 return None
         elif k_scale is not None or v_scale is not None:
             return None
@@ -440,8 +444,8 @@ cdef class KVCachePlanBase:
         if return_lse:
             ldims[0], ldims[1], ldims[2] = B, Hq, Lq
             la = cnp.PyArray_EMPTY(3, ldims, cnp.NPY_FLOAT32, 0)
-        self._attend(qa, kc, vc, oa, la, _fp8_scales(k_scale, kc), _fp8_scales(v_scale, vc),
-                     Lnew, seqlens, block_table, scale, alibi, sinks64)
+        self._attend(qa, kc, vc, oa, la, k_scale, v_scale, Lnew, seqlens, block_table, scale,
+                     alibi, sinks64)
         return (oa, la) if return_lse else oa
 
     cdef int _fits(self, cnp.ndarray kc, Py_ssize_t Lnew, Py_ssize_t Lq,

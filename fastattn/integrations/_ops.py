@@ -11,8 +11,10 @@ integrations do at their first call (and ``register()``): importing ``fastattn``
 - ``fastattn::attention_backward``, :func:`fastattn.attention_backward`, returning
   ``(dq, dk, dv, dsinks)`` (``dsinks`` empty when there are no sinks);
 - ``fastattn::attention_with_kvcache`` is :func:`fastattn.attention_with_kvcache`, which
-  writes the new keys and values into its caches (and q8_0 scales): the operator declares
-  them mutated.
+  writes the new keys and values into its caches (and q8_0 / q4_0 scales): the operator
+  declares them mutated.  Caches may be int8 (q8_0) or uint8 (q4_0) with float16 scales,
+  or ``torch.float8_e4m3fn`` / ``float8_e5m2`` (fp8, read and written as ``ml_dtypes``'
+  types of the same bits) with float32 scales.
 
 Each has a fake implementation that gives the results' shapes, dtypes and strides from the
 inputs' alone, so ``torch.compile`` traces a call without running it and keeps it in one
@@ -44,21 +46,34 @@ CAUSAL = {"none": False, "bottom-right": True, "top-left": "top-left"}
 # --------------------------------------------------------------------------- tensors as arrays
 
 @functools.lru_cache(maxsize=None)
-def bfloat16_dtype():
-    """``ml_dtypes.bfloat16`` when that package is installed, else None."""
+def ml_dtype(name):
+    """``ml_dtypes``' type ``name`` when that package is installed, else None."""
     try:
         import ml_dtypes
     except ImportError:
         return None
-    return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def bfloat16_dtype():
+    """``ml_dtypes.bfloat16`` when that package is installed, else None."""
+    return ml_dtype("bfloat16")
+
+
+# torch's dtypes that NumPy has only through ml_dtypes: its name there, and a torch dtype of
+# the same width that NumPy has, to view the bits through.
+_ML_DTYPES = {torch.bfloat16: ("bfloat16", torch.int16),
+              torch.float8_e4m3fn: ("float8_e4m3fn", torch.uint8),
+              torch.float8_e5m2: ("float8_e5m2", torch.uint8)}
 
 
 def view(t):
-    """The NumPy array sharing the CPU tensor ``t``'s memory (bfloat16 read through its
-    bits as ``ml_dtypes.bfloat16``, which must be installed)."""
+    """The NumPy array sharing the CPU tensor ``t``'s memory (bfloat16 and fp8 read
+    through their bits as ``ml_dtypes``' types, which must be installed)."""
     t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(bfloat16_dtype())
+    if t.dtype in _ML_DTYPES:
+        name, bits = _ML_DTYPES[t.dtype]
+        return t.view(bits).numpy().view(ml_dtype(name))
     return t.numpy()
 
 
@@ -344,9 +359,9 @@ def _attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_s
     caches = {}
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
                     ("v_scale", v_scale)):
-        if t is not None and t.dtype == torch.bfloat16 and bfloat16_dtype() is None:
-            raise TypeError(f"{name} is bfloat16, which needs the ml_dtypes package to be "
-                            "written in place (pip install ml_dtypes)")
+        if t is not None and t.dtype in _ML_DTYPES and ml_dtype(_ML_DTYPES[t.dtype][0]) is None:
+            raise TypeError(f"{name} is {t.dtype}, which needs the ml_dtypes package to be "
+                            "read and written in place (pip install ml_dtypes)")
         caches[name] = None if t is None else view(t)
     with in_torch():
         out, lse = fastattn.attention_with_kvcache(
@@ -373,8 +388,8 @@ def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, k_sc
       causal="none", window=None, softcap=None, alibi_slopes=None, sinks=None):
     B, Hq, Lq, _ = q.shape
     lse_dtype = compute_dtype(q, k_cache, v_cache, k, v)
-    return q.new_empty((B, Hq, Lq, v_cache.shape[-1])), q.new_empty((B, Hq, Lq),
-                                                                    dtype=lse_dtype)
+    Dv = v_cache.shape[-1] * (2 if v_cache.dtype == torch.uint8 else 1)   # q4_0: 2 a byte
+    return q.new_empty((B, Hq, Lq, Dv)), q.new_empty((B, Hq, Lq), dtype=lse_dtype)
 
 
 # --------------------------------------------------------------------------- calls

@@ -103,8 +103,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **keywords):
 
     ``q``, ``k``, ``v`` are float32, float64, float16 or bfloat16 CPU tensors; the caches
     (and ``k_scale``/``v_scale``) are CPU tensors that are written in place through NumPy
-    views of their memory -- int8 with float16 scales for q8_0.  bfloat16 needs
-    ``ml_dtypes``.  The other keywords (``cache_seqlens``, ``block_table``, rotary tables,
+    views of their memory -- int8 (q8_0) or uint8 (q4_0, ``D // 2`` bytes a row) with
+    float16 scales, or ``torch.float8_e4m3fn`` / ``float8_e5m2`` (fp8) with float32 scales
+    of shape ``()`` or ``(Hkv,)``.  bfloat16 and fp8 need ``ml_dtypes``.  The other keywords (``cache_seqlens``, ``block_table``, rotary tables,
     ``causal``, ...) take tensors or arrays.  Refuses a call that would need a gradient
     (an input that requires grad while grad mode is on).
 
