@@ -16,6 +16,7 @@ __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",
     "attention_backward", "attention_varlen_backward",
     "attention_with_kvcache", "plan_kvcache", "KVCachePlan", "quantize_q8_0", "dequantize_q8_0",
+    "quantize_q4_0", "dequantize_q4_0", "quantize_fp8", "dequantize_fp8",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
     "show_config", "reference",
@@ -27,6 +28,8 @@ __all__ = [
 _Causal = bool | Literal["bottom-right", "top-left"]
 _Window = tuple[int, int] | None
 _Array = npt.NDArray[Any]
+_Fp8Name = Literal["float8_e4m3fn", "float8_e5m2"]
+_CacheFormat = Literal["q8_0", "q4_0", "float8_e4m3fn", "float8_e5m2"]
 
 # -- core kernel --------------------------------------------------------------------------
 @overload
@@ -172,6 +175,12 @@ def plan_kvcache(
 ) -> KVCachePlan: ...
 def quantize_q8_0(x: npt.ArrayLike) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float16]]: ...
 def dequantize_q8_0(values: npt.ArrayLike, scales: npt.ArrayLike) -> npt.NDArray[np.float32]: ...
+def quantize_q4_0(x: npt.ArrayLike) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float16]]: ...
+def dequantize_q4_0(values: npt.ArrayLike, scales: npt.ArrayLike) -> npt.NDArray[np.float32]: ...
+def quantize_fp8(x: npt.ArrayLike, scale: float | npt.ArrayLike = 1.0,
+                 dtype: _Fp8Name | npt.DTypeLike = "float8_e4m3fn") -> _Array: ...
+def dequantize_fp8(values: npt.ArrayLike,
+                   scale: float | npt.ArrayLike = 1.0) -> npt.NDArray[np.float32]: ...
 
 # -- gradients ----------------------------------------------------------------------------
 # (dq, dk, dv), and dsinks last when sinks are given
@@ -221,12 +230,19 @@ def self_attention(
 
 class KVCache:
     def __init__(self, capacity: int = 64, *, growth: float = 2.0,
-                 dtype: npt.DTypeLike | Literal["q8_0"] | None = None) -> None: ...
+                 dtype: npt.DTypeLike | _CacheFormat | None = None,
+                 k_scale: float | npt.ArrayLike | None = None,
+                 v_scale: float | npt.ArrayLike | None = None) -> None: ...
     def reset(self) -> None: ...
     @property
-    def dtype(self) -> np.dtype[Any] | Literal["q8_0"] | None: ...
+    def dtype(self) -> np.dtype[Any] | Literal["q8_0", "q4_0"] | None: ...
+    @property
+    def format(self) -> Literal["q8_0", "q4_0", "fp8"] | None: ...
     @property
     def quantized(self) -> bool: ...
+    def dequantized(
+        self, length: int | None = None
+    ) -> tuple[_Array, _Array] | tuple[None, None]: ...
     def scales(
         self, length: int | None = None
     ) -> tuple[_Array, _Array] | tuple[None, None]: ...
@@ -271,14 +287,14 @@ class MultiHeadAttention:
     window: tuple[int, int] | None
     softcap: float | None
     sinks: _Array | None
-    kv_dtype: np.dtype[Any] | Literal["q8_0"] | None
+    kv_dtype: np.dtype[Any] | Literal["q8_0", "q4_0"] | None
     def __init__(
         self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
         d_head: int | None = None, d_value: int | None = None, bias: bool = False,
         dtype: npt.DTypeLike = ..., seed: int | np.random.Generator | None = None,
         scale: float | None = None, rope: bool = False, rope_base: float = 10000.0,
         window: tuple[int, int] | None = None, softcap: float | None = None,
-        sinks: bool = False, kv_dtype: npt.DTypeLike | Literal["q8_0"] | None = None,
+        sinks: bool = False, kv_dtype: npt.DTypeLike | _CacheFormat | None = None,
     ) -> None: ...
     @overload
     def __call__(
