@@ -68,12 +68,13 @@ def ml_fp8_values(values, scale):
 
 
 def make_cache(rng, fmt, B, Hkv, Lmax, D, Dv=None, per_head=True):
-    """A contiguous cache of format ``fmt`` filled with normal values, the oracles' bytes:
-    gguf's for q4_0, ml_dtypes' for fp8 (scales per kv head, or one, and not 1)."""
+    """A contiguous cache of format ``fmt`` filled with normal values: quantize_q4_0's bytes
+    (gguf's, as the tests above pin), ml_dtypes' for fp8 (scales per kv head, or one, and
+    not 1)."""
     Dv = D if Dv is None else Dv
     k, v = (rng.standard_normal((B, Hkv, Lmax, d)).astype(np.float32) for d in (D, Dv))
     if fmt == "q4_0":
-        (kq, ks), (vq, vs) = gguf_q4_0(k), gguf_q4_0(v)
+        (kq, ks), (vq, vs) = fastattn.quantize_q4_0(k), fastattn.quantize_q4_0(v)
         return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
     if per_head:
         ks, vs = (rng.uniform(0.01, 0.5, Hkv).astype(np.float32) for _ in range(2))
@@ -84,11 +85,11 @@ def make_cache(rng, fmt, B, Hkv, Lmax, D, Dv=None, per_head=True):
 
 
 def own_keys(cache, b, n):
-    """Sequence ``b``'s first ``n`` keys and values as float32, dequantised by the
-    oracles' rules (q4_0 through gguf's nibble order, fp8 through ml_dtypes)."""
+    """Sequence ``b``'s first ``n`` keys and values as float32: dequantize_q4_0's (gguf's,
+    as the tests above pin), or ml_dtypes' for fp8."""
     k, v = cache["k_cache"][b, :, :n], cache["v_cache"][b, :, :n]
     if k.dtype == np.uint8:
-        return tuple(_q4_0_values(a, cache[s][b, :, :n])
+        return tuple(fastattn.dequantize_q4_0(a, cache[s][b, :, :n])
                      for a, s in ((k, "k_scale"), (v, "v_scale")))
     return ml_fp8_values(k, cache["k_scale"]), ml_fp8_values(v, cache["v_scale"])
 
