@@ -1,4 +1,4 @@
-"""The q4_0 and fp8 cache formats: their bytes, and serving caches that store them.
+"""The q4_0 and fp8 cache formats: their bytes, their appends, and their refusals.
 
 What the tests pin, each against an independent oracle:
 
@@ -11,11 +11,13 @@ What the tests pin, each against an independent oracle:
   every fp8 value, every midpoint between two and their float32 neighbours;
 - appending writes those bytes in place (the block scales beside them; fp8 scales are
   only read), in the plan's compiled run and in its checked path alike;
-- each sequence's rows have the bits of :func:`fastattn.attention` over its own
-  dequantised keys, whatever the paging, batch or threads, and a decode step the bits of
-  the prefill; the error against float64 over the dequantised cache meets
-  FlashAttention's float32 rule (with torch);
-- every bad input is refused before anything is written.
+- every bad input is refused before anything is written;
+- ``KVCache``, ``MultiHeadAttention`` and the torch call store and read the formats.
+
+The bits of attention over these caches (paged = contiguous, batch and threads,
+decode = prefill, FlashAttention's float32 rule) are tests/test_kvcache.py's, which run
+every quantised format; tests/test_plan.py compares the compiled run with the checked path
+and checks that a decode step's call never leaves the compiled run.
 """
 import pickle
 
@@ -23,10 +25,10 @@ import numpy as np
 import pytest
 
 from conftest import import_optional
-from test_kvcache import CALLS, assert_same_bits, contiguous_from, paged_from, snapshot
+import test_kvcache as kvcache_tests
+from test_kvcache import assert_same_bits, ml_fp8, ml_fp8_values, paged_from, snapshot
 
 import fastattn
-from fastattn import reference
 
 try:
     import ml_dtypes
@@ -50,48 +52,9 @@ def gguf_q4_0(x):
     return values, scales
 
 
-def ml_fp8(x, scale, name):
-    """``x / scale`` (float32) as ml_dtypes' ``name``, clipped first to its largest finite
-    value; ``scale`` () or per head (axis -3)."""
-    dt = np.dtype(getattr(ml_dtypes, name))
-    top = float(ml_dtypes.finfo(dt).max)
-    s = np.asarray(scale, np.float32)
-    s = s if s.ndim == 0 else s[:, None, None]
-    with np.errstate(over="ignore"):                         # x / scale may overflow: inf
-        return np.clip(np.asarray(x, np.float32) / s, -top, top).astype(dt)
-
-
-def ml_fp8_values(values, scale):
-    """The float32 numbers fp8 ``values`` with ``scale`` hold, by ml_dtypes' cast."""
-    s = np.asarray(scale, np.float32)
-    return values.astype(np.float32) * (s if s.ndim == 0 else s[:, None, None])
-
-
-def make_cache(rng, fmt, B, Hkv, Lmax, D, Dv=None, per_head=True):
-    """A contiguous cache of format ``fmt`` filled with normal values: quantize_q4_0's bytes
-    (gguf's, as the tests above pin), ml_dtypes' for fp8 (scales per kv head, or one, and
-    not 1)."""
-    Dv = D if Dv is None else Dv
-    k, v = (rng.standard_normal((B, Hkv, Lmax, d)).astype(np.float32) for d in (D, Dv))
-    if fmt == "q4_0":
-        (kq, ks), (vq, vs) = fastattn.quantize_q4_0(k), fastattn.quantize_q4_0(v)
-        return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
-    if per_head:
-        ks, vs = (rng.uniform(0.01, 0.5, Hkv).astype(np.float32) for _ in range(2))
-    else:
-        ks, vs = np.float32(0.02), np.float32(0.3)
-    return dict(k_cache=ml_fp8(k, ks, fmt), v_cache=ml_fp8(v, vs, fmt), k_scale=ks,
-                v_scale=vs)
-
-
-def own_keys(cache, b, n):
-    """Sequence ``b``'s first ``n`` keys and values as float32: dequantize_q4_0's (gguf's,
-    as the tests above pin), or ml_dtypes' for fp8."""
-    k, v = cache["k_cache"][b, :, :n], cache["v_cache"][b, :, :n]
-    if k.dtype == np.uint8:
-        return tuple(fastattn.dequantize_q4_0(a, cache[s][b, :, :n])
-                     for a, s in ((k, "k_scale"), (v, "v_scale")))
-    return ml_fp8_values(k, cache["k_scale"]), ml_fp8_values(v, cache["v_scale"])
+def make_cache(rng, fmt, B, Hkv, Lmax, D, Dv=None):
+    """test_kvcache's cache of format ``fmt`` (fp8 scales per kv head)."""
+    return kvcache_tests.make_cache(rng, B, Hkv, Lmax, D, Dv, dtype=fmt)
 
 
 def _q4_0_values(values, scales):
@@ -104,22 +67,6 @@ def _q4_0_values(values, scales):
     return out.reshape(values.shape[:-1] + (2 * values.shape[-1],)).astype(np.float32)
 
 
-def paged(cache, page, rng, **kwargs):
-    """``cache`` as a shuffled pool of pages and its block table (test_kvcache.paged_from);
-    fp8 scales, one per kv head, stay as they are."""
-    pools, table = paged_from({n: a for n, a in cache.items() if a.ndim == 4}, page, rng,
-                              **kwargs)
-    pools.update({n: a for n, a in cache.items() if a.ndim != 4})
-    return pools, table
-
-
-def per_sequence(q, cache, seen, kwargs):
-    """The oracle of the bits: fastattn.attention over each sequence's own keys."""
-    res = [fastattn.attention(q[b], *own_keys(cache, b, seen[b]), **kwargs)
-           for b in range(q.shape[0])]
-    if kwargs.get("return_lse"):
-        return np.stack([r[0] for r in res]), np.stack([r[1] for r in res])
-    return np.stack(res)
 
 
 # --------------------------------------------------------------------------- q4_0 bytes
@@ -265,27 +212,6 @@ def test_fp8_quantize_refuses(call, exc, words):
 # Attention over these caches runs the kernel's quantised reads (src/fa_quant.h).
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("call", ["plain", "causal", "window", "softcap-alibi", "sinks-lse"])
-@pytest.mark.parametrize("Lq, Lnew", [(1, 1), (3, 3), (1, 0)])
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "checked"])
-def test_rows_have_the_bits_of_attention_over_own_keys(rng, fmt, call, Lq, Lnew, compiled):
-    B, Hq, Hkv, D, Lmax = 3, 4, 2, 64, 48
-    cache = make_cache(rng, fmt, B, Hkv, Lmax, D, per_head=call != "plain")
-    seqlens = np.array([0, 13, 40]) if Lnew else np.array([1, 13, 40])
-    q = rng.standard_normal((B, Hq, Lq, D)).astype(np.float32)
-    kw = {} if not Lnew else dict(
-        k=rng.standard_normal((B, Hkv, Lnew, D)).astype(np.float32),
-        v=rng.standard_normal((B, Hkv, Lnew, D)).astype(np.float32))
-    plan_kw = {n: a for n, a in CALLS[call].items() if n not in ("sinks", "return_lse")}
-    run_kw = {n: a for n, a in CALLS[call].items() if n in ("sinks", "return_lse")}
-    plan = fastattn.plan_kvcache(cache_seqlens=seqlens, **plan_kw)
-    plan.compiled = compiled
-    got = plan.run(q, cache["k_cache"], cache["v_cache"], kw.get("k"), kw.get("v"),
-                   k_scale=cache["k_scale"], v_scale=cache["v_scale"], **run_kw)
-    assert_same_bits(got, per_sequence(q, cache, seqlens + Lnew, CALLS[call]))
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "checked"])
 def test_append_writes_the_oracles_bytes_in_place(rng, fmt, compiled):
     B, Hkv, D, Dv, Lmax, Lnew = 3, 2, 64, 32, 20, 3
@@ -315,134 +241,6 @@ def test_append_writes_the_oracles_bytes_in_place(rng, fmt, compiled):
             old = np.ones(Lmax, bool)
             old[new] = False
             np.testing.assert_array_equal(cache[name][b, :, old], before[name][b, :, old])
-
-
-def test_serving_calls_run_compiled(rng, monkeypatch):
-    # A decode step's call over each new format never reaches the checked path.
-    def refuse(*args):
-        raise AssertionError("the checked path ran")
-
-    for fmt in ["q4_0"] + ([] if ml_dtypes is None else ["float8_e4m3fn", "float8_e5m2"]):
-        for per_head in (True, False):
-            cache = make_cache(rng, fmt, 2, 2, 24, 64, per_head=per_head)
-            pools, table = paged(cache, 4, rng)
-            plan = fastattn.plan_kvcache(cache_seqlens=[4, 11], block_table=table, causal=True)
-            monkeypatch.setattr(type(plan), "_run_checked", refuse)
-            q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
-            k, v = (rng.standard_normal((2, 2, 1, 64)).astype(np.float32) for _ in range(2))
-            out = plan.run(q, pools["k_cache"], pools["v_cache"], k, v,
-                           k_scale=pools["k_scale"], v_scale=pools["v_scale"])
-            assert out.shape == (2, 4, 1, 64) and np.isfinite(out).all()
-            monkeypatch.undo()
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("page", [1, 3, 16])
-@pytest.mark.parametrize("pool_layout", [False, True], ids=["heads-first", "swapaxes"])
-def test_paged_equals_contiguous_bit_for_bit(rng, fmt, page, pool_layout):
-    B, Hq, Hkv, D, Lmax, Lnew = 3, 6, 2, 64, 50, 2
-    cache = make_cache(rng, fmt, B, Hkv, Lmax, D)
-    pools, table = paged(cache, page, rng, pool_layout=pool_layout)
-    seqlens = np.array([7, 0, 48])
-    q = rng.standard_normal((B, Hq, 2, D)).astype(np.float32)
-    k, v = (rng.standard_normal((B, Hkv, Lnew, D)).astype(np.float32) for _ in range(2))
-    kwargs = dict(k=k, v=v, cache_seqlens=seqlens, causal=True, return_lse=True)
-    want = fastattn.attention_with_kvcache(q, **cache, **kwargs)
-    got = fastattn.attention_with_kvcache(q, **pools, **kwargs, block_table=table)
-    assert_same_bits(got, want)
-    rows = {n: a for n, a in pools.items() if a.ndim == 4}
-    back = contiguous_from(rows, table, B, Lmax)             # the pages hold the new rows
-    for b in range(B):
-        n = seqlens[b] + Lnew
-        for name in rows:
-            np.testing.assert_array_equal(back[name][b, :, :n].view(np.uint8),
-                                          cache[name][b, :, :n].view(np.uint8))
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_bits_do_not_depend_on_batch_or_threads(rng, fmt):
-    B, Hq, Hkv, D, Lmax = 4, 8, 2, 64, 300
-    cache = make_cache(rng, fmt, B, Hkv, Lmax, D)
-    pools, table = paged(cache, 16, rng)
-    seqlens = np.array([299, 1, 150, 64])
-    q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
-    call = dict(**pools, cache_seqlens=seqlens, block_table=table, causal=True)
-    with fastattn.num_threads(2):
-        both = fastattn.attention_with_kvcache(q, **call)
-    with fastattn.num_threads(1):
-        one = fastattn.attention_with_kvcache(q, **call)
-    assert_same_bits(one, both)
-    for b in range(B):
-        alone = fastattn.attention_with_kvcache(q[b:b + 1], **{
-            **call, "cache_seqlens": seqlens[b:b + 1], "block_table": table[b:b + 1]})
-        assert_same_bits(alone[0], both[b])
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("page", [None, 7])
-def test_decode_over_long_caches_has_the_bits_of_attention_over_own_keys(rng, fmt, group,
-                                                                         page):
-    # Decode tiles (up to 8 query rows of a kv head) read the rows in place; Dv != D.
-    B, Hkv, D, Dv, Lmax = 2, 2, 64, 96, 200
-    cache = make_cache(rng, fmt, B, Hkv, Lmax, D, Dv)
-    seqlens = np.array([199, 77])
-    q = rng.standard_normal((B, Hkv * group, 1, D)).astype(np.float32)
-    call = dict(cache)
-    if page:
-        call, table = paged(call, page, rng)
-        call["block_table"] = table
-    got = fastattn.attention_with_kvcache(q, **call, cache_seqlens=seqlens, causal=True)
-    assert_same_bits(got, per_sequence(q, cache, seqlens, dict(causal=True)))
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("page", [None, 5])
-def test_decode_steps_give_the_prefill_rows(rng, fmt, page):
-    B, Hq, Hkv, D, L, Lmax = 2, 4, 2, 32, 12, 20
-    cache = make_cache(rng, fmt, B, Hkv, Lmax, D)
-    q = rng.standard_normal((B, Hq, L, D)).astype(np.float32)
-    k, v = (rng.standard_normal((B, Hkv, L, D)).astype(np.float32) for _ in range(2))
-    table = None
-    if page:
-        cache, table = paged(cache, page, rng)
-    pre = {n: a.copy() for n, a in cache.items()}
-    seqlens = np.array([3, 0])
-    prefill = fastattn.attention_with_kvcache(q, **pre, k=k, v=v,
-                                              cache_seqlens=seqlens, block_table=table,
-                                              causal=True)
-    for i in range(L):
-        step = fastattn.attention_with_kvcache(q[:, :, i:i + 1], **cache,
-                                               k=k[:, :, i:i + 1], v=v[:, :, i:i + 1],
-                                               cache_seqlens=seqlens + i, block_table=table,
-                                               causal=True)
-        assert_same_bits(step, prefill[:, :, i:i + 1])
-    for name in cache:                                       # both wrote the same bytes
-        np.testing.assert_array_equal(cache[name].view(np.uint8), pre[name].view(np.uint8))
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kind", ["mha", "gqa"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_within_flash_rule_of_float64_over_dequantised_cache(fmt, kind, causal):
-    torch = import_optional("torch")
-    from test_flash_rule import torch_float32
-    rng = np.random.default_rng(3)
-    B, Hq, D, Lmax = 3, 8, 128, 300
-    Hkv = 8 if kind == "mha" else 2
-    cache = make_cache(rng, fmt, B, Hkv, Lmax, D)
-    seqlens = np.array([299, 147, 40])
-    q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
-    out = fastattn.attention_with_kvcache(q, **cache, cache_seqlens=seqlens, causal=causal)
-    for b in range(B):
-        k, v = own_keys(cache, b, seqlens[b])
-        ref = reference.attention(q[b].astype(np.float64), k.astype(np.float64),
-                                  v.astype(np.float64), causal=causal)
-        pt = torch_float32(torch, q[b:b + 1], k[None], v[None], causal, None)[0]
-        r32 = ref.astype(np.float32)
-        noise = 2 * float(np.abs((r32 + np.float32(0.3) - np.float32(0.3)) - r32).max())
-        err, err_pt = np.abs(out[b] - ref).max(), np.abs(pt - ref).max()
-        assert err <= 2 * err_pt + noise, (b, err, err_pt, noise)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -545,7 +343,8 @@ def test_good_calls_are_accepted(fmt):
     rng = np.random.default_rng(5)
     cache = make_cache(rng, fmt, 2, 2, 16, 32)
     out = fastattn.attention_with_kvcache(**_BASE, **cache)
-    assert_same_bits(out, per_sequence(_BASE["q"], cache, _BASE["cache_seqlens"] + 1, {}))
+    want = kvcache_tests._per_sequence(_BASE["q"], cache, _BASE["cache_seqlens"] + 1, {})
+    assert_same_bits(out, want)
 
 
 # --------------------------------------------------------------------------- KVCache, layers
@@ -653,7 +452,7 @@ def test_torch_call_appends_into_the_tensors(rng, fmt, page):
     cache = make_cache(rng, fmt, B, Hkv, 16, D)
     table = None
     if page:
-        cache, table = paged(cache, 4, rng)
+        cache, table = paged_from(cache, 4, rng)
     arrays = {n: a.copy() for n, a in cache.items()}                # the NumPy twin
     torch_fp8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 

@@ -1,5 +1,6 @@
-"""Serving caches: ``attention_with_kvcache`` (contiguous and paged, float and q8_0, appended
-in place, rotated on append) and the q8_0 format.
+"""Serving caches: ``attention_with_kvcache`` (contiguous and paged, float and quantised --
+q8_0, q4_0, fp8 --, appended in place, rotated on append) and the q8_0 format (the q4_0 and
+fp8 formats' bytes: tests/test_cache_formats.py).
 
 What the tests pin, each against an independent oracle:
 
@@ -12,8 +13,8 @@ What the tests pin, each against an independent oracle:
   layout, batch or thread count; a decode step gives the bits of the prefill row;
 - rotary embedding follows FlashAttention's rule, written out here in float64;
 - every bad input is refused before anything is written (the cache bytes are compared);
-- q8_0 caches lose only what quantisation loses: FlashAttention's float32 rule against
-  float64 attention over the dequantised cache (with torch; skipped without it).
+- quantised caches lose only what quantisation loses: FlashAttention's float32 rule
+  against float64 attention over the dequantised cache (with torch; skipped without it).
 """
 import itertools
 import pickle
@@ -36,6 +37,11 @@ except ImportError:
 needs_bf16 = pytest.mark.skipif(ml_dtypes is None, reason="bfloat16 needs ml_dtypes")
 FLOAT_CACHES = [np.float32, np.float64, np.float16,
                 pytest.param(BF16, id="bfloat16", marks=needs_bf16)]
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+# The quantised formats: llama.cpp's blocks, and fp8 (test_cache_formats.py pins their bytes)
+QUANT_CACHES = ["q8_0", "q4_0"] + [
+    pytest.param(n, marks=pytest.mark.skipif(ml_dtypes is None, reason="fp8 needs ml_dtypes"))
+    for n in FP8]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -52,26 +58,54 @@ def gguf_q8_0(x):
 
 def make_cache(rng, B, Hkv, Lmax, D, Dv=None, dtype=np.float32):
     """A contiguous cache pair filled with standard normal values (rows beyond each
-    sequence's length are stale data, as in a server)."""
+    sequence's length are stale data, as in a server): q8_0 and q4_0 with their block
+    scales, fp8 with float32 scales per kv head (ml_dtypes' rounding, clipped)."""
     Dv = D if Dv is None else Dv
-    if dtype == "q8_0":
+    if isinstance(dtype, str):
         k, v = (rng.standard_normal((B, Hkv, Lmax, d)).astype(np.float32) for d in (D, Dv))
-        (kq, ks), (vq, vs) = fastattn.quantize_q8_0(k), fastattn.quantize_q8_0(v)
+    if dtype in ("q8_0", "q4_0"):
+        quantize = fastattn.quantize_q8_0 if dtype == "q8_0" else fastattn.quantize_q4_0
+        (kq, ks), (vq, vs) = quantize(k), quantize(v)
         return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
+    if dtype in FP8:
+        ks, vs = (rng.uniform(0.01, 0.5, Hkv).astype(np.float32) for _ in range(2))
+        return dict(k_cache=ml_fp8(k, ks, dtype), v_cache=ml_fp8(v, vs, dtype), k_scale=ks,
+                    v_scale=vs)
     return dict(k_cache=rng.standard_normal((B, Hkv, Lmax, D)).astype(dtype),
                 v_cache=rng.standard_normal((B, Hkv, Lmax, Dv)).astype(dtype))
+
+
+def ml_fp8(x, scale, name):
+    """``x / scale`` (float32) as ml_dtypes' fp8 ``name``, clipped first to its largest
+    finite value (vLLM saturates; ml_dtypes' cast alone would not); ``scale`` () or per
+    head (axis -3)."""
+    dt = np.dtype(getattr(ml_dtypes, name))
+    top = float(ml_dtypes.finfo(dt).max)
+    s = np.asarray(scale, np.float32)
+    s = s if s.ndim == 0 else s[:, None, None]
+    with np.errstate(over="ignore"):                         # x / scale may overflow: inf
+        return np.clip(np.asarray(x, np.float32) / s, -top, top).astype(dt)
+
+
+def ml_fp8_values(values, scale):
+    """The float32 numbers fp8 ``values`` with ``scale`` hold, by ml_dtypes' cast."""
+    s = np.asarray(scale, np.float32)
+    return values.astype(np.float32) * (s if s.ndim == 0 else s[:, None, None])
 
 
 def paged_from(cache, page, rng, *, spare=3, pool_layout=False):
     """The same cache as a shuffled pool of pages and a block table: returns
     ``(pool_kwargs, block_table)``; ``pool_layout`` stores the pool as
-    ``(num_pages, page, Hkv, D)`` and passes its swapaxes view."""
+    ``(num_pages, page, Hkv, D)`` and passes its swapaxes view.  fp8 scales (one per kv
+    head) stay as they are."""
     B, Hkv, Lmax = cache["k_cache"].shape[:3]
     n = -(-Lmax // page)
     num_pages = B * n + spare
     table = rng.permutation(num_pages)[:B * n].reshape(B, n).astype(np.int32)
-    pools = {}
+    pools = {name: a for name, a in cache.items() if a.ndim != 4}
     for name, a in cache.items():
+        if a.ndim != 4:
+            continue
         last = a.shape[-1]
         pool = np.full((num_pages, page, Hkv, last) if pool_layout else
                        (num_pages, Hkv, page, last), 7, a.dtype)
@@ -87,8 +121,10 @@ def paged_from(cache, page, rng, *, spare=3, pool_layout=False):
 def contiguous_from(pools, table, B, Lmax):
     """The pool read back sequence by sequence, ``(B, Hkv, Lmax, last)`` (the oracle of the
     paged writes)."""
-    out = {}
+    out = {name: a for name, a in pools.items() if a.ndim != 4}
     for name, pool in pools.items():
+        if pool.ndim != 4:
+            continue
         page = pool.shape[2]
         seqs = [np.concatenate([pool[p] for p in table[b]], axis=1)[:, :Lmax] for b in range(B)]
         out[name] = np.stack(seqs)
@@ -96,11 +132,15 @@ def contiguous_from(pools, table, B, Lmax):
 
 
 def own_keys(cache, b, n):
-    """Sequence ``b``'s first ``n`` keys and values as float arrays (dequantised for q8_0)."""
+    """Sequence ``b``'s first ``n`` keys and values as float arrays (dequantised for the
+    quantised formats: ml_dtypes' cast times the scale for fp8)."""
     k, v = cache["k_cache"][b, :, :n], cache["v_cache"][b, :, :n]
+    if k.dtype.name in FP8:
+        return ml_fp8_values(k, cache["k_scale"]), ml_fp8_values(v, cache["v_scale"])
     if "k_scale" in cache:
-        k = fastattn.dequantize_q8_0(k, cache["k_scale"][b, :, :n])
-        v = fastattn.dequantize_q8_0(v, cache["v_scale"][b, :, :n])
+        dequantize = fastattn.dequantize_q8_0 if k.dtype == np.int8 else fastattn.dequantize_q4_0
+        k = dequantize(k, cache["k_scale"][b, :, :n])
+        v = dequantize(v, cache["v_scale"][b, :, :n])
     return k, v
 
 
@@ -229,7 +269,7 @@ def assert_same_bits(got, want):
 
 
 @pytest.mark.parametrize("call", CALLS)
-@pytest.mark.parametrize("dtype", FLOAT_CACHES + ["q8_0"])
+@pytest.mark.parametrize("dtype", FLOAT_CACHES + QUANT_CACHES)
 @pytest.mark.parametrize("Lq, Lnew", [(1, 1), (3, 3), (1, 0), (4, 2)])
 def test_rows_have_the_bits_of_attention_over_own_keys(rng, call, dtype, Lq, Lnew):
     B, Hq, Hkv, D, Lmax = 3, 4, 2, 64, 48
@@ -281,7 +321,7 @@ def test_q8_0_append_writes_gguf_blocks(rng):
         np.testing.assert_array_equal(cache[scales].view(np.uint16), ws.view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, "q8_0"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16] + QUANT_CACHES)
 @pytest.mark.parametrize("page", [1, 3, 16, 64])
 @pytest.mark.parametrize("pool_layout", [False, True], ids=["heads-first", "swapaxes"])
 def test_paged_equals_contiguous_bit_for_bit(rng, dtype, page, pool_layout):
@@ -299,8 +339,10 @@ def test_paged_equals_contiguous_bit_for_bit(rng, dtype, page, pool_layout):
     back = contiguous_from(pools, table, B, Lmax)
     for b in range(B):
         n = seqlens[b] + Lnew
-        for name in cache:
-            np.testing.assert_array_equal(back[name][b, :, :n], cache[name][b, :, :n])
+        for name, a in cache.items():
+            if a.ndim == 4:
+                np.testing.assert_array_equal(back[name][b, :, :n].view(np.uint8),
+                                              a[b, :, :n].view(np.uint8))
 
 
 def test_unused_block_table_entries_and_stale_rows_are_never_read(rng):
@@ -320,7 +362,7 @@ def test_unused_block_table_entries_and_stale_rows_are_never_read(rng):
     assert_same_bits(got, want)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, "q8_0"])
+@pytest.mark.parametrize("dtype", [np.float32] + QUANT_CACHES)
 def test_bits_do_not_depend_on_batch_or_threads(rng, dtype):
     B, Hq, Hkv, D, Lmax = 4, 8, 2, 64, 300
     cache = make_cache(rng, B, Hkv, Lmax, D, dtype=dtype)
@@ -356,7 +398,9 @@ def _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv):
 
 # q8_0 needs Dv a multiple of 32; paged float V rows are read by pointer when Dv is a
 # multiple of two vectors, else copied (Dv 40).
-LONG_CACHE_DTYPES = [("q8_0", 96)] + [
+LONG_CACHE_DTYPES = [("q8_0", 96), ("q4_0", 96)] + [
+    pytest.param(n, 96, marks=pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes"))
+    for n in FP8] + [
     pytest.param(dt, dv, id=f"{name}-{dv}", marks=marks)
     for name, dt, marks in (("float16", np.float16, ()), ("float32", np.float32, ()),
                             ("bfloat16", BF16, needs_bf16))
@@ -393,7 +437,7 @@ def test_decode_over_long_caches_has_the_bits_of_attention_over_own_keys(rng, dt
         assert_same_bits(got, _per_sequence(q, flat, seqlens, kw))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, "q8_0"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16] + QUANT_CACHES)
 @pytest.mark.parametrize("page", [None, 5])
 def test_decode_steps_give_the_prefill_rows(rng, dtype, page):
     B, Hq, Hkv, D, L = 2, 4, 2, 32, 12
@@ -415,7 +459,7 @@ def test_decode_steps_give_the_prefill_rows(rng, dtype, page):
                                                block_table=table, causal=True)
         assert_same_bits(step, prefill[:, :, i:i + 1])
     for name in cache:                        # both wrote the same cache bytes
-        np.testing.assert_array_equal(cache[name], pre[name])
+        np.testing.assert_array_equal(cache[name].view(np.uint8), pre[name].view(np.uint8))
 
 
 def test_empty_batch_and_empty_sequences(rng):
@@ -649,20 +693,29 @@ def test_good_base_call_is_accepted():
 
 # --------------------------------------------------------------------------- accuracy
 
+@pytest.mark.parametrize("dtype", QUANT_CACHES)
 @pytest.mark.parametrize("kind", ["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_q8_0_within_flash_rule_of_float64_over_dequantised_cache(kind, causal):
-    torch = import_optional("torch")
-    from test_flash_rule import torch_float32
+def test_quantised_within_flash_rule_of_float64_over_dequantised_cache(dtype, kind, causal):
+    import_optional("torch")
     rng = np.random.default_rng(3)
     B, Hq, D, Lmax = 3, 8, 128, 300
     Hkv = 8 if kind == "mha" else 2
-    cache = make_cache(rng, B, Hkv, Lmax, D, dtype="q8_0")
+    cache = make_cache(rng, B, Hkv, Lmax, D, dtype=dtype)
     seqlens = np.array([299, 147, 40])
     q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
     out = fastattn.attention_with_kvcache(q, **cache, cache_seqlens=seqlens, causal=causal)
-    for b in range(B):
-        k, v = own_keys(cache, b, seqlens[b])
+    assert_within_flash_rule(out, q, [own_keys(cache, b, n) for b, n in enumerate(seqlens)],
+                             causal)
+
+
+def assert_within_flash_rule(out, q, keys, causal):
+    """Each sequence's rows of ``out`` within FlashAttention's float32 rule: at most twice
+    torch's float32 error against float64 attention over that sequence's ``keys[b]``
+    (``(k, v)``, the cache's own values), plus the rounding noise of float32 itself."""
+    torch = import_optional("torch")
+    from test_flash_rule import torch_float32
+    for b, (k, v) in enumerate(keys):
         ref = reference.attention(q[b].astype(np.float64), k.astype(np.float64),
                                   v.astype(np.float64), causal=causal)
         pt = torch_float32(torch, q[b:b + 1], k[None], v[None], causal, None)[0]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from test_kvcache import assert_same_bits
+from test_kvcache import FP8, QUANT_CACHES, assert_same_bits, ml_fp8
 
 try:
     import ml_dtypes
@@ -43,9 +43,14 @@ def _caches(rng, dtype, B, Hkv, Lmax, D, Dv, page=None):
         table = order[:B * per_seq].reshape(B, per_seq).astype(np.int32)
         shape = (B * per_seq + 2, Hkv, page)
     k, v = (rng.standard_normal(shape + (d,)).astype(np.float32) for d in (D, Dv))
-    if dtype == "q8_0":
-        (kq, ks), (vq, vs) = fastattn.quantize_q8_0(k), fastattn.quantize_q8_0(v)
+    if dtype in ("q8_0", "q4_0"):
+        quantize = fastattn.quantize_q8_0 if dtype == "q8_0" else fastattn.quantize_q4_0
+        (kq, ks), (vq, vs) = quantize(k), quantize(v)
         return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs), table
+    if dtype in FP8:
+        ks, vs = np.float32(0.05), rng.uniform(0.01, 0.5, Hkv).astype(np.float32)
+        return dict(k_cache=ml_fp8(k, ks, dtype), v_cache=ml_fp8(v, vs, dtype), k_scale=ks,
+                    v_scale=vs), table
     return dict(k_cache=k.astype(dtype), v_cache=v.astype(dtype)), table
 
 
@@ -77,7 +82,7 @@ def _rotary(max_pos, rotary_dim, dtype=np.float64):
 
 
 CASES = list(itertools.product(
-    DTYPES + ["q8_0"],                        # cache
+    DTYPES + ["q8_0", "q4_0"] + (list(FP8) if ml_dtypes is not None else []),   # cache
     [None, 4],                                # page
     [0, 1, 3],                                # Lnew
     ["plain", "rotary", "interleaved", "modifiers"]))
@@ -280,7 +285,7 @@ def _gather(cache, table, page, n):
     return np.stack(pages)
 
 
-@pytest.mark.parametrize("cache_dtype", DTYPES + ["q8_0"])
+@pytest.mark.parametrize("cache_dtype", DTYPES + QUANT_CACHES)
 @pytest.mark.parametrize("page", [None, 4])
 def test_serving_calls_run_compiled(rng, monkeypatch, cache_dtype, page):
     # The calls a server makes -- decode with an append, rotary, sinks, out, lse -- never
