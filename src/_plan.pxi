@@ -588,7 +588,7 @@ cdef class KVCachePlanBase:
 
 
 def quantize_rows(cnp.ndarray x, cnp.ndarray values, cnp.ndarray scales):
-    """Quantise rows (fastattn._q8_0, _q4_0, _fp8): ``x`` float32, float16 or bfloat16
+    """Quantise rows (fastattn._quant): ``x`` float32, float16 or bfloat16
     ``(n, D)``, D a multiple of 32 for q8_0 and q4_0, into ``values`` ``(n, row bytes)`` of
     a quantised cache's dtype (int8: q8_0, uint8: q4_0, D / 2 bytes a row, ml_dtypes'
     float8_e4m3fn / float8_e5m2: fp8) and ``scales``: float16 ``(n, D // 32)`` written for
