@@ -486,17 +486,9 @@ FA_INLINE void fa_pv_quant_cols(const int kind, const float* p, ptrdiff_t ldp, p
         fa_vf xv[8];
         fa_quant_vloads(kind, vr[j], c0, nv, xv);
         for (int i = 0; i < nv; i++) xv[i] *= fa_bcast_f(d[i * FA_VL_F / 32]);
-        for (int r = 0; r < nr; r++) {
-            const fa_vf b = fa_bcast_f(p[j * ldp + r]);
-            for (int i = 0; i < nv; i++) c[r][i] += b * xv[i];
-        }
+        fa_pv_add_key_f(c, p + j * ldp, xv, nr, nv);
     }
-    for (int r = 0; r < nr; r++) {
-        const fa_vf a = fa_bcast_f(alpha[r]);
-        float* acc_r = acc + r * ldacc + c0;
-        for (int i = 0; i < nv; i++)
-            fa_store_f(acc_r + i * FA_VL_F, fa_load_f(acc_r + i * FA_VL_F) * a + c[r][i]);
-    }
+    fa_pv_finish_f(c, acc + c0, ldacc, alpha, nr, nv);
 }
 
 /* acc = acc * alpha + P V over all Dv columns (a multiple of 32) for nr rows (1 or 4), V
