@@ -58,18 +58,38 @@ FA_INLINE float fa_quant_level(const int kind, const uint8_t* row, ptrdiff_t d)
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-/* The bytes of values d0 .. d0 + VL of a row (d0 a multiple of VL), in the low VL bytes. */
-FA_INLINE __m128i fa_quant_bytes(const int kind, const uint8_t* row, ptrdiff_t d0)
+/* The stored bytes that hold values d0 .. d0 + VL of a row (d0 a multiple of VL), in the
+ * low VL bytes: q4_0's still packed (see fa_q4_0_unpack). */
+FA_INLINE __m128i fa_quant_raw(const int kind, const uint8_t* row, ptrdiff_t d0)
 {
     const uint8_t* p = row + (kind == FA_STORE_Q4_0 ? fa_q4_0_byte(d0) : d0);
 #if FA_VBYTES == 64
-    __m128i x = _mm_loadu_si128((const __m128i*)p);
+    return _mm_loadu_si128((const __m128i*)p);
 #else
-    __m128i x = _mm_loadl_epi64((const __m128i*)p);
+    return _mm_loadl_epi64((const __m128i*)p);
 #endif
-    if (kind != FA_STORE_Q4_0) return x;
-    if (d0 & 16) x = _mm_srli_epi16(x, 4);
+}
+
+/* q4_0 bytes as int8 values: their low nibbles (values j of their blocks), or with hi
+ * their high ones (values j + 16), less 8. */
+FA_INLINE __m128i fa_q4_0_unpack(__m128i x, const int hi)
+{
+    if (hi) x = _mm_srli_epi16(x, 4);
     return _mm_sub_epi8(_mm_and_si128(x, _mm_set1_epi8(15)), _mm_set1_epi8(8));
+}
+#if FA_VBYTES == 64
+FA_INLINE __m512i fa_q4_0_unpack64(__m512i x, const int hi)
+{
+    if (hi) x = _mm512_srli_epi16(x, 4);
+    return _mm512_sub_epi8(_mm512_and_si512(x, _mm512_set1_epi8(15)), _mm512_set1_epi8(8));
+}
+#endif
+
+/* The bytes of values d0 .. d0 + VL of a row, q4_0's unpacked. */
+FA_INLINE __m128i fa_quant_bytes(const int kind, const uint8_t* row, ptrdiff_t d0)
+{
+    const __m128i x = fa_quant_raw(kind, row, d0);
+    return kind == FA_STORE_Q4_0 ? fa_q4_0_unpack(x, d0 & 16) : x;
 }
 
 /* VL 16-bit lanes (fp8 bytes widened, then float16 bits). */
@@ -196,11 +216,12 @@ FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t
                              fa_quant_blk* u)
 {
     __m512i z[4];
-    for (int r = 0; r < 4; r++) {
-        __m512i x = _mm512_castsi128_si512(fa_quant_bytes(kind, kr[r], d0));
-        x = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[4 + r], d0), 1);
-        x = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[8 + r], d0), 2);
-        z[r] = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[12 + r], d0), 3);
+    for (int r = 0; r < 4; r++) {   /* (q4_0's nibbles unpacked 64 at a time) */
+        __m512i x = _mm512_castsi128_si512(fa_quant_raw(kind, kr[r], d0));
+        x = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[4 + r], d0), 1);
+        x = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[8 + r], d0), 2);
+        z[r] = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[12 + r], d0), 3);
+        if (kind == FA_STORE_Q4_0) z[r] = fa_q4_0_unpack64(z[r], d0 & 16);
     }
     u->nan = 0;
     if (kind == FA_STORE_E4M3) {   /* any e4m3fn NaN in the block (see fa_quant_widen) */
