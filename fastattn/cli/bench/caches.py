@@ -25,7 +25,7 @@ def store(fa, dtype, k, v):
     if dtype == "fp8":
         (kq, ks), (vq, vs) = _fp8(k), _fp8(v)
     else:
-        quantize = {"q8_0": fa.quantize_q8_0, "q4_0": fa.quantize_q4_0}[dtype]
+        quantize = getattr(fa, f"quantize_{dtype}")      # q8_0, q4_0
         (kq, ks), (vq, vs) = quantize(k), quantize(v)
     return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
 
@@ -36,5 +36,5 @@ def stored_values(fa, dtype, cache):
     if dtype == "fp8":
         return tuple(x.astype(np.float64) * s.astype(np.float64)[:, None, None]
                      for x, s in pairs)
-    dequantize = {"q8_0": fa.dequantize_q8_0, "q4_0": fa.dequantize_q4_0}[dtype]
+    dequantize = getattr(fa, f"dequantize_{dtype}")
     return tuple(np.asarray(dequantize(x, s), np.float64) for x, s in pairs)
