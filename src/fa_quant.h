@@ -94,7 +94,6 @@ FA_INLINE __m128i fa_quant_bytes(const int kind, const uint8_t* row, ptrdiff_t d
 
 /* VL 16-bit lanes (fp8 bytes widened, then float16 bits). */
 typedef uint16_t fa_vh16 __attribute__((vector_size(2 * FA_VL_F)));
-typedef int16_t fa_vh16i __attribute__((vector_size(2 * FA_VL_F)));
 
 /* Whether any of the low VL bytes of b is an e4m3fn NaN (S.1111.111). */
 FA_INLINE int fa_e4m3_nan(__m128i b)
@@ -180,14 +179,24 @@ FA_INLINE float fa_quant_scale(const int kind, const uint16_t* bscale, float fsc
     return FA_BLOCK_SCALED(kind) ? fa_f16_to_f32(bscale[c / 32]) : fscale;
 }
 
+FA_INLINE void fa_dequant_row_body(const int kind, const uint8_t* __restrict x,
+                                   const uint16_t* __restrict bscale, float fscale,
+                                   ptrdiff_t n, float* __restrict y)
+{
+    ptrdiff_t c = 0;
+    for (; c + FA_VL_F <= n; c += FA_VL_F)
+        fa_store_f(y + c, fa_quant_vload(kind, x, c)
+                              * fa_bcast_f(fa_quant_scale(kind, bscale, fscale, c)));
+    for (; c < n; c++) y[c] = fa_quant_level(kind, x, c) * fa_quant_scale(kind, bscale, fscale, c);
+}
+
 static void fa_dequant_row_f(int kind, const uint8_t* __restrict x,
                              const uint16_t* __restrict bscale, float fscale, ptrdiff_t n,
                              float* __restrict y)
 {
-    ptrdiff_t c = 0;
-    for (; c + FA_VL_F <= n; c += FA_VL_F)
-        fa_store_f(y + c, fa_quant_vload(kind, x, c) * fa_bcast_f(fa_quant_scale(kind, bscale, fscale, c)));
-    for (; c < n; c++) y[c] = fa_quant_level(kind, x, c) * fa_quant_scale(kind, bscale, fscale, c);
+#define FA_CASE(NAME, KIND) case KIND: fa_dequant_row_body(KIND, x, bscale, fscale, n, y); return;
+    switch (kind) { FA_QUANT_KINDS(FA_CASE) }
+#undef FA_CASE
 }
 
 /* In double compute the product is exact (at most 4 + 24 significant bits). */
