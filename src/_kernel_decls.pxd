@@ -45,45 +45,41 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_key_interval(Py_ssize_t i, Py_ssize_t Lq, Py_ssize_t kv_len, int causal,
                          Py_ssize_t wl, Py_ssize_t wr, Py_ssize_t* lo, Py_ssize_t* hi)
 
-    # score micro-tiles: 6 keys x 2 vectors, 6 x 1, 4 x 2 (query rows as lanes)
-    void fa_score_tile_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
-                         float scale, float* s, Py_ssize_t lds)
-    void fa_score_tile_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
-                         double scale, double* s, Py_ssize_t lds)
-    void fa_score_tile1_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
-                          float scale, float* s, Py_ssize_t lds)
-    void fa_score_tile1_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
-                          double scale, double* s, Py_ssize_t lds)
-    void fa_score_tile4_f(const float** kr, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
-                          float scale, float* s, Py_ssize_t lds)
-    void fa_score_tile4_d(const double** kr, const double* qt, Py_ssize_t ldqt, Py_ssize_t D,
-                          double scale, double* s, Py_ssize_t lds)
-
-    # decode score kernels (keys as lanes), 1/2/4/8 query rows per pass
-    void fa_score_keyrows1_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows2_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows4_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows8_f(const float** kr, Py_ssize_t ldk, int nk, const float* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows1_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows2_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows4_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows8_d(const double** kr, Py_ssize_t ldk, int nk, const double* qt,
-                             Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
-                             Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    # the micro-kernels by storage kind and tile size (fa_dispatch.h)
+    void fa_score_micro_f(int nvec, Py_ssize_t mk, const void** kr, const float* qt,
+                          Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
+    void fa_score_micro_d(int nvec, Py_ssize_t mk, const void** kr, const double* qt,
+                          Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                          Py_ssize_t lds)
+    void fa_decode_scores_f(int kind, int nr, const void** kr, Py_ssize_t ldk, int nk,
+                            const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale,
+                            float* s, Py_ssize_t lds, int nstore, const char** pf,
+                            Py_ssize_t pf_bytes)
+    void fa_decode_scores_d(int nr, const void** kr, Py_ssize_t ldk, int nk, const double* qt,
+                            Py_ssize_t ldqt, Py_ssize_t D, double scale, double* s,
+                            Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
+    void fa_decode_scores_gqa4(int kind, const void** kr, Py_ssize_t ldk, const float* qt,
+                               Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
+                               Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes,
+                               int npass)
+    void fa_output_tile_f(int kind, Py_ssize_t nrows, const float* p, Py_ssize_t ldp,
+                          Py_ssize_t nj, const void* v, Py_ssize_t ldv, float* acc,
+                          Py_ssize_t ldacc, const float* alpha)
+    void fa_output_tile_d(Py_ssize_t nrows, const double* p, Py_ssize_t ldp, Py_ssize_t nj,
+                          const void* v, Py_ssize_t ldv, double* acc, Py_ssize_t ldacc,
+                          const double* alpha)
+    void fa_output_wide_f(int kind, int nr, const float* p, Py_ssize_t ldp, Py_ssize_t nj,
+                          const void* v, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
+                          const float* alpha, const char* pf, Py_ssize_t pf_stride,
+                          Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+    void fa_output_wide_d(int nr, const double* p, Py_ssize_t ldp, Py_ssize_t nj,
+                          const void* v, Py_ssize_t ldv, double* acc, Py_ssize_t ldacc,
+                          const double* alpha, const char* pf, Py_ssize_t pf_stride,
+                          Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
+    void fa_output_rows_ptr(int kind, const float* p, Py_ssize_t ldp, Py_ssize_t nj,
+                            const void* const* vr, Py_ssize_t Dv, float* acc,
+                            Py_ssize_t ldacc, const float* alpha, int nr, const char* const* pf,
+                            Py_ssize_t npf)
 
     void fa_hide_keys_f(float* s, Py_ssize_t lds, Py_ssize_t nk, int nvec)
     void fa_hide_keys_d(double* s, Py_ssize_t lds, Py_ssize_t nk, int nvec)
@@ -108,86 +104,6 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pack_qt_f(const float* const* rows, Py_ssize_t D, float* qt, Py_ssize_t ldqt)
     void fa_pack_qt_d(const double* const* rows, Py_ssize_t D, double* qt, Py_ssize_t ldqt)
 
-    # output micro-tiles: 6 rows x 2 vectors, 1 x 2, 4 rows x 4 vectors, 1 row x 8 vectors
-    void fa_pv_tile_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
-                      Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
-    void fa_pv_tile_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
-                      Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha)
-    void fa_pv_tile1_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
-                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
-    void fa_pv_tile1_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
-                       Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha)
-    void fa_pv_rows4_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
-                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
-                       const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
-                       Py_ssize_t pf_bytes)
-    void fa_pv_rows4_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
-                       Py_ssize_t ldv, double* acc, Py_ssize_t ldacc, const double* alpha,
-                       const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
-                       Py_ssize_t pf_bytes)
-    void fa_pv_row8_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* v,
-                      Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
-                      Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
-    void fa_pv_row8_d(const double* p, Py_ssize_t ldp, Py_ssize_t nj, const double* v,
-                      Py_ssize_t ldv, double* acc, const double* alpha, const char* pf,
-                      Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
-
-    # the K/V-reading decode kernels for float16 (_fh) and bfloat16 (_fb) K and V
-    void fa_score_keyrows1_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows2_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows4_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows8_fh(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows1_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows2_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows4_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    void fa_score_keyrows8_fb(const uint16_t** kr, Py_ssize_t ldk, int nk, const float* qt,
-                              Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s,
-                              Py_ssize_t lds, int nstore, const char** pf, Py_ssize_t pf_bytes)
-    # npass passes of 4 query rows over a call of 32 16-bit keys, evenly spaced (ldk) or
-    # through row pointers (ldk 0) (builds with FA_HAVE_GQA4_16 only)
-    void fa_score_gqa4_fh(const uint16_t** kr, Py_ssize_t ldk, const float* qt,
-                          Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds,
-                          int nstore, const char** pf, Py_ssize_t pf_bytes, int npass)
-    void fa_score_gqa4_fb(const uint16_t** kr, Py_ssize_t ldk, const float* qt,
-                          Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds,
-                          int nstore, const char** pf, Py_ssize_t pf_bytes, int npass)
-    void fa_pv_tile_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
-    void fa_pv_tile_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                       Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
-    void fa_pv_tile1_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
-    void fa_pv_tile1_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha)
-    void fa_pv_rows4_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
-                        const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
-                        Py_ssize_t pf_bytes)
-    void fa_pv_rows4_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                        Py_ssize_t ldv, float* acc, Py_ssize_t ldacc, const float* alpha,
-                        const char* pf, Py_ssize_t pf_stride, Py_ssize_t pf_rows,
-                        Py_ssize_t pf_bytes)
-    void fa_pv_row8_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                       Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
-                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
-    void fa_pv_row8_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* v,
-                       Py_ssize_t ldv, float* acc, const float* alpha, const char* pf,
-                       Py_ssize_t pf_stride, Py_ssize_t pf_rows, Py_ssize_t pf_bytes)
-
     void fa_softcap_f(float* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, float c)
     void fa_softcap_d(double* s, Py_ssize_t lds, Py_ssize_t nk, int nvec, double c)
     void fa_alibi_f(float* s, Py_ssize_t lds, Py_ssize_t j0, Py_ssize_t nk, const float* nslope,
@@ -202,16 +118,6 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
     void fa_prefetch_l1(const char* p, Py_ssize_t nbytes)
     void fa_prefetch_row(const char* p, Py_ssize_t nbytes, int run_ends, int loc)
-    # the decode output kernel over V rows addressed one pointer per key (paged caches)
-    void fa_pv_ptr_f(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const float* const* vr,
-                     Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
-                     const char* const* pf, Py_ssize_t npf)
-    void fa_pv_ptr_fh(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* const* vr,
-                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
-                      const char* const* pf, Py_ssize_t npf)
-    void fa_pv_ptr_fb(const float* p, Py_ssize_t ldp, Py_ssize_t nj, const uint16_t* const* vr,
-                      Py_ssize_t Dv, float* acc, Py_ssize_t ldacc, const float* alpha, int nr,
-                      const char* const* pf, Py_ssize_t npf)
     # K and V stored in a byte per value or less (fa_quant.h): rows dequantised, and the
     # decode kernels that read them in place
     bint FA_QUANTISED(int kind)
@@ -304,19 +210,9 @@ cdef inline void score_tile(const char** krows, const floating* qt, Py_ssize_t D
     # One score micro-tile of mk (6, or 4 with 2 vectors) keys over 1 or 2 vectors of query
     # rows (identical per-lane arithmetic).
     if floating is float:
-        if nvec == 2 and mk == 4:
-            fa_score_tile4_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
-        elif nvec == 2:
-            fa_score_tile_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
-        else:
-            fa_score_tile1_f(<const float**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        fa_score_micro_f(nvec, mk, <const void**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
     else:
-        if nvec == 2 and mk == 4:
-            fa_score_tile4_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
-        elif nvec == 2:
-            fa_score_tile_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
-        else:
-            fa_score_tile1_d(<const double**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
+        fa_score_micro_d(nvec, mk, <const void**> krows, qt, FA_BQ, D, scale, s, FA_BQ)
 
 
 cdef inline void score_tile_bdp(const char** krows, const uint32_t* qt, Py_ssize_t D,
@@ -336,58 +232,11 @@ cdef inline void score_keyrows(Py_ssize_t nr, const char** krows, Py_ssize_t ldk
     # One decode score pass of nr (8, 4, 2 or 1) query rows over a call of keys (lanes),
     # K stored as `kind` (16-bit kinds with float compute only).
     if floating is float:
-        if kind != FA_STORE_NATIVE:
-            _score_keyrows_16(nr, <const uint16_t**> krows, ldk, nk, qt, ldqt, D, scale, s,
-                              nstore, pf, pf_bytes, kind)
-        elif nr == 8:
-            fa_score_keyrows8_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
-        elif nr == 4:
-            fa_score_keyrows4_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
-        elif nr == 2:
-            fa_score_keyrows2_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
-        else:
-            fa_score_keyrows1_f(<const float**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
+        fa_decode_scores_f(kind, <int> nr, <const void**> krows, ldk, nk, qt, ldqt, D, scale,
+                           s, FA_BQ, nstore, pf, pf_bytes)
     else:
-        if nr == 8:
-            fa_score_keyrows8_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
-        elif nr == 4:
-            fa_score_keyrows4_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
-        elif nr == 2:
-            fa_score_keyrows2_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
-        else:
-            fa_score_keyrows1_d(<const double**> krows, ldk, nk, qt, ldqt, D, scale, s, FA_BQ,
-                                nstore, pf, pf_bytes)
-
-
-cdef inline void _score_keyrows_16(Py_ssize_t nr, const uint16_t** kr, Py_ssize_t ldk, int nk,
-                                   const float* qt, Py_ssize_t ldqt, Py_ssize_t D, float scale,
-                                   float* s, int nstore, const char** pf, Py_ssize_t pf_bytes,
-                                   int kind) noexcept nogil:
-    if kind == FA_STORE_F16:
-        if nr == 8:
-            fa_score_keyrows8_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
-        elif nr == 4:
-            fa_score_keyrows4_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
-        elif nr == 2:
-            fa_score_keyrows2_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
-        else:
-            fa_score_keyrows1_fh(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
-    else:
-        if nr == 8:
-            fa_score_keyrows8_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
-        elif nr == 4:
-            fa_score_keyrows4_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
-        elif nr == 2:
-            fa_score_keyrows2_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
-        else:
-            fa_score_keyrows1_fb(kr, ldk, nk, qt, ldqt, D, scale, s, FA_BQ, nstore, pf, pf_bytes)
+        fa_decode_scores_d(<int> nr, <const void**> krows, ldk, nk, qt, ldqt, D, scale, s,
+                           FA_BQ, nstore, pf, pf_bytes)
 
 
 cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char* const* vr, Py_ssize_t Dv,
@@ -396,15 +245,8 @@ cdef inline void pv_ptr(const float* p, Py_ssize_t nj, const char* const* vr, Py
     # acc = acc * alpha + P V for nr (1 or 4) rows over all Dv columns, V rows vr[j]
     # stored as `kind` (float32, float16 or bfloat16); requests the npf rows pf (the next
     # block's V) into L2 as it goes.
-    if kind == FA_STORE_F16:
-        fa_pv_ptr_fh(p, FA_BQ, nj, <const uint16_t* const*> vr, Dv, acc, ldacc, alpha, nr, pf,
-                     npf)
-    elif kind == FA_STORE_BF16:
-        fa_pv_ptr_fb(p, FA_BQ, nj, <const uint16_t* const*> vr, Dv, acc, ldacc, alpha, nr, pf,
-                     npf)
-    else:
-        fa_pv_ptr_f(p, FA_BQ, nj, <const float* const*> vr, Dv, acc, ldacc, alpha, nr, pf, npf)
-
+    fa_output_rows_ptr(kind, p, FA_BQ, nj, <const void* const*> vr, Dv, acc, ldacc, alpha, nr,
+                       pf, npf)
 
 
 cdef inline void score_gqa4(const char** krows, Py_ssize_t ldk, const float* qt,
@@ -414,12 +256,8 @@ cdef inline void score_gqa4(const char** krows, Py_ssize_t ldk, const float* qt,
     # npass decode score passes of 4 query rows of Q^T (qt[d * ldqt + r]) over a call of
     # 32 16-bit keys, which the passes transpose once: krows[0] + i ldk elements when ldk
     # != 0, else the rows krows[i].
-    if kind == FA_STORE_F16:
-        fa_score_gqa4_fh(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore,
-                         pf, pf_bytes, npass)
-    else:
-        fa_score_gqa4_fb(<const uint16_t**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ, nstore,
-                         pf, pf_bytes, npass)
+    fa_decode_scores_gqa4(kind, <const void**> krows, ldk, qt, ldqt, D, scale, s, FA_BQ,
+                          nstore, pf, pf_bytes, npass)
 
 
 cdef inline void hide_keys(floating* s, Py_ssize_t nk, int nvec) noexcept nogil:
@@ -495,25 +333,9 @@ cdef inline void pv_tile(const floating* p, Py_ssize_t nj, const char* v, Py_ssi
     # One output micro-tile of FA_MR_PV rows or of a single row, 2 vectors of columns; V
     # stored as `kind` (16-bit kinds with float compute only).
     if floating is float:
-        if kind == FA_STORE_F16:
-            if nrows == FA_MR_PV:
-                fa_pv_tile_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
-            else:
-                fa_pv_tile1_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
-        elif kind == FA_STORE_BF16:
-            if nrows == FA_MR_PV:
-                fa_pv_tile_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
-            else:
-                fa_pv_tile1_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha)
-        elif nrows == FA_MR_PV:
-            fa_pv_tile_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha)
+        fa_output_tile_f(kind, nrows, p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
     else:
-        if nrows == FA_MR_PV:
-            fa_pv_tile_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha)
+        fa_output_tile_d(nrows, p, FA_BQ, nj, v, ldv, acc, ldacc, alpha)
 
 
 cdef inline void pv_tile_ld(const floating* p, Py_ssize_t ldp, Py_ssize_t nj,
@@ -523,15 +345,9 @@ cdef inline void pv_tile_ld(const floating* p, Py_ssize_t ldp, Py_ssize_t nj,
     # pv_tile on values in the compute type, p with stride ldp:
     # acc rows r += sum_j p[j * ldp + r] v[j * ldv].
     if floating is float:
-        if nrows == FA_MR_PV:
-            fa_pv_tile_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_f(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        fa_output_tile_f(FA_STORE_NATIVE, nrows, p, ldp, nj, v, ldv, acc, ldacc, alpha)
     else:
-        if nrows == FA_MR_PV:
-            fa_pv_tile_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
-        else:
-            fa_pv_tile1_d(p, ldp, nj, v, ldv, acc, ldacc, alpha)
+        fa_output_tile_d(nrows, p, ldp, nj, v, ldv, acc, ldacc, alpha)
 cdef inline void pv_tile_widened(const floating* p, Py_ssize_t nj, const floating* v,
                                  Py_ssize_t ldv, floating* acc, Py_ssize_t ldacc,
                                  const floating* alpha, Py_ssize_t nrows) noexcept nogil:
@@ -546,31 +362,11 @@ cdef inline void pv_wide(Py_ssize_t nr, const floating* p, Py_ssize_t nj, const 
     # The wide output tiles: 4 rows x 4 vectors (nr == 4) or 1 row x 8 vectors (nr == 1),
     # prefetching pf_rows rows of pf as they go; V stored as `kind`.
     if floating is float:
-        if kind == FA_STORE_F16 and nr == 4:
-            fa_pv_rows4_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha,
-                           pf, pf_stride, pf_rows, pf_bytes)
-        elif kind == FA_STORE_F16:
-            fa_pv_row8_fh(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, alpha,
-                          pf, pf_stride, pf_rows, pf_bytes)
-        elif kind == FA_STORE_BF16 and nr == 4:
-            fa_pv_rows4_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, ldacc, alpha,
-                           pf, pf_stride, pf_rows, pf_bytes)
-        elif kind == FA_STORE_BF16:
-            fa_pv_row8_fb(p, FA_BQ, nj, <const uint16_t*> v, ldv, acc, alpha,
-                          pf, pf_stride, pf_rows, pf_bytes)
-        elif nr == 4:
-            fa_pv_rows4_f(p, FA_BQ, nj, <const float*> v, ldv, acc, ldacc, alpha,
-                          pf, pf_stride, pf_rows, pf_bytes)
-        else:
-            fa_pv_row8_f(p, FA_BQ, nj, <const float*> v, ldv, acc, alpha,
-                         pf, pf_stride, pf_rows, pf_bytes)
+        fa_output_wide_f(kind, <int> nr, p, FA_BQ, nj, v, ldv, acc, ldacc, alpha, pf, pf_stride,
+                         pf_rows, pf_bytes)
     else:
-        if nr == 4:
-            fa_pv_rows4_d(p, FA_BQ, nj, <const double*> v, ldv, acc, ldacc, alpha,
-                          pf, pf_stride, pf_rows, pf_bytes)
-        else:
-            fa_pv_row8_d(p, FA_BQ, nj, <const double*> v, ldv, acc, alpha,
-                         pf, pf_stride, pf_rows, pf_bytes)
+        fa_output_wide_d(<int> nr, p, FA_BQ, nj, v, ldv, acc, ldacc, alpha, pf, pf_stride,
+                         pf_rows, pf_bytes)
 
 
 cdef inline floating load_elem(const char* row, Py_ssize_t c, int kind,

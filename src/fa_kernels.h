@@ -493,16 +493,7 @@ FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdi
 #define FA_HAVE_SOFTMAX_PAIRS 0
 #define fa_softmax_pairs_f(...) ((void)0)
 #endif
-#undef T
-#undef V
-#undef VL
-#undef LOAD
-#undef STORE
-#undef BCAST
-#undef MAX
-#undef SELECT
-#undef EXP2
-#undef LOAD_TRANSPOSE
+#include "fa_compute_end.h"
 
 /* ---- micro-kernels, double compute, double storage ---- */
 #define T double
@@ -521,16 +512,7 @@ FA_NOINLINE void fa_softmax_pairs_f(float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdi
 #define KV_SCALAR(x) (x)
 #define LOAD_TRANSPOSE_KV LOAD_TRANSPOSE
 #include "fa_tile_impl.h"
-#undef T
-#undef V
-#undef VL
-#undef LOAD
-#undef STORE
-#undef BCAST
-#undef MAX
-#undef SELECT
-#undef EXP2
-#undef LOAD_TRANSPOSE
+#include "fa_compute_end.h"
 
 /* ---- score modifiers (the finish-scores stage; scores are in base 2) ----
  * Each works on nk keys of nvec whole vectors of rows, per lane only, so a row gets the
@@ -549,6 +531,20 @@ FA_INLINE fa_vf fa_tanh_series_f(fa_vf ax)
     return ax + ax * (z * p);
 }
 
+/* e^(-2x) for the tanh below, its exponent rounded before the exp: left to the compiler,
+ * the product is fused into the exp's first operations in one build and not in another,
+ * and the AVX2 and AVX-512 kernels would differ in the last bit. */
+FA_INLINE fa_vf fa_exp_m2x_f(fa_vf x)
+{
+    fa_vf x2 = x * fa_bcast_f(-2.0f * 1.44269504088896341f);
+#if defined(__AVX__)
+    __asm__("" : "+v"(x2));
+#else
+    __asm__("" : "+m"(x2));
+#endif
+    return fa_exp2_f(x2);
+}
+
 /* tanh for float vectors: for |x| < 0.4 the odd Taylor series to x^13 (truncation below
  * 4e-9 relative), else (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) <= 0.45, which has no
  * cancellation.  Accuracy is measured by tests/test_exp.py. */
@@ -562,16 +558,7 @@ FA_INLINE fa_vf fa_tanh_f(fa_vf x)
      * division run only for vectors with a lane outside.  Each lane's result is the same
      * either way. */
     if (!fa_all_f(is_small)) {
-        /* The exponent is rounded before the exp: left to the compiler, the product is
-         * fused into the exp's first operations in one build and not in another, and the
-         * AVX2 and AVX-512 kernels would differ in the last bit. */
-        fa_vf x2 = ax * fa_bcast_f(-2.0f * 1.44269504088896341f);
-#if defined(__AVX__)
-        __asm__("" : "+v"(x2));
-#else
-        __asm__("" : "+m"(x2));
-#endif
-        const fa_vf e = fa_exp2_f(x2);
+        const fa_vf e = fa_exp_m2x_f(ax);
         const fa_vf one = fa_bcast_f(1.0f);
         r = fa_select_f(is_small, small, (one - e) / (one + e));
     }
@@ -591,14 +578,7 @@ FA_INLINE fa_vf fa_tanh_minus1_f(fa_vf x)
     const fa_vf small = fa_tanh_series_f(ax);
     fa_vf r = fa_select_f(x < 0, -small, small) - one;
     if (!fa_all_f(is_small)) {
-        /* The exponent is rounded before the exp, as in fa_tanh_f. */
-        fa_vf x2 = ax * fa_bcast_f(-2.0f * 1.44269504088896341f);
-#if defined(__AVX__)
-        __asm__("" : "+v"(x2));
-#else
-        __asm__("" : "+m"(x2));
-#endif
-        const fa_vf e = fa_exp2_f(x2);
+        const fa_vf e = fa_exp_m2x_f(ax);
         const fa_vf num = fa_select_f(x < 0, two, two * e);
         r = fa_select_f(is_small, r, -(num / (one + e)));
     }
@@ -744,6 +724,7 @@ static inline int fa_cpu_supports(const char* isa)
 }
 
 #include "fa_quant.h"
+#include "fa_dispatch.h"
 #include "fa_bf16dot.h"
 
 #endif /* FA_KERNELS_H */

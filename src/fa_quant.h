@@ -58,42 +58,73 @@ FA_INLINE float fa_quant_level(const int kind, const uint8_t* row, ptrdiff_t d)
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-/* The bytes of values d0 .. d0 + VL of a row (d0 a multiple of VL), in the low VL bytes. */
-FA_INLINE __m128i fa_quant_bytes(const int kind, const uint8_t* row, ptrdiff_t d0)
+/* The stored bytes that hold values d0 .. d0 + VL of a row (d0 a multiple of VL), in the
+ * low VL bytes: q4_0's still packed (see fa_q4_0_unpack). */
+FA_INLINE __m128i fa_quant_raw(const int kind, const uint8_t* row, ptrdiff_t d0)
 {
     const uint8_t* p = row + (kind == FA_STORE_Q4_0 ? fa_q4_0_byte(d0) : d0);
 #if FA_VBYTES == 64
-    __m128i x = _mm_loadu_si128((const __m128i*)p);
+    return _mm_loadu_si128((const __m128i*)p);
 #else
-    __m128i x = _mm_loadl_epi64((const __m128i*)p);
+    return _mm_loadl_epi64((const __m128i*)p);
 #endif
-    if (kind != FA_STORE_Q4_0) return x;
-    if (d0 & 16) x = _mm_srli_epi16(x, 4);
+}
+
+/* q4_0 bytes as int8 values: their low nibbles (values j of their blocks), or with hi
+ * their high ones (values j + 16), less 8. */
+FA_INLINE __m128i fa_q4_0_unpack(__m128i x, const int hi)
+{
+    if (hi) x = _mm_srli_epi16(x, 4);
     return _mm_sub_epi8(_mm_and_si128(x, _mm_set1_epi8(15)), _mm_set1_epi8(8));
+}
+#if FA_VBYTES == 64
+FA_INLINE __m512i fa_q4_0_unpack64(__m512i x, const int hi)
+{
+    if (hi) x = _mm512_srli_epi16(x, 4);
+    return _mm512_sub_epi8(_mm512_and_si512(x, _mm512_set1_epi8(15)), _mm512_set1_epi8(8));
+}
+#endif
+
+/* The bytes of values d0 .. d0 + VL of a row, q4_0's unpacked. */
+FA_INLINE __m128i fa_quant_bytes(const int kind, const uint8_t* row, ptrdiff_t d0)
+{
+    const __m128i x = fa_quant_raw(kind, row, d0);
+    return kind == FA_STORE_Q4_0 ? fa_q4_0_unpack(x, d0 & 16) : x;
 }
 
 /* VL 16-bit lanes (fp8 bytes widened, then float16 bits). */
 typedef uint16_t fa_vh16 __attribute__((vector_size(2 * FA_VL_F)));
-typedef int16_t fa_vh16i __attribute__((vector_size(2 * FA_VL_F)));
 
-/* VL bytes (the low VL of b) as the levels of their values. */
-FA_INLINE fa_vf fa_quant_widen(const int kind, __m128i b)
+/* Whether any of the low VL bytes of b is an e4m3fn NaN (S.1111.111). */
+FA_INLINE int fa_e4m3_nan(__m128i b)
+{
+    const __m128i nan = _mm_cmpeq_epi8(_mm_or_si128(b, _mm_set1_epi8((char)0x80)),
+                                       _mm_set1_epi8((char)0xFF));
+    return (_mm_movemask_epi8(nan) & ((1 << FA_VL_F) - 1)) != 0;
+}
+
+/* VL bytes (the low VL of b) as the levels of their values; e4m3 bytes as finite values
+ * only (NaN bytes read as 1.875 unless `nan` is set: the caller checks, a block at a
+ * time, whether there are any). */
+FA_INLINE fa_vf fa_quant_widen(const int kind, __m128i b, const int nan)
 {
 #if FA_VBYTES == 64
     if (kind == FA_STORE_Q8_0 || kind == FA_STORE_Q4_0)
         return (fa_vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    const fa_vh16 w = (fa_vh16)_mm256_cvtepu8_epi16(b);
+    const fa_vh16 w = (fa_vh16)_mm256_cvtepi8_epi16(b);
 #else
     if (kind == FA_STORE_Q8_0 || kind == FA_STORE_Q4_0)
         return (fa_vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const fa_vh16 w = (fa_vh16)_mm_cvtepu8_epi16(b);
+    const fa_vh16 w = (fa_vh16)_mm_cvtepi8_epi16(b);
 #endif
     fa_vh16 h;
     if (kind == FA_STORE_E5M2) {
         h = w << 8;
-    } else {   /* fa_fp8_half, lane by lane */
-        const fa_vh16 mag = w & 0x7F;
-        h = ((w & 0x80) << 8) | (mag << 7) | ((fa_vh16)(mag == 0x7F) & 0x7E00);
+    } else {
+        /* fa_fp8_half, lane by lane: the byte sign-extended, shifted so that its sign
+         * lands in bit 15 and its other bits in 13..7, bit 14 cleared */
+        h = (w << 7) & 0xBF80;
+        if (nan) h |= (fa_vh16)((h & 0x7FFF) == 0x3F80) & 0x7E00;
     }
 #if FA_VBYTES == 64
     return (fa_vf)_mm512_cvtph_ps((__m256i)h);
@@ -105,7 +136,9 @@ FA_INLINE fa_vf fa_quant_widen(const int kind, __m128i b)
 /* The levels of values d0 .. d0 + VL of a row. */
 FA_INLINE fa_vf fa_quant_vload(const int kind, const uint8_t* row, ptrdiff_t d0)
 {
-    return fa_quant_widen(kind, fa_quant_bytes(kind, row, d0));
+    const __m128i b = fa_quant_bytes(kind, row, d0);
+    if (kind == FA_STORE_E4M3 && fa_e4m3_nan(b)) return fa_quant_widen(kind, b, 1);
+    return fa_quant_widen(kind, b, 0);
 }
 #else
 FA_INLINE fa_vf fa_quant_vload(const int kind, const uint8_t* row, ptrdiff_t d0)
@@ -116,6 +149,27 @@ FA_INLINE fa_vf fa_quant_vload(const int kind, const uint8_t* row, ptrdiff_t d0)
 }
 #endif
 
+/* The levels of nv vectors of values of a row from d0 (one check for e4m3 NaNs). */
+FA_INLINE void fa_quant_vloads(const int kind, const uint8_t* row, ptrdiff_t d0, const int nv,
+                               fa_vf* x)
+{
+#if defined(__AVX2__) && defined(__F16C__)
+    __m128i b[8], any = _mm_setzero_si128();
+    for (int i = 0; i < nv; i++) {
+        b[i] = fa_quant_bytes(kind, row, d0 + i * FA_VL_F);
+        if (kind == FA_STORE_E4M3) any = _mm_or_si128(any, _mm_cmpeq_epi8(
+            _mm_or_si128(b[i], _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF)));
+    }
+    if (kind == FA_STORE_E4M3 && (_mm_movemask_epi8(any) & ((1 << FA_VL_F) - 1))) {
+        for (int i = 0; i < nv; i++) x[i] = fa_quant_widen(kind, b[i], 1);
+        return;
+    }
+    for (int i = 0; i < nv; i++) x[i] = fa_quant_widen(kind, b[i], 0);
+#else
+    for (int i = 0; i < nv; i++) x[i] = fa_quant_vload(kind, row, d0 + i * FA_VL_F);
+#endif
+}
+
 /* A row of n values in the compute type (the gather of the prefill tiles): value c is
  * level(c) * d, d the float32 scale of c's block (bscale, float16 per 32 values) or of
  * the whole row (fscale: an fp8 row's kv head, times FA_E4M3_UNIT for e4m3). */
@@ -125,14 +179,24 @@ FA_INLINE float fa_quant_scale(const int kind, const uint16_t* bscale, float fsc
     return FA_BLOCK_SCALED(kind) ? fa_f16_to_f32(bscale[c / 32]) : fscale;
 }
 
+FA_INLINE void fa_dequant_row_body(const int kind, const uint8_t* __restrict x,
+                                   const uint16_t* __restrict bscale, float fscale,
+                                   ptrdiff_t n, float* __restrict y)
+{
+    ptrdiff_t c = 0;
+    for (; c + FA_VL_F <= n; c += FA_VL_F)
+        fa_store_f(y + c, fa_quant_vload(kind, x, c)
+                              * fa_bcast_f(fa_quant_scale(kind, bscale, fscale, c)));
+    for (; c < n; c++) y[c] = fa_quant_level(kind, x, c) * fa_quant_scale(kind, bscale, fscale, c);
+}
+
 static void fa_dequant_row_f(int kind, const uint8_t* __restrict x,
                              const uint16_t* __restrict bscale, float fscale, ptrdiff_t n,
                              float* __restrict y)
 {
-    ptrdiff_t c = 0;
-    for (; c + FA_VL_F <= n; c += FA_VL_F)
-        fa_store_f(y + c, fa_quant_vload(kind, x, c) * fa_bcast_f(fa_quant_scale(kind, bscale, fscale, c)));
-    for (; c < n; c++) y[c] = fa_quant_level(kind, x, c) * fa_quant_scale(kind, bscale, fscale, c);
+#define FA_CASE(NAME, KIND) case KIND: fa_dequant_row_body(KIND, x, bscale, fscale, n, y); return;
+    switch (kind) { FA_QUANT_KINDS(FA_CASE) }
+#undef FA_CASE
 }
 
 /* In double compute the product is exact (at most 4 + 24 significant bits). */
@@ -155,17 +219,25 @@ static void fa_dequant_row_d(int kind, const uint8_t* __restrict x,
  * dims 8-15) and word unpacks leave in lane g the dims of keys 4g .. 4g + 3, a dword per
  * dim; one dword permutation then gathers a dim's 16 keys into one 128-bit lane, which
  * is widened. */
-typedef struct { __m512i x[4]; } fa_quant_blk;
+typedef struct { __m512i x[4]; int nan; } fa_quant_blk;
 
 FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
                              fa_quant_blk* u)
 {
     __m512i z[4];
-    for (int r = 0; r < 4; r++) {
-        __m512i x = _mm512_castsi128_si512(fa_quant_bytes(kind, kr[r], d0));
-        x = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[4 + r], d0), 1);
-        x = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[8 + r], d0), 2);
-        z[r] = _mm512_inserti32x4(x, fa_quant_bytes(kind, kr[12 + r], d0), 3);
+    for (int r = 0; r < 4; r++) {   /* (q4_0's nibbles unpacked 64 at a time) */
+        __m512i x = _mm512_castsi128_si512(fa_quant_raw(kind, kr[r], d0));
+        x = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[4 + r], d0), 1);
+        x = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[8 + r], d0), 2);
+        z[r] = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[12 + r], d0), 3);
+        if (kind == FA_STORE_Q4_0) z[r] = fa_q4_0_unpack64(z[r], d0 & 16);
+    }
+    u->nan = 0;
+    if (kind == FA_STORE_E4M3) {   /* any e4m3fn NaN in the block (see fa_quant_widen) */
+        const __m512i sign = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8((char)0xFF);
+        __mmask64 m = 0;
+        for (int r = 0; r < 4; r++) m |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(z[r], sign), ones);
+        u->nan = m != 0;
     }
     u->x[0] = _mm512_unpacklo_epi8(z[0], z[1]);
     u->x[1] = _mm512_unpacklo_epi8(z[2], z[3]);
@@ -173,10 +245,10 @@ FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t
     u->x[3] = _mm512_unpackhi_epi8(z[2], z[3]);
 }
 
-FA_INLINE fa_vf fa_quant_lane(const int kind, __m512i b, const int lane)
+FA_INLINE fa_vf fa_quant_lane(const int kind, __m512i b, const int lane, const int nan)
 {
     return fa_quant_widen(kind, lane ? _mm512_extracti32x4_epi32(b, lane)
-                                     : _mm512_castsi512_si128(b));
+                                     : _mm512_castsi512_si128(b), nan);
 }
 
 FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h, fa_vf* t)
@@ -185,10 +257,17 @@ FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h,
     const __m512i lo = u->x[2 * h], hi = u->x[2 * h + 1];
     const __m512i b0 = _mm512_permutexvar_epi32(idx, _mm512_unpacklo_epi16(lo, hi));
     const __m512i b1 = _mm512_permutexvar_epi32(idx, _mm512_unpackhi_epi16(lo, hi));
-    for (int i = 0; i < 4; i++) {
-        t[i] = fa_quant_lane(kind, b0, i);
-        t[4 + i] = fa_quant_lane(kind, b1, i);
+#define FA_LANES(NAN) \
+    for (int i = 0; i < 4; i++) { \
+        t[i] = fa_quant_lane(kind, b0, i, NAN); \
+        t[4 + i] = fa_quant_lane(kind, b1, i, NAN); \
     }
+    if (kind == FA_STORE_E4M3 && u->nan) {
+        FA_LANES(1)
+    } else {
+        FA_LANES(0)
+    }
+#undef FA_LANES
 }
 #else
 /* Each row widened into a small buffer, then the float transpose, all at load. */
@@ -435,19 +514,11 @@ FA_INLINE void fa_pv_quant_cols(const int kind, const float* p, ptrdiff_t ldp, p
             fa_prefetch_lines((const char*)(vr[j + FA_PV_QUANT_AHEAD] + col), col_bytes, 3);
         if (j < npf) fa_quant_prefetch_row(pf, j, npf, pf_bytes, 2);
         fa_vf xv[8];
-        for (int i = 0; i < nv; i++)
-            xv[i] = fa_quant_vload(kind, vr[j], c0 + i * FA_VL_F) * fa_bcast_f(d[i * FA_VL_F / 32]);
-        for (int r = 0; r < nr; r++) {
-            const fa_vf b = fa_bcast_f(p[j * ldp + r]);
-            for (int i = 0; i < nv; i++) c[r][i] += b * xv[i];
-        }
+        fa_quant_vloads(kind, vr[j], c0, nv, xv);
+        for (int i = 0; i < nv; i++) xv[i] *= fa_bcast_f(d[i * FA_VL_F / 32]);
+        fa_pv_add_key_f(c, p + j * ldp, xv, nr, nv);
     }
-    for (int r = 0; r < nr; r++) {
-        const fa_vf a = fa_bcast_f(alpha[r]);
-        float* acc_r = acc + r * ldacc + c0;
-        for (int i = 0; i < nv; i++)
-            fa_store_f(acc_r + i * FA_VL_F, fa_load_f(acc_r + i * FA_VL_F) * a + c[r][i]);
-    }
+    fa_pv_finish_f(c, acc + c0, ldacc, alpha, nr, nv);
 }
 
 /* acc = acc * alpha + P V over all Dv columns (a multiple of 32) for nr rows (1 or 4), V

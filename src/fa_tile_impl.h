@@ -501,6 +501,28 @@ FA_NOINLINE void FA_FN(fa_pv_rows4)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     }
 }
 
+/* One key's term of the output rows that read V through row pointers (here and in
+ * fa_quant.h): c[r][i] += p[r] * x[i] for nr rows and nv vectors of columns; then
+ * acc = acc * alpha + c, row r at acc + r * ldacc. */
+FA_INLINE void FA_FN(fa_pv_add_key)(V c[4][8], const T* p, const V* x, const int nr,
+                                    const int nv)
+{
+    for (int r = 0; r < nr; r++) {
+        const V b = BCAST(p[r]);
+        for (int i = 0; i < nv; i++) c[r][i] += b * x[i];
+    }
+}
+FA_INLINE void FA_FN(fa_pv_finish)(V c[4][8], T* acc, ptrdiff_t ldacc, const T* alpha,
+                                   const int nr, const int nv)
+{
+    for (int r = 0; r < nr; r++) {
+        const V a = BCAST(alpha[r]);
+        T* acc_r = acc + r * ldacc;
+        for (int i = 0; i < nv; i++)
+            STORE(acc_r + i * VL, LOAD(acc_r + i * VL) * a + c[r][i]);
+    }
+}
+
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
@@ -523,17 +545,9 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
             fa_prefetch_lines((const char*)(vr[j + 4] + c0), nv * VL * (ptrdiff_t)sizeof(KV), 3);
         V x[8];
         for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
-        for (int r = 0; r < nr; r++) {
-            const V b = BCAST(p[j * ldp + r]);
-            for (int i = 0; i < nv; i++) c[r][i] += b * x[i];
-        }
+        FA_FN(fa_pv_add_key)(c, p + j * ldp, x, nr, nv);
     }
-    for (int r = 0; r < nr; r++) {
-        const V a = BCAST(alpha[r]);
-        T* acc_r = acc + r * ldacc + c0;
-        for (int i = 0; i < nv; i++)
-            STORE(acc_r + i * VL, LOAD(acc_r + i * VL) * a + c[r][i]);
-    }
+    FA_FN(fa_pv_finish)(c, acc + c0, ldacc, alpha, nr, nv);
     for (ptrdiff_t j = nj; j < npf; j++) fa_prefetch_lines(pf[j], pf_bytes, 2);
 }
 #define FA_PV_PTR_PASS(SUF, NR, NV) \

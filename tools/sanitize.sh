@@ -53,9 +53,11 @@ trap cleanup EXIT
 # The real interpreter, not a pyenv/asdf shim script (LD_PRELOAD must reach Python).
 py="$(python -c 'import sys; print(sys.executable)')"
 # The build requirements of pyproject.toml, in this interpreter (the in-place builds below
-# do not get pip's isolated build environment); a no-op when they are already there.
+# do not get pip's isolated build environment), and ml_dtypes, whose float8 and bfloat16
+# arrays the fp8 caches' and 16-bit tests need (they skip without it); a no-op when they
+# are already there.
 "$py" -m pip install -q --disable-pip-version-check "setuptools>=77" "Cython>=3.1" "numpy>=2.0" \
-    || { echo "cannot install the build requirements"; exit 1; }
+    "ml_dtypes>=0.5" || { echo "cannot install the build requirements"; exit 1; }
 isas=(avx2 base)
 if grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo \
         && grep -qw avx512dq /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo; then

@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from . import harness
+from . import caches, harness
 from .shapes import QUICK_SKIP_REFERENCE, bytes_moved, flops, make_inputs, reference_slice, \
     tolerance
 
@@ -32,17 +32,11 @@ REFERENCE_MAX_SAMPLES = 3
 REFERENCE_ONE_SAMPLE_S = 2.0
 
 
-def quantized_cache(fa, k, v):
-    """The q8_0 cache of k and v: keywords of ``attention_with_kvcache``."""
-    (kq, ks), (vq, vs) = fa.quantize_q8_0(k), fa.quantize_q8_0(v)
-    return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
-
-
-def _q8_0_entries(shape, fa, q, k, v, repeat):
-    # the q8_0 cache, and fastattn's own float16 cache of the same values (q in float16
-    # too, as the float16 rows have it), timed in the same rounds
+def _cache_entries(shape, fa, q, k, v, repeat):
+    # the quantised cache, and fastattn's own float16 cache of the same values (q in
+    # float16 too, as the float16 rows have it), timed in the same rounds
     out = np.empty((1, shape.hq, shape.lq, shape.dv), np.float32)
-    cache = quantized_cache(fa, k, v)
+    cache = caches.store(fa, shape.dtype, k, v)
     entries = {"fastattn": harness.Timed(functools.partial(
         fa.attention_with_kvcache, q, **cache, cache_seqlens=np.array([shape.lk]),
         causal=shape.causal, out=out), repeat)}
@@ -55,7 +49,7 @@ def _q8_0_entries(shape, fa, q, k, v, repeat):
 
 def _fastattn_entries(shape, fa, q, k, v, repeat):
     if shape.quantized:
-        return _q8_0_entries(shape, fa, q, k, v, repeat)
+        return _cache_entries(shape, fa, q, k, v, repeat)
     out = np.empty((1, shape.hq, shape.lq, shape.dv), q.dtype)
     entries = {"fastattn": harness.Timed(functools.partial(
         fa.attention, q, k, v, causal=shape.causal, out=out), repeat)}
@@ -94,8 +88,9 @@ def _entries(shape, libs, q, k, v, repeat, quick):
     skipped = {}
     if shape.quantized:
         # the reference runs once, in the check (over the dequantised cache)
-        skipped["reference"] = {"skipped": "q8_0: checked against the reference, not timed"}
-        skipped["torch"] = {"skipped": "torch has no q8_0 cache"}
+        skipped["reference"] = {
+            "skipped": f"{shape.dtype}: checked against the reference, not timed"}
+        skipped["torch"] = {"skipped": f"torch has no {shape.dtype} cache"}
         return entries, skipped
     if quick and shape.name in QUICK_SKIP_REFERENCE:
         skipped["reference"] = {
@@ -169,14 +164,14 @@ def check_outputs(shape, ref_mod, outputs, q, k, v):
     return check
 
 
-def check_q8_0(shape, fa, ref_mod, outputs, q, k, v):
-    """A q8_0 row against the float64 reference over its dequantised cache (the kernel's
-    own error, within the float32 tolerance) and over the float values it quantised (what
-    the cache costs), beside the float16 cache's error against the latter."""
+def check_cache(shape, fa, ref_mod, outputs, q, k, v):
+    """A quantised cache's row against the float64 reference over the values it stores
+    (the kernel's own error, within the float32 tolerance) and over the float values it
+    quantised (what the cache costs), beside the float16 cache's error against the
+    latter."""
+    stored = caches.stored_values(fa, shape.dtype, caches.store(fa, shape.dtype, k, v))
     check = check_outputs(shape, ref_mod, {n: o for n, o in outputs.items()
-                                           if n == "fastattn"}, q,
-                          *(fa.dequantize_q8_0(c[0], c[1]) for c in (
-                              fa.quantize_q8_0(k), fa.quantize_q8_0(v))))
+                                           if n == "fastattn"}, q, *stored)
     (qs, ks, vs), (heads_q, rows) = reference_slice(shape, q, k, v)
     want = np.asarray(ref_mod.attention(qs, ks, vs, causal=shape.causal), np.float64)
     sel = np.s_[:, heads_q, shape.lq - rows:, :]
@@ -248,7 +243,7 @@ def measure_shape(shape, *, fa, ref_mod, torch, repeat, quick):
     record_libraries(result, entries, samples, skipped, errors)
     outputs = {name: as_numpy(torch, res) for name, res in outputs.items()}
     if shape.quantized:
-        result["check"] = check_q8_0(shape, fa, ref_mod, outputs, q, k, v)
+        result["check"] = check_cache(shape, fa, ref_mod, outputs, q, k, v)
     else:
         result["check"] = check_outputs(shape, ref_mod, outputs, q, k, v)
     record_load(result, load)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..common import format_table, format_time, symbols
 from .harness import PAUSE_S
-from .shapes import GRADIENTS, SHAPES_BY_NAME
+from .shapes import GRADIENTS, SHAPES_BY_NAME, is_cache_type
 
 # Above this share of the CPUs used by others, timings say more about the neighbours.
 BUSY_WARNING = 0.10
@@ -257,16 +257,17 @@ def format_half_table(report):
             + format_table(header, rows, align="ll"))
 
 
-def format_q8_0_table(report):
-    """The q8_0 shapes against fastattn's own float16 cache, or None when none ran."""
+def format_cache_table(report):
+    """The quantised caches' shapes against fastattn's own float16 cache, or None when
+    none ran."""
     sym = symbols()
     x = sym["x"]
     rows = []
     for r in report["results"]:
-        if r["dtype"] != "q8_0":
+        if not is_cache_type(r["dtype"]):
             continue
         libs, check = r["libraries"], r.get("check", {})
-        row = [r["name"]] + [format_time(libs[n]["median_s"], sym) if "median_s" in libs.get(
+        row = [r["name"], r["dtype"]] + [format_time(libs[n]["median_s"], sym) if "median_s" in libs.get(
             n, {}) else sym["dash"] for n in ("fastattn", "fastattn-f16")]
         s = r.get("speedup_vs_fastattn-f16")
         row.append(f"{s:.2f}{x}" if s is not None else sym["dash"])
@@ -278,11 +279,12 @@ def format_q8_0_table(report):
         rows.append(row)
     if not rows:
         return None
-    header = ["shape", "q8_0", "float16", f"{x} float16", "% read bw", "err (own values)",
-              "err (float values)", "f16 err (float values)"]
-    return ("q8_0 caches (attention_with_kvcache) against fastattn's float16 cache of the same "
-            f"values (same rounds; {x} = float16's time / q8_0's);\nerr = max|out - ref f64| "
-            "over the dequantised cache (own values) or over the float32 values quantised:\n"
+    header = ["shape", "cache", "time", "float16", f"{x} float16", "% read bw",
+              "err (own values)", "err (float values)", "f16 err (float values)"]
+    return ("quantised caches (attention_with_kvcache) against fastattn's float16 cache of "
+            f"the same values (same rounds; {x} = float16's time / the cache's);\nerr = "
+            "max|out - ref f64| over the values the cache stores (own values) or over the "
+            "float32 values quantised:\n"
             + format_table(header, rows, align="l"))
 
 

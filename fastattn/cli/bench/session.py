@@ -53,7 +53,7 @@ def _print_tables(report, fa, args, threads, repeat, stdout):
         tables = [rep.format_backward_table(report), rep.format_accuracy_table(report)]
     else:
         tables = [rep.format_shapes_table(report), rep.format_half_table(report),
-                  rep.format_q8_0_table(report)]
+                  rep.format_cache_table(report)]
     for table in filter(None, tables):
         print(file=stdout)
         print(table, file=stdout, flush=True)

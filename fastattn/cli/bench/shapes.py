@@ -11,6 +11,14 @@ import numpy as np
 
 SEED = 20240607
 
+# The quantised cache types (see caches.py) and their stored bytes per value: q8_0 and
+# q4_0 add a float16 scale per 32 values; fp8 is float8_e4m3fn with a scale per kv head.
+CACHE_BYTES_PER_VALUE = {"q8_0": 34 / 32, "q4_0": 18 / 32, "fp8": 1.0}
+
+
+def is_cache_type(dtype):
+    return dtype in CACHE_BYTES_PER_VALUE
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -41,18 +49,24 @@ class Shape:
 
     @property
     def quantized(self):
-        # K and V in a q8_0 cache (attention_with_kvcache), q and the output in float32.
-        return self.dtype == "q8_0"
+        # K and V in a quantised cache (attention_with_kvcache: q8_0, q4_0 or fp8, see
+        # caches.py), q and the output in float32.
+        return is_cache_type(self.dtype)
 
     def np_dtype(self):
         """The NumPy dtype of the inputs (bfloat16 needs ml_dtypes: TypeError without); a
-        q8_0 shape's inputs are float32, quantised by the measurement."""
+        quantised cache's inputs are float32, quantised by the measurement."""
         from fastattn._args import storage_dtype
+        if self.dtype == "fp8":
+            try:
+                import ml_dtypes  # noqa: F401  (the cache's float8_e4m3fn)
+            except ImportError:
+                raise TypeError("an fp8 cache needs ml_dtypes (pip install ml_dtypes)") from None
         return storage_dtype("float32" if self.quantized else self.dtype)
 
     def describe(self):
-        tag = {"float64": " f64", "float16": " f16", "bfloat16": " bf16",
-               "q8_0": " q8_0"}.get(self.dtype, "")
+        tag = {"float64": " f64", "float16": " f16", "bfloat16": " bf16"}.get(
+            self.dtype, f" {self.dtype}" if self.quantized else "")
         return (f"({self.hq},{self.hkv},{self.lq},{self.lk},{self.d})"
                 f"{' causal' if self.causal else ''}{tag}")
 
@@ -72,6 +86,10 @@ SHAPES = (
     Shape("decode-gqa-8k-f16", 32, 8, 1, 8192, 128, dtype="float16"),
     Shape("decode-4k-q8_0", 32, 32, 1, 4096, 128, dtype="q8_0"),
     Shape("decode-gqa-8k-q8_0", 32, 8, 1, 8192, 128, dtype="q8_0"),
+    Shape("decode-4k-q4_0", 32, 32, 1, 4096, 128, dtype="q4_0"),
+    Shape("decode-gqa-8k-q4_0", 32, 8, 1, 8192, 128, dtype="q4_0"),
+    Shape("decode-4k-fp8", 32, 32, 1, 4096, 128, dtype="fp8"),
+    Shape("decode-gqa-8k-fp8", 32, 8, 1, 8192, 128, dtype="fp8"),
     Shape("prefill-1k-f16", 12, 12, 1024, 1024, 64, dtype="float16"),
     Shape("prefill-1k-bf16", 12, 12, 1024, 1024, 64, dtype="bfloat16"),
     Shape("prefill-1k-causal-bf16", 12, 12, 1024, 1024, 64, causal=True, dtype="bfloat16"),
@@ -123,7 +141,7 @@ def flops(shape, batch=1):
 def bytes_moved(shape, batch=1):
     """Bytes one call must read or write at least once: K, V, Q and the output."""
     itemsize = 2 if shape.half else np.dtype(shape.np_dtype()).itemsize
-    kv_itemsize = 34 / 32 if shape.quantized else itemsize     # q8_0: 34 bytes per 32 values
+    kv_itemsize = CACHE_BYTES_PER_VALUE[shape.dtype] if shape.quantized else itemsize
     kv = batch * shape.hkv * shape.lk * (shape.d + shape.dv)
     qo = batch * shape.hq * shape.lq * (shape.d + shape.dv)
     return int(kv * kv_itemsize + qo * itemsize)
@@ -164,11 +182,11 @@ def tolerance(dtype):
     # float32 kernels reorder sums (online softmax, blocking): ~1e-6 relative error is
     # normal, 1e-4 catches any real mistake. float64 is checked accordingly tighter; 16-bit
     # results are float32 results rounded once: two ulps of float16 (2**-10) or bfloat16
-    # (2**-7) leave room for the other library's rounding.  A q8_0 shape is checked against
-    # the reference over its dequantised cache, which it computes in float32.
-    return {"float32": 1e-4, "float64": 1e-9, "float16": 2e-3, "bfloat16": 1.6e-2,
-            "q8_0": 1e-4}[
-        str(dtype)]
+    # (2**-7) leave room for the other library's rounding.  A quantised cache is checked
+    # against the reference over its stored values, which it computes in float32.
+    if is_cache_type(str(dtype)):
+        return 1e-4
+    return {"float32": 1e-4, "float64": 1e-9, "float16": 2e-3, "bfloat16": 1.6e-2}[str(dtype)]
 
 
 def reference_slice(shape, q, k, v):
