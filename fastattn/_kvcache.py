@@ -82,7 +82,7 @@ class KVCache:
         self._fp8_scales = None
         if self.format == "fp8":
             self._fp8_scales = tuple(
-                check_fp8_scale(1.0 if s is None else s, name, None, "cache")
+                check_fp8_scale(1.0 if s is None else s, name, self._dtype, None, "cache")
                 for name, s in (("k_scale", k_scale), ("v_scale", v_scale)))
         elif k_scale is not None or v_scale is not None:
             raise ValueError(f"k_scale and v_scale are the scales of an fp8 cache "
@@ -305,7 +305,7 @@ class KVCache:
         ``fp8_scales`` are the cache's own)."""
         if isinstance(dtype, str) or dtype.itemsize == 1:
             ks, vs = (None, None) if fp8_scales is None else (
-                check_fp8_scale(s, name, a, name[0]) for name, s, a in
+                check_fp8_scale(s, name, dtype, a, name[0]) for name, s, a in
                 (("k_scale", fp8_scales[0], k), ("v_scale", fp8_scales[1], v)))
             (kq, kb), (vq, vb) = quantize(k, "k", dtype, ks), quantize(v, "v", dtype, vs)
             return kq, vq, kb, vb

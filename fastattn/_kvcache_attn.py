@@ -288,7 +288,7 @@ def _check_scales(cache, s, name, cache_name):
                              f"which is {cache.dtype}")
         return None
     if fmt == "fp8":
-        return check_fp8_scale(s, name, cache, cache_name)
+        return check_fp8_scale(s, name, cache.dtype, cache, cache_name)
     if s is None:
         raise ValueError(f"a {cache.dtype} {cache_name} is {fmt} and needs its scales: {name} "
                          f"float16 of shape "

@@ -284,8 +284,10 @@ def quantize_fp8(x, scale=1.0, dtype="float8_e4m3fn"):
     x : array_like, shape (..., H, L, D), or any shape with a scalar ``scale``
         Finite real numbers (float64 is rounded to float32 first).
     scale : float or array_like of float32, shape () or (H,)
-        One scale for all of ``x``, or one per head (axis ``-3``), finite and > 0: a
-        cache's ``k_scale`` / ``v_scale``.  A Python float is rounded to float32.
+        One scale for all of ``x``, or one per head (axis ``-3``), > 0 and at most
+        float32's largest value / the largest fp8 value (so that every stored value
+        reads back finite): a cache's ``k_scale`` / ``v_scale``.  A Python float is
+        rounded to float32.
     dtype : ``"float8_e4m3fn"`` or ``"float8_e5m2"``, or that ``ml_dtypes`` type
 
     Returns
@@ -305,7 +307,7 @@ def quantize_fp8(x, scale=1.0, dtype="float8_e4m3fn"):
         raise TypeError(f"dtype must be 'float8_e4m3fn' or 'float8_e5m2', got {dtype!r}")
     x = _args.as_array(x, "x")
     _args.check_dtype(x, "x")
-    return _quantize_fp8(x, "x", check_fp8_scale(scale, "scale", x, "x"), fp8)
+    return _quantize_fp8(x, "x", check_fp8_scale(scale, "scale", fp8, x, "x"), fp8)
 
 
 def _quantize_fp8(x, name, scale, fp8):
@@ -342,15 +344,21 @@ def dequantize_fp8(values, scale=1.0):
     if not is_fp8(values.dtype):
         raise TypeError(f"values must be float8_e4m3fn or float8_e5m2 (ml_dtypes), got dtype "
                         f"{values.dtype} (shape {values.shape})")
-    scale = check_fp8_scale(scale, "scale", values, "values")
+    scale = check_fp8_scale(scale, "scale", values.dtype, values, "values")
     per_row = scale if scale.ndim == 0 else scale[:, None, None]
     return values.astype(np.float32) * per_row
 
 
-def check_fp8_scale(s, name, cache, cache_name):
-    """``s``, fp8 scales for ``cache`` ``(..., H, L, D)``: a Python real number, or float32
-    of shape ``()`` or ``(H,)`` (any length without a cache yet: ``cache=None``); every
-    scale finite and > 0.  Returns a float32 array."""
+def fp8_max(fp8):
+    """The largest finite value of the fp8 dtype ``fp8``."""
+    return 448.0 if fp8.name == "float8_e4m3fn" else 57344.0
+
+
+def check_fp8_scale(s, name, fp8, cache, cache_name):
+    """``s``, the scales of values of the fp8 dtype ``fp8`` in ``cache`` ``(..., H, L, D)``:
+    a Python real number, or float32 of shape ``()`` or ``(H,)`` (any length without a cache
+    yet: ``cache=None``); every scale > 0 and small enough that the largest fp8 value times
+    it is a finite float32.  Returns a float32 array."""
     if s is None:
         raise ValueError(f"an fp8 {cache_name} needs its scale: {name} float32 of shape () "
                          f"or (Hkv,) (1.0 when the values were stored unscaled)")
@@ -365,9 +373,13 @@ def check_fp8_scale(s, name, cache, cache_name):
         shape = "(no cache yet)" if cache is None else f"of shape {cache.shape}"
         raise ValueError(f"{name} must have shape () or (Hkv,) = ({H},) for {cache_name} "
                          f"{shape}, got {s.shape}")
-    bad = s[~(np.isfinite(s) & (s > 0))]
+    top = fp8_max(fp8)
+    with np.errstate(over="ignore"):
+        bad = s[~(np.isfinite(s * np.float32(top)) & (s > 0))]
     if bad.size:
-        raise ValueError(f"{name} must be finite and > 0, got {bad.flat[0]} (shape {s.shape})")
+        raise ValueError(f"{name} must be finite and > 0, at most float32's largest / {top:g} "
+                         f"= {float(np.finfo(np.float32).max) / top:.4g} (a stored {fp8} "
+                         f"times it is finite), got {bad.flat[0]} (shape {s.shape})")
     return s
 
 

@@ -120,10 +120,11 @@ cdef bint _scales_fit(object s, cnp.ndarray cache, int kind, bint write) noexcep
     return _kernel_layout(a) and (not write or cnp.PyArray_ISWRITEABLE(a))
 
 
-cdef object _fp8_scales(object s, Py_ssize_t Hkv):
+cdef object _fp8_scales(object s, Py_ssize_t Hkv, float top):
     # An fp8 cache's scales as the kernel reads them, float32 (Hkv,) (a () scale broadcast),
     # from a float32 array of shape () or (Hkv,) in native order, an np.float32 or a Python
-    # float; each finite and > 0.  None when the checked path must take them.
+    # float; each > 0 with top (the largest fp8 value) times it finite.  None when the
+    # checked path must take them.
     cdef cnp.ndarray a
     cdef Py_ssize_t n, i, st
     if type(s) is float or type(s) is np.float32:
@@ -144,7 +145,7 @@ cdef object _fp8_scales(object s, Py_ssize_t Hkv):
     cdef float x
     for i in range(n):
         x = (<const float*> (p + i * st))[0]
-        if not (x > 0 and isfinite(x)):
+        if not (x > 0 and isfinite(x * top)):
             return None
     return a if n == Hkv and cnp.PyArray_NDIM(a) == 1 else np.broadcast_to(a, (Hkv,))
 
@@ -386,6 +387,7 @@ cdef class KVCachePlanBase:
             return None
         cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache, ka = None, va = None
         cdef int q_kind = _float_kind(qa), c_kind
+        cdef float top            # the largest fp8 value
         if q_kind < 0 or cnp.PyArray_NDIM(qa) != 4:
             return None
         if cnp.PyArray_DIM(qa, 0) != self.batch:
@@ -408,8 +410,9 @@ cdef class KVCachePlanBase:
                     and _scales_fit(v_scale, vc, c_kind, k is not None)):
                 return None
         elif FA_QUANTISED(c_kind):
-            k_scale = _fp8_scales(k_scale, cnp.PyArray_DIM(kc, 1))
-            v_scale = _fp8_scales(v_scale, cnp.PyArray_DIM(kc, 1))
+            top = 448 if c_kind == FA_STORE_E4M3 else 57344
+            k_scale = _fp8_scales(k_scale, cnp.PyArray_DIM(kc, 1), top)
+            v_scale = _fp8_scales(v_scale, cnp.PyArray_DIM(kc, 1), top)
             if k_scale is None or v_scale is None:
                 return None
         elif k_scale is not None or v_scale is not None:
