@@ -55,34 +55,12 @@ cdef inline int _float_kind(cnp.ndarray a) noexcept:
     return -1
 
 
-cdef int _NPY_E4M3 = -1, _NPY_E5M2 = -1   # ml_dtypes' fp8 type numbers, once seen
-
-
 cdef int _cache_kind(cnp.ndarray a):
-    # The storage kind of a cache in native order: float32 / float16 / bfloat16, int8
-    # (q8_0), uint8 (q4_0) or ml_dtypes' float8_e4m3fn / float8_e5m2 (fp8); else -1.  The
-    # fp8 type numbers are learnt from the first array of each (ml_dtypes not imported).
-    global _NPY_E4M3, _NPY_E5M2
-    cdef int t = cnp.PyArray_TYPE(a)
+    # The storage kind of a cache in native order: float32 / float16 / bfloat16, or one
+    # byte a value (_byte_kind: q8_0, q4_0, fp8); else -1.
     if cnp.PyArray_ITEMSIZE(a) != 1:
         return _float_kind(a)
-    if t == cnp.NPY_INT8:
-        return FA_STORE_Q8_0
-    if t == cnp.NPY_UINT8:
-        return FA_STORE_Q4_0
-    if t == _NPY_E4M3:
-        return FA_STORE_E4M3
-    if t == _NPY_E5M2:
-        return FA_STORE_E5M2
-    if a.dtype.type.__module__.split(".")[0] != "ml_dtypes":
-        return -1
-    if a.dtype.name == "float8_e4m3fn":
-        _NPY_E4M3 = t
-        return FA_STORE_E4M3
-    if a.dtype.name == "float8_e5m2":
-        _NPY_E5M2 = t
-        return FA_STORE_E5M2
-    return -1
+    return _byte_kind(a)
 
 
 cdef inline Py_ssize_t _row_values(int kind, cnp.ndarray cache) noexcept:

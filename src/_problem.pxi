@@ -104,16 +104,40 @@ cdef void _fill_offsets(cnp.ndarray a, int n_core, int nb, const Py_ssize_t* bsh
             d -= 1
 
 
+cdef int _NPY_E4M3 = -1, _NPY_E5M2 = -1   # ml_dtypes' fp8 type numbers, once seen
+
+
+cdef int _byte_kind(cnp.ndarray a):
+    # The storage kind of an array of one byte per element: int8 (q8_0), uint8 (q4_0),
+    # ml_dtypes' float8_e4m3fn or float8_e5m2 (fp8), else -1.  The fp8 type numbers are
+    # learnt from the first array of each (ml_dtypes is not imported here).
+    global _NPY_E4M3, _NPY_E5M2
+    cdef int t = cnp.PyArray_TYPE(a)
+    if t == cnp.NPY_INT8:
+        return FA_STORE_Q8_0
+    if t == cnp.NPY_UINT8:
+        return FA_STORE_Q4_0
+    if t == _NPY_E4M3:
+        return FA_STORE_E4M3
+    if t == _NPY_E5M2:
+        return FA_STORE_E5M2
+    if a.dtype.type.__module__.split(".")[0] != "ml_dtypes":
+        return -1
+    if a.dtype.name == "float8_e4m3fn":
+        _NPY_E4M3 = t
+        return FA_STORE_E4M3
+    if a.dtype.name == "float8_e5m2":
+        _NPY_E5M2 = t
+        return FA_STORE_E5M2
+    return -1
+
+
 cdef inline int _store_kind(cnp.ndarray a):
     # How the kernel reads (or writes) an array's elements: the compute type itself, one
-    # of the 16-bit types, or for a cache int8 (q8_0), uint8 (q4_0) or one of ml_dtypes'
-    # fp8 types (the front end passes nothing else).
+    # of the 16-bit types, or for a cache one of _byte_kind's (the front end passes
+    # nothing else).
     if cnp.PyArray_ITEMSIZE(a) == 1:
-        if cnp.PyArray_TYPE(a) == cnp.NPY_INT8:
-            return FA_STORE_Q8_0
-        if cnp.PyArray_TYPE(a) == cnp.NPY_UINT8:
-            return FA_STORE_Q4_0
-        return FA_STORE_E5M2 if a.dtype.name == "float8_e5m2" else FA_STORE_E4M3
+        return _byte_kind(a)
     if cnp.PyArray_ITEMSIZE(a) != 2:
         return FA_STORE_NATIVE
     return FA_STORE_F16 if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT16 else FA_STORE_BF16
