@@ -438,3 +438,74 @@ def test_register_arguments():
         fa_tf.register("")
     with pytest.raises(ValueError, match="fallback"):
         fa_tf.register(fallback="eager")
+
+
+# --------------------------------------------------------------------------- continuous batching
+
+def _generate_batch(model, implementation, prompts, **cb):
+    model.set_attn_implementation(implementation)
+    config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0)
+    cb_config = transformers.ContinuousBatchingConfig(**cb) if cb else None
+    out = model.generate_batch(prompts, generation_config=config,
+                               continuous_batching_config=cb_config, progress_bar=False)
+    return {rid: list(r.generated_tokens) for rid, r in out.items()}
+
+
+def test_continuous_batching_reads_the_paged_cache_and_matches_sdpa(monkeypatch):
+    # generate_batch on a model loaded with "fastattn": every full-attention layer reads
+    # transformers' paged cache in place (decode steps through one plan per step, prefill
+    # chunks over their cached keys), never through the cache's gathering update, and the
+    # tokens are sdpa's, request by request.  With pages of 16 and 24 tokens a step, prompts
+    # are prefilled in chunks that attend over earlier chunks' pages.
+    from fastattn.integrations import _paged
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    cb = {"page_size": 16, "max_batch_tokens": 24}
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(
+        llama_config(), attn_implementation="fastattn").eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    expected = _generate_batch(model, "sdpa", prompts, **cb)
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the paged cache's update (a gather) was called")
+
+    seen = {"decode": 0, "prefill": 0}
+    attend = _paged._Step.attend
+
+    def counting(step, *args):
+        seen["decode"] += len(step.decode)
+        seen["prefill"] += len(step.prefill)
+        return attend(step, *args)
+
+    monkeypatch.setattr(PagedAttentionCache, "update", no_gather)
+    monkeypatch.setattr(_paged._Step, "attend", counting)
+    got = _generate_batch(model, "fastattn", prompts, **cb)
+    assert got == expected
+    assert all(len(t) == 5 for t in got.values())
+    assert seen["decode"] > 0 and seen["prefill"] >= 2 * len(prompts)   # 2 layers
+    assert model.config._attn_implementation == "fastattn"   # restored when it stopped
+
+
+def test_continuous_batching_twin_name():
+    # transformers admits to continuous batching only names containing "flash": register()
+    # adds one beside each name it registers, and the switch moves models to it.
+    from transformers import AttentionInterface
+    assert "fastattn_flash" in AttentionInterface._global_mapping
+    assert fa_tf._BATCHING_TWINS["fastattn"] == "fastattn_flash"
+    assert fa_tf._BATCHING_TWINS[STRICT] == STRICT + "_flash"
+
+
+def test_continuous_batching_sliding_window_matches_sdpa():
+    # Sliding-window layers (Mistral, window 8 < the prompts): the cache's own update
+    # gathers each request's window of keys in order, then fastattn's varlen call.
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM._from_config(
+        mistral_config(8), attn_implementation="fastattn").eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (6, 21)]
+    cb = {"page_size": 16, "max_batch_tokens": 16}
+    assert (_generate_batch(model, "fastattn", prompts, **cb)
+            == _generate_batch(model, "sdpa", prompts, **cb))

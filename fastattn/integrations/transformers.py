@@ -78,6 +78,14 @@ def register(name="fastattn", *, fallback="sdpa"):
       float32 by default), not ``torch.set_float32_matmul_precision``.
     - The attention weights are not returned (``None``), as with ``sdpa``; with
       ``output_attentions=True`` the call runs as ``eager`` (see ``fallback``).
+    - **Continuous batching.** ``model.generate_batch`` and ``ContinuousBatchingManager``
+      run a model loaded on ``name`` on fastattn too, reading transformers' paged cache in
+      place (:mod:`fastattn.integrations._paged`).  transformers admits to continuous
+      batching only "sdpa", "paged|eager" and names containing "flash", so a second name,
+      ``name + "_flash"``, is registered for it, and the manager's switch to a batching
+      implementation (``switch_to_cb_friendly_attn``) moves a model on ``name`` to it and
+      back when the manager stops.  Load models with ``name``, never with the second one:
+      transformers looks for a flash-attention package behind any "flash" name it loads.
 
     Examples
     --------
@@ -114,7 +122,51 @@ def register(name="fastattn", *, fallback="sdpa"):
 
     AttentionInterface.register(name, functools.partial(attention_forward, fallback=fallback))
     AttentionMaskInterface.register(name, sdpa_mask)
+    _register_batching_twin(name, fallback)
     return name
+
+
+def _register_batching_twin(name, fallback):
+    """The name continuous batching runs a model on ``name`` under (see :func:`register`):
+    the same attention function, and flash attention's mask function (none, or the 2-D
+    padding mask), since a batching step describes its requests by their lengths."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
+    try:
+        from transformers.generation.continuous_batching.continuous_api import (
+            ContinuousBatchingManager)
+    except ImportError:    # a transformers without continuous batching
+        return
+
+    twin = name + "_flash"
+    AttentionInterface.register(twin, functools.partial(attention_forward, fallback=fallback))
+    AttentionMaskInterface.register(twin, flash_attention_mask)
+    _BATCHING_TWINS[name] = twin
+    switch = ContinuousBatchingManager.switch_to_cb_friendly_attn
+    if not getattr(switch, "_fastattn", False):
+        ContinuousBatchingManager.switch_to_cb_friendly_attn = _switch_to_twin(switch)
+
+
+# name -> the name continuous batching runs it under
+_BATCHING_TWINS = {}
+
+
+def _switch_to_twin(switch):
+    """transformers' ``switch_to_cb_friendly_attn``, which also moves a model on a name
+    :func:`register` gave to that name's batching twin, setting the config as
+    ``set_attn_implementation`` does but without its search for a flash package (the manager
+    restores the original name when it stops)."""
+    @functools.wraps(switch)
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        current = model.config._attn_implementation
+        if current in _BATCHING_TWINS:
+            model.config._attn_implementation = _BATCHING_TWINS[current]
+            self._original_attn_impl = current
+            return None
+        return switch(self, model, *args, **kwargs)
+
+    switch_to_cb_friendly_attn._fastattn = True
+    return switch_to_cb_friendly_attn
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -148,6 +200,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     import torch
 
+    if kwargs.get("cache") is not None and _paged_call(query, key, value, dropout, kwargs):
+        from . import _paged
+        return _paged.attention(module, query, key, value, scaling=scaling, **kwargs)
     reason = _unsupported(torch, query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         if fallback is None:
@@ -222,6 +277,13 @@ def _eager(torch, module, query, key, value, attention_mask, dropout, scaling, i
                  **kwargs)
 
 
+def _paged_call(query, key, value, dropout, kwargs):
+    """Whether a call with a paged cache (continuous batching) can read it in place: CPU
+    tensors, no dropout, no weights asked for."""
+    return (query.is_cpu and key.is_cpu and value.is_cpu and not dropout
+            and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None)
+
+
 def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):
     """Why fastattn cannot take this call (a short phrase), or None if it can."""
     if not (query.is_cpu and key.is_cpu and value.is_cpu
@@ -233,7 +295,7 @@ def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):
     if kwargs.get("position_bias") is not None:
         return "a position_bias (additive relative-position scores)"
     if kwargs.get("cache") is not None:
-        return "a paged cache (continuous batching)"
+        return "a paged cache (continuous batching) with dropout or weights asked for"
     if kwargs.get("output_attentions"):
         return _WEIGHTS
     known = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
