@@ -29,17 +29,10 @@ import numpy as np
 import fastattn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fastattn.cli.bench import caches  # noqa: E402
 from fastattn.cli.bench.harness import OtherLoad  # noqa: E402
 
 TYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2")
-
-
-def _fp8(x, name):
-    dt = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[name]
-    top = 448.0 if name == "fp8_e4m3" else 57344.0
-    scale = (np.abs(x).max(axis=(0, 2, 3)) / top).astype(np.float32)
-    scale[scale == 0] = 1
-    return fastattn.quantize_fp8(x, scale, dt), scale
 
 
 def store(name, k, v):
@@ -50,12 +43,7 @@ def store(name, k, v):
     if name == "bfloat16":
         import ml_dtypes
         return dict(k_cache=k.astype(ml_dtypes.bfloat16), v_cache=v.astype(ml_dtypes.bfloat16))
-    if name.startswith("fp8"):
-        (kq, ks), (vq, vs) = _fp8(k, name), _fp8(v, name)
-    else:
-        quantize = getattr(fastattn, f"quantize_{name}")     # q8_0, q4_0
-        (kq, ks), (vq, vs) = quantize(k), quantize(v)
-    return dict(k_cache=kq, v_cache=vq, k_scale=ks, v_scale=vs)
+    return caches.store(fastattn, {"fp8_e4m3": "fp8"}.get(name, name), k, v)
 
 
 def paged(cache, table, page):
