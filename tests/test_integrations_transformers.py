@@ -509,3 +509,11 @@ def test_continuous_batching_sliding_window_matches_sdpa():
     cb = {"page_size": 16, "max_batch_tokens": 16}
     assert (_generate_batch(model, "fastattn", prompts, **cb)
             == _generate_batch(model, "sdpa", prompts, **cb))
+
+
+def test_continuous_batching_call_it_cannot_read_is_refused():
+    # A batching step packs its requests in one row without a mask: handing such a call
+    # to sdpa would let requests see each other, so it is refused, naming why.
+    q = torch.zeros(1, 4, 3, 16, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="continuous-batching call: dtype"):
+        fa_tf.attention_forward(Layer(2), q, q[:, :2], q[:, :2], None, cache=object())

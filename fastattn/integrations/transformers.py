@@ -200,7 +200,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     import torch
 
-    if kwargs.get("cache") is not None and _paged_call(query, key, value, dropout, kwargs):
+    if kwargs.get("cache") is not None:
+        # continuous batching: a step's requests packed in one row (no mask to hand over)
+        reason = _paged_unsupported(torch, query, key, value, dropout, kwargs)
+        if reason is not None:
+            raise NotImplementedError(
+                f"fastattn cannot run this continuous-batching call: {reason}; load the "
+                "model with attn_implementation='sdpa' for it")
         from . import _paged
         return _paged.attention(module, query, key, value, scaling=scaling, **kwargs)
     reason = _unsupported(torch, query, key, value, attention_mask, dropout, kwargs)
@@ -277,11 +283,23 @@ def _eager(torch, module, query, key, value, attention_mask, dropout, scaling, i
                  **kwargs)
 
 
-def _paged_call(query, key, value, dropout, kwargs):
-    """Whether a call with a paged cache (continuous batching) can read it in place: CPU
-    tensors, no dropout, no weights asked for."""
-    return (query.is_cpu and key.is_cpu and value.is_cpu and not dropout
-            and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None)
+def _paged_unsupported(torch, query, key, value, dropout, kwargs):
+    """Why fastattn cannot read this call's paged cache (continuous batching) in place, or
+    None if it can."""
+    if not (query.is_cpu and key.is_cpu and value.is_cpu):
+        return "tensors not on the CPU"
+    if dropout or kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
+        return "dropout, output_attentions or a position_bias"
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {query.dtype}"
+    if query.dtype == torch.bfloat16 and _ops_bfloat16() is None:
+        return "a bfloat16 cache without ml_dtypes (pip install ml_dtypes)"
+    return None
+
+
+def _ops_bfloat16():
+    from . import _ops
+    return _ops.bfloat16_dtype()
 
 
 def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):
@@ -294,8 +312,6 @@ def _unsupported(torch, query, key, value, attention_mask, dropout, kwargs):
         return f"dropout={dropout} (the module is in training mode)"
     if kwargs.get("position_bias") is not None:
         return "a position_bias (additive relative-position scores)"
-    if kwargs.get("cache") is not None:
-        return "a paged cache (continuous batching) with dropout or weights asked for"
     if kwargs.get("output_attentions"):
         return _WEIGHTS
     known = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
