@@ -69,7 +69,7 @@ def main(argv=None):
                         generator=torch.Generator().manual_seed(1))
     models = {attn: _model(transformers, torch, args, attn) for attn in ("fastattn", "sdpa")}
     # One set of weights, shared: the projections' matmuls then read the same memory in
-    # both models (this machine's sgemm times differ by up to 20% between two copies).
+    # both models, so the weights' placement cannot favour either.
     models["fastattn"].load_state_dict(models["sdpa"].state_dict(), assign=True)
     breaks = {attn: _graph_breaks(torch, m, ids) for attn, m in models.items()}
     torch._dynamo.reset()
