@@ -179,6 +179,10 @@ def _kernel_facts(kernel, info):
         _precision_facts(info)
     except Exception:
         pass
+    try:
+        info["amx_tiles"] = _amx_fact(kernel)
+    except Exception:
+        pass
     # Remaining facts (vector width, block sizes, ...) are shown as they come.
     info["build"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v))
                      for k, v in build.items()}
@@ -225,6 +229,25 @@ def _precision_facts(info):
     info["float32_products"] = _precision.float32_products()
 
 
+def _amx_fact(kernel):
+    """Whether bfloat16 products run on AMX tiles, and why not."""
+    switch = os.environ.get("FASTATTN_AMX")
+    env = f"FASTATTN_AMX={switch}" if switch is not None else "FASTATTN_AMX unset"
+    mode = kernel.amx()
+    if mode == "hw":
+        return f"yes: runs on the hardware ({env})"
+    if mode == "model":
+        return f"on the scalar model of the tile instructions, for tests ({env})"
+    if not kernel.AMX_BUILT:
+        return "no (this build has no AMX code)"
+    if not kernel.amx_cpu():
+        return "no (this CPU or OS runs no AMX-BF16 tiles)"
+    if switch == "0":
+        return f"no ({env})"
+    return ("no: this CPU has AMX-BF16, but the tile path has not yet been measured on "
+            "one; FASTATTN_AMX=1 runs it")
+
+
 def format_info(info):
     def show(v):
         if isinstance(v, bool):
@@ -248,7 +271,7 @@ def format_info(info):
         ("variants this CPU runs", info["available_variants"]),
         ("bfloat16 products", info.get("bf16_products", UNKNOWN)),
         ("float32 products", info.get("float32_products", UNKNOWN)),
-        ("AMX tiles", "not used (no AMX code in this build)"),
+        ("AMX tiles", info.get("amx_tiles", UNKNOWN)),
     ]
     rows += [(k.replace("_", " "), v) for k, v in info.get("build", {}).items()]
     rows += [(k.replace("_", " "), info[k]) for k in

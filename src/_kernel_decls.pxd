@@ -195,6 +195,28 @@ cdef extern from "fa_kernels.h" nogil:
                          const uint32_t* vp, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
                          const float* alpha)
 
+
+# AMX tiles (fa_amx.h): kernels on the hardware (FA_AMX_HW, where fa_amx_cpu()) or on the
+# scalar model of the tile instructions (FA_AMX_MODEL); both in builds with FA_HAVE_BF16DOT
+cdef extern from "fa_kernels.h" nogil:
+    enum:
+        FA_HAVE_AMX
+        FA_AMX_HW
+        FA_AMX_MODEL
+    int fa_amx_cpu()
+    void fa_amx_model_dp_test(float* c, const uint16_t* a, const uint16_t* b, int sequential)
+    void fa_amx_hw_dp_test(float* c, const uint16_t* a, const uint16_t* b)
+    double fa_amx_hw_peak_loop(long n)
+    void fa_pack_p_rows(const float* s, Py_ssize_t lds, Py_ssize_t nj, Py_ssize_t nlanes,
+                        uint16_t* pr, Py_ssize_t ldpr)
+    void fa_amx_scores(int backend, const uint16_t* const* kr, Py_ssize_t nj,
+                       const uint32_t* qt, Py_ssize_t ldqt, Py_ssize_t nlanes, Py_ssize_t D,
+                       float scale, float* s, Py_ssize_t lds, uint16_t* kst,
+                       const uint16_t* zrow)
+    void fa_amx_pv(int backend, const uint16_t* pr, Py_ssize_t ldpr, Py_ssize_t nchunks,
+                   Py_ssize_t nlanes, Py_ssize_t nrows, const uint32_t* vp, Py_ssize_t Dv,
+                   float* acc, Py_ssize_t ldacc, const float* alpha)
+
 # ---- fused-type wrappers (scores are S^T: s[j * FA_BQ + r]) ----
 
 cdef inline Py_ssize_t vec_lanes(floating* like) noexcept nogil:

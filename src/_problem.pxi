@@ -56,6 +56,105 @@ def set_bf16_dot(bint on):
     return old
 
 
+# ... and on AMX tiles (fa_amx.h), for head dims that are multiples of 32.  The hardware
+# path has not yet been measured on an AMX CPU, so it runs only when asked for
+# (FASTATTN_AMX=1) until then; FASTATTN_AMX=model runs the same kernels on the scalar
+# model of the tile instructions, on any CPU with bfloat16 products.
+AMX_BUILT = bool(FA_HAVE_AMX)
+AMX_VERIFIED = False            # the hardware path has run its tests on an AMX CPU
+AMX_MODES = {"off": 0, "hw": FA_AMX_HW, "model": FA_AMX_MODEL}
+cdef int _amx = 0
+
+
+def amx_cpu():
+    """Whether this process may run AMX-BF16 tiles: the CPU has them, the OS saves their
+    state and (Linux) granted the permission, which this asks for once."""
+    return AMX_BUILT and bool(fa_amx_cpu())
+
+
+def amx():
+    """The backend of the AMX tile kernels: "off", "hw" or "model"."""
+    return {v: k for k, v in AMX_MODES.items()}[_amx]
+
+
+def set_amx(str mode):
+    """Run bfloat16 products on AMX tiles: "hw" (where amx_cpu()), "model" (the scalar
+    model, where bfloat16 products run) or "off"; returns the previous mode.  A mode
+    this build or CPU cannot run is refused with ValueError."""
+    global _amx
+    if mode not in AMX_MODES:
+        raise ValueError(f"AMX mode must be one of {sorted(AMX_MODES)}, got {mode!r}")
+    if mode == "hw" and not amx_cpu():
+        raise ValueError("AMX mode 'hw': this build or CPU cannot run AMX-BF16 tiles")
+    if mode == "model" and not (BF16_DOT_BUILT and BF16_DOT_CPU):
+        raise ValueError("AMX mode 'model': the tile kernels need bfloat16 products "
+                         "(an AVX512-BF16 CPU and the avx512 build)")
+    old = amx()
+    _amx = AMX_MODES[mode]
+    return old
+
+
+def _amx_from_environment():
+    # FASTATTN_AMX: 0 off; 1 the hardware where the CPU and OS allow it; model the scalar
+    # model.  Unset: the hardware once verified.  A value this machine cannot run is off.
+    choice = __import__("os").environ.get("FASTATTN_AMX", "auto")
+    if choice == "model":
+        mode = "model"
+    elif choice == "1" or choice == "auto" and AMX_VERIFIED:
+        mode = "hw"
+    else:
+        mode = "off"
+    try:
+        set_amx(mode)
+    except ValueError:
+        set_amx("off")
+
+
+_amx_from_environment()
+
+
+def amx_model_dp(object c, object a, object b, bint sequential=False):
+    """One TDPBF16PS on the scalar tile model, in place: c (16 x 16 float32) += a (16 x 32
+    bfloat16 bits, uint16) . b (16 x 32 uint16, pairs of rows interleaved).  For tests."""
+    _check_tile_operands(c, a, b)
+    fa_amx_model_dp_test(<float*> cnp.PyArray_DATA(c), <const uint16_t*> cnp.PyArray_DATA(a),
+                         <const uint16_t*> cnp.PyArray_DATA(b), sequential)
+
+
+def amx_hw_dp(object c, object a, object b):
+    """amx_model_dp on the hardware's tiles (where amx_cpu())."""
+    _check_tile_operands(c, a, b)
+    if not amx_cpu():
+        raise ValueError("amx_hw_dp: this build or CPU cannot run AMX-BF16 tiles")
+    fa_amx_hw_dp_test(<float*> cnp.PyArray_DATA(c), <const uint16_t*> cnp.PyArray_DATA(a),
+                      <const uint16_t*> cnp.PyArray_DATA(b))
+
+
+def amx_peak(long steps):
+    """Multiply-adds a second of a plain loop of independent tdpbf16ps on one thread."""
+    if not amx_cpu():
+        raise ValueError("amx_peak: this build or CPU cannot run AMX-BF16 tiles")
+    cdef timespec t0, t1
+    clock_gettime(CLOCK_MONOTONIC, &t0)
+    cdef double macs = fa_amx_hw_peak_loop(steps)
+    clock_gettime(CLOCK_MONOTONIC, &t1)
+    return macs / ((t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec))
+
+
+cdef _check_tile_operands(object c, object a, object b):
+    for name, x in (("c", c), ("a", a), ("b", b)):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if (c.dtype != np.float32 or tuple(c.shape) != (16, 16) or not c.flags.c_contiguous
+            or not c.flags.writeable):
+        raise ValueError(f"c must be a writable C-contiguous 16 x 16 float32 array, got "
+                         f"{c.dtype} {tuple(c.shape)}")
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype != np.uint16 or tuple(x.shape) != (16, 32) or not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous 16 x 32 uint16 array, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+
+
 cdef inline bint _kernel_layout(cnp.ndarray a):
     # Contiguous last axis and whole-element strides: the kernel can read it in place.
     cdef int d, nd = cnp.PyArray_NDIM(a)
@@ -254,6 +353,7 @@ cdef Py_ssize_t* _fill_layout(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.ndar
     P.kfs_sh = P.vfs_sh = 0
     P.bf16_dot = (P.q_kind == FA_STORE_BF16 and P.k_kind == FA_STORE_BF16
                   and P.v_kind == FA_STORE_BF16 and _bf16_dot_takes(P.D, P.Dv))
+    P.amx = _amx if P.bf16_dot and P.D % 32 == 0 and P.Dv % 32 == 0 else 0
     return offs
 
 

@@ -67,6 +67,9 @@ cdef struct Problem:
     # runs the prefill's chains (decode tiles with the keys as lanes), K read in place and
     # V packed in pairs of keys.
     bint bf16_dot
+    # ... on AMX tiles (fa_amx.h): 0, or the backend FA_AMX_HW / FA_AMX_MODEL.  Key blocks
+    # then start at multiples of 32 keys, the chunks of the output tiles.
+    int amx
     # Serving caches.  Pages: key j of batch element b is row j % page of page
     # block_table[b * bt_stride + j // page], pages k_pst (v_pst) elements apart (k_boff,
     # v_boff unused); NULL: rows of batch element b from k_boff[b] as usual.  K or V in
@@ -87,7 +90,7 @@ cdef struct Problem:
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
     Py_ssize_t qt, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
-    Py_ssize_t kblk, vblk, orow, pp, elems
+    Py_ssize_t kblk, vblk, orow, pp, pr, kst, elems
     # The backward pass's (see _carve_backward); slope is -1 without a softcap.
     Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, psum
     Py_ssize_t ones
@@ -104,6 +107,7 @@ cdef struct Tile:
     Py_ssize_t dv_pad, dv_main, dv_tail, ldqt
     bint decode                   # few rows: keys are the lanes of the score kernels
     bint bf16_dot                 # products in bfloat16 pairs (Problem.bf16_dot)
+    int amx                       # on AMX tiles (Problem.amx)
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint quant_in_place           # decode over quantised K and V read where stored (fa_quant.h)
@@ -199,6 +203,8 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     o += FA_BK * Dv if _gathers(P) or P.v_kind != FA_STORE_NATIVE else 0
     w.orow = o; o += dv_pad if P.o_kind != FA_STORE_NATIVE else 0      # a row before rounding
     w.pp = o; o += (FA_BK // 2) * FA_BQ if P.bf16_dot else 0           # P in bfloat16 pairs
+    w.pr = o; o += (FA_BK // 2) * FA_BQ if P.amx else 0                # P rows in bfloat16
+    w.kst = o; o += 16 * D if P.amx else 0                            # 32 K rows staged
     if P.backward:
         o = _carve_backward(w, P, VL, o)
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
@@ -325,6 +331,7 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # its prefill row.
     t.decode = t.nrows <= FA_DECODE_ROWS and not P.bf16_dot
     t.bf16_dot = floating is float and P.bf16_dot
+    t.amx = P.amx if floating is float else 0
     # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
     # step takes two keys per 8-lane vector (fa_softmax_pairs_f), the same bits.
     t.softmax_pairs = floating is float and FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
@@ -446,7 +453,7 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     # one flag, so that the per-block stages need not scan the rows.
     # (Blocks of bfloat16 products start at even keys, which may put a key before tile_lo
     # into the first block: the finish stage must then hide it.)
-    t.same_keys = t.tile_lo < t.tile_hi and not (t.bf16_dot and t.tile_lo % 2)
+    t.same_keys = t.tile_lo < t.tile_hi and not (t.bf16_dot and t.tile_lo % _block_align(t))
     for r in range(t.nrows):
         if t.lo[r] != t.tile_lo or t.hi[r] != t.tile_hi:
             t.same_keys = False
@@ -508,6 +515,10 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
             _row_pointers(t.vptr, t.vb + t.j0 * t.v_row, t.v_row, t.nj)
         if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
+        if floating is float and t.amx:
+            # the output tiles read whole chunks of 16 pairs: zeros past the block's keys
+            memset(ws + w.vblk + (t.nj + 1) // 2 * P.Dv, 0,
+                   ((t.nj + 31) // 32 * 16 - (t.nj + 1) // 2) * P.Dv * sizeof(float))
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
     elif t.copy_rows:
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * P.v_isz, P.Dv
@@ -720,6 +731,14 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
                 else:
                     score_tile(t.krows, qt + c, D, scale, s + jj * FA_BQ + c, nvec, mk)
             jj += mk
+
+
+cdef void _scores_amx(const Problem* P, Tile* t, const Workspace* w, float* ws) noexcept nogil:
+    # S^T of the block on AMX tiles, every lane of the tile (fa_amx_scores): the same
+    # chain for a decode row as for a prefill row.  K through its row pointers.
+    fa_amx_scores(t.amx, <const uint16_t* const*> t.kptr, t.nj, <const uint32_t*> (ws + w.qt),
+                  FA_BQ, t.nlanes, P.D, <float> t.scale_log2, ws + w.s, FA_BQ,
+                  <uint16_t*> (ws + w.kst), <const uint16_t*> (ws + w.zrow))
 
 
 cdef void _scores_bf16_keys(const Problem* P, Tile* t, const Workspace* w,
@@ -1173,6 +1192,15 @@ cdef void _pv_bf16(const Tile* t, const Workspace* w, float* ws) noexcept nogil:
         rg += nr
 
 
+cdef void _pv_amx(const Tile* t, const Workspace* w, float* ws) noexcept nogil:
+    # P rounded to bfloat16 rows (zero past the block's keys), then the output tiles over
+    # the block's chunks of 32 keys (fa_amx_pv); V is in pairs of keys (_load_block).
+    cdef uint16_t* pr = <uint16_t*> (ws + w.pr)
+    fa_pack_p_rows(ws + w.s, FA_BQ, t.nj, t.nlanes, pr, FA_BK)
+    fa_amx_pv(t.amx, pr, FA_BK, (t.nj + 31) // 32, t.nlanes, t.nrows,
+              <const uint32_t*> t.vblk, t.dv_main, ws + w.acc, t.dv_pad, ws + w.alpha)
+
+
 cdef void _pv_decode(const Problem* P, const Tile* t, const Workspace* w,
                      floating* ws) noexcept nogil:
     # A GQA group 4 rows at a time (each V vector loaded once for all 4; rows past nrows
@@ -1253,12 +1281,14 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
     cdef Py_ssize_t c_hi = min(t.tile_hi, kc * FA_KCHUNK + FA_KCHUNK), ib
     _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad)
     for ib in range(c_lo // FA_BK, (c_hi + FA_BK - 1) // FA_BK if c_lo < c_hi else 0):
-        t.j0 = max(ib * FA_BK, t.tile_lo - t.tile_lo % 2 if t.bf16_dot else t.tile_lo)
+        t.j0 = max(ib * FA_BK, t.tile_lo - t.tile_lo % _block_align(t))
         t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
         t.nj = t.j1 - t.j0
         _load_block(P, t, w, ws)
         if t.decode:
             _scores_decode(P, t, w, ws)
+        elif floating is float and t.amx:
+            _scores_amx(P, t, w, ws)
         elif floating is float and t.bf16_dot and t.nrows <= FA_DECODE_ROWS:
             _scores_bf16_keys(P, t, w, ws)
         else:
@@ -1271,10 +1301,21 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
             _load_vtail(t, w, ws)
         if t.decode:
             _pv_decode(P, t, w, ws)
+        elif floating is float and t.amx:
+            _pv_amx(t, w, ws)
         elif floating is float and t.bf16_dot:
             _pv_bf16(t, w, ws)
         else:
             _pv_prefill(t, w, ws)
+
+
+cdef inline Py_ssize_t _block_align(const Tile* t) noexcept nogil:
+    # Where a tile's first key block may start: any key, an even key for bfloat16 pairs,
+    # a multiple of 32 on AMX tiles (a chunk of the output tiles).  The finish stage hides
+    # the keys before the tile's first.
+    if t.amx:
+        return 32
+    return 2 if t.bf16_dot else 1
 
 
 cdef inline void _reset_state(floating* m, floating* l, floating* acc, Py_ssize_t nlanes,

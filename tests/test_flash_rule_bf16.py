@@ -13,7 +13,8 @@ matmul, scale, softcap, bias, softmax, matmul, each rounded to bfloat16 -- as
 FlashAttention's ``attention_ref(upcast=False)`` is; its gradients come from torch's
 autograd of it.  fastattn runs through ``fastattn.integrations.torch.attention`` with
 bfloat16 tensors: on CPUs with AVX512-BF16 the forward multiplies in bfloat16 pairs (P
-rounded to bfloat16); elsewhere in float32.  Its backward computes in float32 from the
+rounded to bfloat16), and again on AMX tiles (their scalar model, and the hardware where
+there is one); elsewhere in float32.  Its backward computes in float32 from the
 bfloat16 inputs.
 
 Cases: MHA and GQA, D 64 and 128, causal or not, a sliding window, softcap and ALiBi, on
@@ -101,13 +102,25 @@ def case_id(case):
     return "-".join(parts + ["alibi"] * alibi)
 
 
+# The forward's products on bfloat16 pairs, and on AMX tiles: the scalar model of the
+# tile instructions wherever the pairs run, the hardware where the CPU has AMX.
+TILES = ["off"] + ["model"] * kernel.bf16_dot() + ["hw"] * kernel.amx_cpu()
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda m: f"amx-{m}")
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_bfloat16_within_flash_rule(case):
+def test_bfloat16_within_flash_rule(case, tiles):
     torch = import_optional("torch")
     import_optional("ml_dtypes")
     products = "bfloat16 products" if kernel.bf16_dot() else "float32 products"
+    old = kernel.set_amx(tiles)
+    try:
+        errs = errors(torch, case)
+    finally:
+        kernel.set_amx(old)
     for name, factor, (err, err_torch, atol) in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3),
-                                                    errors(torch, case)):
+                                                    errs):
         assert err <= factor * err_torch + atol, (
-            f"{name}: fastattn ({ISA} kernel, {products}) error {err:.3e} > {factor} x "
-            f"torch bfloat16's {err_torch:.3e} + {atol:.2e} (ratio {err / err_torch:.2f})")
+            f"{name}: fastattn ({ISA} kernel, {products}, AMX {tiles}) error {err:.3e} > "
+            f"{factor} x torch bfloat16's {err_torch:.3e} + {atol:.2e} "
+            f"(ratio {err / err_torch:.2f})")

@@ -1,0 +1,127 @@
+/*
+ * fa_amx_kernels.h -- the AMX tile kernels, written once over the tile operations
+ * FA_TILE_LOAD/STORE/ZERO/DP (fa_amx.h includes this file twice: on the model, on the
+ * hardware).  Eight tiles of 16 x 64 bytes: 0-3 sums (2 x 2), 4-5 A, 6-7 B.  A second
+ * group of rows or keys with nothing in it repeats the first, whose sums are not stored,
+ * so that no tile reads past the data.  The chains are fa_amx.h's canonical ones.
+ */
+
+/*
+ * Scores of a key block against the tile's rows, s[j*lds + r] = scale * K[j] . Q[r] for
+ * keys j < nj (at most 64) and rows r < nlanes (a multiple of 16), 32 dims a step (D a
+ * multiple of 32).  A = 16 key rows, B = Q^T in pairs of dims (qt[p*ldqt + r]).  Key rows
+ * evenly spaced are read where they are; others (a short group, rows from pages) are
+ * staged whole in kst (2 x 16 x D values), zero rows past nj.
+ */
+FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t nj,
+                                          const uint32_t* qt, ptrdiff_t ldqt, ptrdiff_t nlanes,
+                                          ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
+                                          uint16_t* kst, const uint16_t* zrow)
+{
+    FA_TILE_STATE;
+    float cb[4][16 * 16];
+    const __m512 sc = _mm512_set1_ps(scale);
+    FA_TILE_CONFIG();
+    for (ptrdiff_t k0 = 0; k0 < nj; k0 += 32) {
+        const uint16_t* base[2];
+        ptrdiff_t stride[2], nk[2];
+        for (int g = 0; g < 2; g++) {
+            const ptrdiff_t j = k0 + 16 * g;
+            nk[g] = j >= nj ? 0 : nj - j < 16 ? nj - j : 16;
+            if (nk[g] == 16 && fa_amx_even_rows(kr + j, &stride[g])) {
+                base[g] = kr[j];
+            } else if (nk[g] > 0) {
+                uint16_t* dst = kst + g * 16 * D;
+                for (int u = 0; u < 16; u++)
+                    memcpy(dst + u * D, u < nk[g] ? kr[j + u] : zrow, 2 * D);
+                base[g] = dst;
+                stride[g] = 2 * D;
+            } else {
+                base[g] = base[0];
+                stride[g] = stride[0];
+            }
+        }
+        for (ptrdiff_t r0 = 0; r0 < nlanes; r0 += 32) {
+            const ptrdiff_t r1 = r0 + 16 < nlanes ? r0 + 16 : r0;
+            FA_TILE_ZERO(0);
+            FA_TILE_ZERO(1);
+            FA_TILE_ZERO(2);
+            FA_TILE_ZERO(3);
+            for (ptrdiff_t d0 = 0; d0 < D; d0 += 32) {
+                FA_TILE_LOAD(4, base[0] + d0, stride[0]);
+                FA_TILE_LOAD(5, base[1] + d0, stride[1]);
+                FA_TILE_LOAD(6, qt + (d0 / 2) * ldqt + r0, 4 * ldqt);
+                FA_TILE_LOAD(7, qt + (d0 / 2) * ldqt + r1, 4 * ldqt);
+                FA_TILE_DP(0, 4, 6);
+                FA_TILE_DP(1, 4, 7);
+                FA_TILE_DP(2, 5, 6);
+                FA_TILE_DP(3, 5, 7);
+            }
+            FA_TILE_STORE(0, cb[0], 64);
+            FA_TILE_STORE(1, cb[1], 64);
+            FA_TILE_STORE(2, cb[2], 64);
+            FA_TILE_STORE(3, cb[3], 64);
+            for (int g = 0; g < 2; g++)
+                for (int h = 0; h < (r1 != r0 ? 2 : 1); h++)
+                    for (ptrdiff_t u = 0; u < nk[g]; u++)
+                        _mm512_storeu_ps(s + (k0 + 16 * g + u) * lds + (h ? r1 : r0),
+                                         _mm512_mul_ps(_mm512_loadu_ps(cb[2 * g + h] + 16 * u), sc));
+        }
+    }
+    FA_TILE_RELEASE();
+}
+
+/*
+ * acc = acc * alpha + P V for rows r < nrows (nlanes, a multiple of 16, rows of pr) over
+ * nchunks chunks of 32 keys: A = P rows in bfloat16 (pr[r*ldpr + j], zero past the
+ * block's keys), B = V in pairs of keys (vp[jp*Dv + c], zero pairs past them), Dv a
+ * multiple of 32.
+ */
+FA_AMX_FN void FA_AMX_NAME(fa_amx_pv)(const uint16_t* pr, ptrdiff_t ldpr, ptrdiff_t nchunks,
+                                      ptrdiff_t nlanes, ptrdiff_t nrows, const uint32_t* vp,
+                                      ptrdiff_t Dv, float* acc, ptrdiff_t ldacc,
+                                      const float* alpha)
+{
+    FA_TILE_STATE;
+    float cb[4][16 * 16];
+    FA_TILE_CONFIG();
+    for (ptrdiff_t r0 = 0; r0 < nrows; r0 += 32) {
+        const ptrdiff_t r1 = r0 + 16 < nlanes ? r0 + 16 : r0;
+        const ptrdiff_t nr0 = nrows - r0 < 16 ? nrows - r0 : 16;
+        const ptrdiff_t nr1 = r1 == r0 ? 0 : nrows - r1 < 16 ? nrows - r1 : 16;
+        for (ptrdiff_t c0 = 0; c0 < Dv; c0 += 32) {
+            FA_TILE_ZERO(0);
+            FA_TILE_ZERO(1);
+            FA_TILE_ZERO(2);
+            FA_TILE_ZERO(3);
+            for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
+                FA_TILE_LOAD(4, pr + r0 * ldpr + 32 * kc, 2 * ldpr);
+                FA_TILE_LOAD(5, pr + r1 * ldpr + 32 * kc, 2 * ldpr);
+                FA_TILE_LOAD(6, vp + 16 * kc * Dv + c0, 4 * Dv);
+                FA_TILE_LOAD(7, vp + 16 * kc * Dv + c0 + 16, 4 * Dv);
+                FA_TILE_DP(0, 4, 6);
+                FA_TILE_DP(1, 4, 7);
+                FA_TILE_DP(2, 5, 6);
+                FA_TILE_DP(3, 5, 7);
+            }
+            FA_TILE_STORE(0, cb[0], 64);
+            FA_TILE_STORE(1, cb[1], 64);
+            FA_TILE_STORE(2, cb[2], 64);
+            FA_TILE_STORE(3, cb[3], 64);
+            fa_amx_acc_update(acc + r0 * ldacc + c0, ldacc, alpha + r0, cb[0], cb[1], nr0);
+            if (nr1 > 0)
+                fa_amx_acc_update(acc + r1 * ldacc + c0, ldacc, alpha + r1, cb[2], cb[3], nr1);
+        }
+    }
+    FA_TILE_RELEASE();
+}
+
+#undef FA_AMX_NAME
+#undef FA_AMX_FN
+#undef FA_TILE_STATE
+#undef FA_TILE_CONFIG
+#undef FA_TILE_RELEASE
+#undef FA_TILE_LOAD
+#undef FA_TILE_STORE
+#undef FA_TILE_ZERO
+#undef FA_TILE_DP
