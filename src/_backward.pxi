@@ -25,7 +25,8 @@
 # terms are exactly 0 may be skipped: the same bits).
 # A key block's S^T comes from the forward's own stages (_load_block,
 # _score_lanes, _finish_scores: the one home of the visibility rule and the modifiers),
-# always on the prefill tiles; dP^T from the same score micro-tiles with dO in place of Q.
+# always on the prefill tiles; dP^T from the same score micro-tiles with dO in place of Q
+# (both on AMX tiles where the forward's scores are).
 # Rows that see nothing, padding rows (past q_len) and keys past kv_len get exactly zero
 # gradients: their dO, Q and Delta are taken as 0 and their P as 0 (lse2 = +inf).
 # Extra memory: one workspace per thread (O(FA_BQ * (D + Dv + FA_BK) + FA_BKV_MAX * (D + Dv)))
@@ -195,9 +196,15 @@ cdef void _bwd_block(const Problem* P, Tile* t, const Workspace* w,
     cdef int nvec
     cdef const floating* slope
     _load_block(P, t, w, ws)
-    _scores_prefill(P, t, w, ws)
+    if floating is float and t.amx:
+        _scores_amx(P, t, w, ws)
+    else:
+        _scores_prefill(P, t, w, ws)
     _finish_scores(P, t, w, ws)
-    _score_lanes(t, w, ws, t.vblk, t.vblk_row, t.vptr, ws + w.dot, P.Dv, 1, ws + w.dp)
+    if floating is float and t.amx:
+        _lanes_amx(t, w, ws, t.vptr, ws + w.dot, P.Dv, 1, ws + w.dp)
+    else:
+        _score_lanes(t, w, ws, t.vblk, t.vblk_row, t.vptr, ws + w.dot, P.Dv, 1, ws + w.dp)
     for ig in range((t.nlanes + t.NL - 1) // t.NL):
         c = ig * t.NL
         nvec = <int> (min(t.NL, t.nlanes - c) // t.VL)

@@ -119,8 +119,7 @@ def backward(p, *, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                     <Py_ssize_t*> cnp.PyArray_DATA(boffs))
         # S and dP in bfloat16 pairs when the forward's were, and dO is bfloat16 too
         P.bf16_dot = P.bf16_dot and G.do_kind == FA_STORE_BF16
-        # the backward's products stay on the bfloat16 pairs (no AMX tile kernels yet)
-        P.amx = 0
+        P.amx = P.amx if P.bf16_dot else 0
         _run_backward(&P, &G, _computes_float(q, k, v), n_threads)
     finally:
         _free_offsets(offs, small)

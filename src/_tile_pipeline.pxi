@@ -204,7 +204,7 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     w.orow = o; o += dv_pad if P.o_kind != FA_STORE_NATIVE else 0      # a row before rounding
     w.pp = o; o += (FA_BK // 2) * FA_BQ if P.bf16_dot else 0           # P in bfloat16 pairs
     w.pr = o; o += (FA_BK // 2) * FA_BQ if P.amx else 0                # P rows in bfloat16
-    w.kst = o; o += 16 * D if P.amx else 0                            # 32 K rows staged
+    w.kst = o; o += 16 * max(D, Dv) if P.amx else 0                   # 32 K (V) rows staged
     if P.backward:
         o = _carve_backward(w, P, VL, o)
     w.elems = _round_up(o, 16)                  # threads' workspaces never share a line
@@ -515,10 +515,10 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
             _row_pointers(t.vptr, t.vb + t.j0 * t.v_row, t.v_row, t.nj)
         if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
-        if floating is float and t.amx:
-            # the output tiles read whole chunks of 16 pairs: zeros past the block's keys
-            memset(ws + w.vblk + (t.nj + 1) // 2 * P.Dv, 0,
-                   ((t.nj + 31) // 32 * 16 - (t.nj + 1) // 2) * P.Dv * sizeof(float))
+            if t.amx:
+                # the output tiles read whole chunks of 16 pairs: zeros past the block's keys
+                memset(ws + w.vblk + (t.nj + 1) // 2 * P.Dv, 0,
+                       ((t.nj + 31) // 32 * 16 - (t.nj + 1) // 2) * P.Dv * sizeof(float))
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
     elif t.copy_rows:
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * P.v_isz, P.Dv
@@ -736,9 +736,17 @@ cdef void _score_lanes(Tile* t, const Workspace* w, floating* ws, const char* kb
 cdef void _scores_amx(const Problem* P, Tile* t, const Workspace* w, float* ws) noexcept nogil:
     # S^T of the block on AMX tiles, every lane of the tile (fa_amx_scores): the same
     # chain for a decode row as for a prefill row.  K through its row pointers.
-    fa_amx_scores(t.amx, <const uint16_t* const*> t.kptr, t.nj, <const uint32_t*> (ws + w.qt),
-                  FA_BQ, t.nlanes, P.D, <float> t.scale_log2, ws + w.s, FA_BQ,
-                  <uint16_t*> (ws + w.kst), <const uint16_t*> (ws + w.zrow))
+    _lanes_amx(t, w, ws, t.kptr, ws + w.qt, P.D, <float> t.scale_log2, ws + w.s)
+
+
+cdef inline void _lanes_amx(const Tile* t, const Workspace* w, float* ws,
+                            const char** rows, const float* qt, Py_ssize_t D, float scale,
+                            float* s) noexcept nogil:
+    # s = scale rows qt on AMX tiles for the block's keys (the rows as stored, bfloat16)
+    # against every lane of qt (pairs of dims): S^T, and the backward's dP^T.
+    fa_amx_scores(t.amx, <const uint16_t* const*> rows, t.nj, <const uint32_t*> qt, FA_BQ,
+                  t.nlanes, D, scale, s, FA_BQ, <uint16_t*> (ws + w.kst),
+                  <const uint16_t*> (ws + w.zrow))
 
 
 cdef void _scores_bf16_keys(const Problem* P, Tile* t, const Workspace* w,

@@ -312,18 +312,29 @@ def test_head_dims_the_tiles_do_not_take_stay_on_the_pairs(tiles):
         np.testing.assert_array_equal(got, want)
 
 
-def test_backward_runs_after_a_tile_forward(tiles):
-    # the backward's products stay on the pairs; its gradients are those of the
-    # forward's rounded inputs, within bfloat16 accuracy of float64 autograd-free sums
-    q, k, v = make_qkv(np.random.default_rng(13), *qkv_shapes((1,), 2, 2, 60, 80, 64))
+def test_backward_scores_on_tiles(tiles):
+    # S and dP of the backward multiply on the tiles too: gradients within bfloat16
+    # accuracy of float64's on the rounded inputs, the same bits on any thread count, and
+    # other bits than the pairs'.
+    q, k, v = make_qkv(np.random.default_rng(13), *qkv_shapes((2,), 4, 2, 90, 150, 64))
     dout = np.random.default_rng(14).standard_normal(q.shape, dtype=np.float32)
-    with fastattn.float32_precision("bfloat16"):
-        out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
-        dq, dk, dv = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+
+    def grads():
+        with fastattn.float32_precision("bfloat16"):
+            out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
+            return fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+
+    with fastattn.num_threads(1):
+        one = grads()
+    with fastattn.num_threads(2):
+        two = grads()
     qr, kr, vr = (bfloat16_values(a).astype(np.float64) for a in (q, k, v))
     want = reference.attention_backward(dout.astype(np.float64), qr, kr, vr, causal=True)
-    for g, w in zip((dq, dk, dv), want):
-        assert np.abs(g - w).max() < 2**-6 * np.abs(w).max()
+    pairs = on_pairs(grads)
+    for g1, g2, w, p in zip(one, two, want, pairs):
+        np.testing.assert_array_equal(g1, g2)
+        assert np.abs(g1 - w).max() < 2**-6 * np.abs(w).max()
+        assert not np.array_equal(g1, p)
 
 
 @needs_amx
