@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One run on a machine whose CPU has AMX-BF16 (the device machine's Xeon): build, the
+# tile tests on the hardware, and thread scaling against torch.  Everything it finds
+# goes to $OUT (default /tmp/amx-check): machine.txt, build.log, info.txt, tests.log,
+# bench.md, bench.json.  About 5 minutes on 16 cores.
+#
+#     bash tools/amx_device_check.sh
+#
+# It needs python3 with NumPy, Cython, setuptools, pytest, torch and ml_dtypes, and a C
+# compiler; it installs nothing.  FASTATTN_AMX=1 turns the tile path on for every test
+# and the bench (the build's default keeps it off until it has been verified).
+set -u -o pipefail
+OUT=${OUT:-/tmp/amx-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FASTATTN_AMX=1 OMP_WAIT_POLICY=passive
+cd "$(dirname "$0")/.."
+
+{ lscpu; echo; grep -o -w 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u; echo
+  $PY -c "import sys, numpy, torch; print(sys.version); print('numpy', numpy.__version__, 'torch', torch.__version__)"
+} > "$OUT/machine.txt" 2>&1
+grep -E "Model name|^CPU\(s\)|amx" "$OUT/machine.txt"
+
+echo "== build"
+FASTATTN_ISAS=base,avx512 timeout 300 $PY setup.py build_ext --inplace --parallel 2 \
+    > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+$PY -m fastattn info | tee "$OUT/info.txt"
+
+echo "== tests on the hardware"
+timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_amx.py \
+    tests/test_bf16_products.py tests/test_flash_rule_bf16.py tests/test_kvcache.py \
+    2>&1 | tee "$OUT/tests.log" | tail -25
+
+echo "== thread scaling"
+timeout 600 $PY tools/amx_bench.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
