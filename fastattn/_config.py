@@ -234,14 +234,17 @@ def _amx_fact(kernel):
     switch = os.environ.get("FASTATTN_AMX")
     env = f"FASTATTN_AMX={switch}" if switch is not None else "FASTATTN_AMX unset"
     mode = kernel.amx()
+    if mode != "off" and not kernel.bf16_dot():
+        return f"no ({env}, but the bfloat16 products are off)"
     if mode == "hw":
         return f"yes: runs on the hardware ({env})"
     if mode == "model":
         return f"on the scalar model of the tile instructions, for tests ({env})"
-    if not kernel.AMX_BUILT:
-        return "no (this build has no AMX code)"
-    if not kernel.amx_cpu():
-        return "no (this CPU or OS runs no AMX-BF16 tiles)"
+    if switch == "1":
+        return f"no ({env}, but {kernel.amx_why_not()})"
+    why_not = kernel.amx_why_not()
+    if why_not is not None:
+        return f"no ({why_not})"
     if switch == "0":
         return f"no ({env})"
     return ("no: this CPU has AMX-BF16, but the tile path has not yet been measured on "

@@ -25,8 +25,9 @@
 # terms are exactly 0 may be skipped: the same bits).
 # A key block's S^T comes from the forward's own stages (_load_block,
 # _score_lanes, _finish_scores: the one home of the visibility rule and the modifiers),
-# always on the prefill tiles; dP^T from the same score micro-tiles with dO in place of Q
-# (both on AMX tiles where the forward's scores are).
+# always on the prefill tiles; dP^T from the same score micro-tiles with dO in place of Q.
+# On AMX tiles all five products run there, P and dS rounded to bfloat16 (as torch's
+# bfloat16 backward does), with the chains of fa_amx.h.
 # Rows that see nothing, padding rows (past q_len) and keys past kv_len get exactly zero
 # gradients: their dO, Q and Delta are taken as 0 and their P as 0 (lse2 = +inf).
 # Extra memory: one workspace per thread (O(FA_BQ * (D + Dv + FA_BK) + FA_BKV_MAX * (D + Dv)))
@@ -256,12 +257,48 @@ cdef void _kv_block(const Problem* P, const Tile* t, const Workspace* w,
     cdef Py_ssize_t dv_pad = _round_up(P.Dv, t.NL), d_pad = _round_up(P.D, t.NL)
     cdef Py_ssize_t nj6 = _round_up(t.nj, FA_MR_PV), ldp = FA_BK + FA_MR_PV
     cdef floating* pt = ws + w.pt
+    if floating is float and t.amx:
+        _kv_block_amx(P, t, w, ws)
+        return
     memset(ws + w.dvblk, 0, nj6 * dv_pad * sizeof(floating))
     memset(ws + w.dkblk, 0, nj6 * d_pad * sizeof(floating))
     bwd_transpose(ws + w.s, t.nj, nj6, t.nrows, pt, ldp)
     _reduce_rows(t, pt, ws + w.dorows, dv_pad, ws + w.dvblk, ws + w.ones)
     bwd_transpose(ws + w.dp, t.nj, nj6, t.nrows, pt, ldp)
     _reduce_rows(t, pt, ws + w.qrows, d_pad, ws + w.dkblk, ws + w.ones)
+
+
+cdef void _kv_block_amx(const Problem* P, const Tile* t, const Workspace* w,
+                        float* ws) noexcept nogil:
+    # _kv_block on AMX tiles: P^T, then dS^T, rounded to bfloat16 rows of keys against dO,
+    # then Q, in pairs of rows; each key's sums over the tile's rows in chunks of 32 from
+    # its first (fa_amx_gemm), padding rows zero.
+    cdef Py_ssize_t dv_pad = _round_up(P.Dv, t.NL), d_pad = _round_up(P.D, t.NL)
+    cdef Py_ssize_t nr = _round_up(t.nlanes, 32), nk = _round_up(t.nj, 16)
+    cdef uint16_t* pr = <uint16_t*> (ws + w.pr)
+    cdef uint32_t* rp = <uint32_t*> (ws + w.bpairs)
+    fa_pack_bf16_cols(ws + w.s, FA_BQ, t.nj, nk, t.nlanes, nr, pr, FA_BQ)
+    fa_pack_row_pairs(ws + w.dorows, dv_pad, t.nlanes, nr, P.Dv, rp)
+    fa_amx_gemm(t.amx, pr, FA_BQ, t.nj, nr // 32, rp, P.Dv, P.Dv, ws + w.dvblk, dv_pad)
+    fa_pack_bf16_cols(ws + w.dp, FA_BQ, t.nj, nk, t.nlanes, nr, pr, FA_BQ)
+    fa_pack_row_pairs(ws + w.qrows, d_pad, t.nlanes, nr, P.D, rp)
+    fa_amx_gemm(t.amx, pr, FA_BQ, t.nj, nr // 32, rp, P.D, P.D, ws + w.dkblk, d_pad)
+
+
+cdef void _accumulate_q_amx(const Problem* P, const Tile* t, const Workspace* w,
+                            float* ws) noexcept nogil:
+    # _accumulate_q on AMX tiles: dS rounded to bfloat16 rows (zero past the block's keys)
+    # against K in pairs of keys, over the block's chunks of 32 keys from its first
+    # (fa_amx_gemm); then added to the running sums.
+    cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), npairs = (t.nj + 1) // 2
+    cdef Py_ssize_t nchunks = (t.nj + 31) // 32
+    cdef uint16_t* pr = <uint16_t*> (ws + w.pr)
+    cdef uint32_t* kp = <uint32_t*> (ws + w.kpairs)
+    fa_pack_p_rows(ws + w.dp, FA_BQ, t.nj, t.nlanes, pr, FA_BK)
+    fa_pack_v_pairs(<const uint16_t* const*> t.kptr, t.nj, P.D, kp)
+    memset(kp + npairs * P.D, 0, (nchunks * 16 - npairs) * P.D * sizeof(uint32_t))
+    fa_amx_gemm(t.amx, pr, FA_BK, t.nrows, nchunks, kp, P.D, P.D, ws + w.dqblk, d_pad)
+    _add_rows(ws + w.dqblk, d_pad, ws + w.dqacc, d_pad, t.nrows, d_pad)
 
 
 cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
@@ -272,6 +309,9 @@ cdef void _accumulate_q(const Problem* P, const Tile* t, const Workspace* w,
     cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), j, rg = 0, nr, ja, z, na, c
     cdef const floating* kb = <const floating*> t.kblk
     cdef Py_ssize_t ldk = t.kblk_sj
+    if floating is float and t.amx:
+        _accumulate_q_amx(P, t, w, ws)
+        return
     if d_pad != P.D:
         # K's rows zero-padded to whole strips of columns (else read in place)
         for j in range(t.nj):

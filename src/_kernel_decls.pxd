@@ -196,14 +196,19 @@ cdef extern from "fa_kernels.h" nogil:
                          const float* alpha)
 
 
-# AMX tiles (fa_amx.h): kernels on the hardware (FA_AMX_HW, where fa_amx_cpu()) or on the
+# AMX tiles (fa_amx.h): kernels on the hardware (FA_AMX_HW, where fa_amx_status() is
+# FA_AMX_OK) or on the
 # scalar model of the tile instructions (FA_AMX_MODEL); both in builds with FA_HAVE_BF16DOT
 cdef extern from "fa_kernels.h" nogil:
     enum:
         FA_HAVE_AMX
         FA_AMX_HW
         FA_AMX_MODEL
-    int fa_amx_cpu()
+        FA_AMX_OK
+        FA_AMX_NO_CPU
+        FA_AMX_NO_OS
+        FA_AMX_NOT_BUILT
+    int fa_amx_status()
     void fa_amx_model_dp_test(float* c, const uint16_t* a, const uint16_t* b, int sequential)
     void fa_amx_hw_dp_test(float* c, const uint16_t* a, const uint16_t* b)
     double fa_amx_hw_peak_loop(long n)
@@ -213,6 +218,14 @@ cdef extern from "fa_kernels.h" nogil:
                        const uint32_t* qt, Py_ssize_t ldqt, Py_ssize_t nlanes, Py_ssize_t D,
                        float scale, float* s, Py_ssize_t lds, uint16_t* kst,
                        const uint16_t* zrow)
+    void fa_pack_bf16_cols(const float* s, Py_ssize_t lds, Py_ssize_t nrows,
+                           Py_ssize_t nrows_pad, Py_ssize_t ncols, Py_ssize_t ncols_pad,
+                           uint16_t* dst, Py_ssize_t ldd)
+    void fa_pack_row_pairs(const float* x, Py_ssize_t ldx, Py_ssize_t nrows,
+                           Py_ssize_t nrows_pad, Py_ssize_t ncols, uint32_t* dst)
+    void fa_amx_gemm(int backend, const uint16_t* a, Py_ssize_t lda, Py_ssize_t M,
+                     Py_ssize_t nchunks, const uint32_t* b, Py_ssize_t ldb, Py_ssize_t N,
+                     float* c, Py_ssize_t ldc)
     void fa_amx_pv(int backend, const uint16_t* pr, Py_ssize_t ldpr, Py_ssize_t nchunks,
                    Py_ssize_t nlanes, Py_ssize_t nrows, const uint32_t* vp, Py_ssize_t Dv,
                    float* acc, Py_ssize_t ldacc, const float* alpha)

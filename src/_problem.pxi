@@ -69,7 +69,22 @@ cdef int _amx = 0
 def amx_cpu():
     """Whether this process may run AMX-BF16 tiles: the CPU has them, the OS saves their
     state and (Linux) granted the permission, which this asks for once."""
-    return AMX_BUILT and bool(fa_amx_cpu())
+    return fa_amx_status() == FA_AMX_OK
+
+
+def amx_why_not():
+    """Why this process runs no AMX-BF16 tiles, in words (None where it may)."""
+    cdef int code = fa_amx_status()
+    if code == FA_AMX_OK:
+        return None
+    if code == FA_AMX_NOT_BUILT:
+        return "this build has no AMX code"
+    if code == FA_AMX_NO_CPU:
+        return "this CPU has no AMX-BF16"
+    if code == FA_AMX_NO_OS:
+        return "the OS does not enable the tile state"
+    return (f"Linux refused the tile permission: {__import__('os').strerror(code)} "
+            f"(errno {code})")
 
 
 def amx():

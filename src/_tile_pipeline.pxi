@@ -94,7 +94,7 @@ cdef struct Workspace:
     # The backward pass's (see _carve_backward); slope is -1 without a softcap.
     Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, psum
     Py_ssize_t ones
-    Py_ssize_t dkblk, dvblk, dqblk
+    Py_ssize_t dkblk, dvblk, dqblk, bpairs, kpairs
 
 
 cdef struct Tile:
@@ -242,6 +242,9 @@ cdef Py_ssize_t _carve_backward(Workspace* w, const Problem* P, Py_ssize_t VL,
     w.delta = o; o += FA_BQ
     w.psum = o; o += FA_BQ
     w.ones = o; o += FA_MR_PV
+    if P.amx:
+        w.bpairs = o; o += (FA_BQ // 2) * max(P.D, P.Dv)    # dO or Q in pairs of rows
+        w.kpairs = o; o += (FA_BK // 2) * P.D               # K in pairs of keys
     return o
 
 

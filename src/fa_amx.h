@@ -29,8 +29,8 @@
  *           then acc = fma(acc, alpha, C).
  *
  * On Linux a process may use the tile registers only after asking the kernel for them
- * (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); fa_amx_cpu() asks once and
- * reports 0 where the CPU, the OS or that request says no.
+ * (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); fa_amx_status() asks once and
+ * says why not where the CPU, the OS or that request says no.
  */
 #ifndef FA_AMX_H
 #define FA_AMX_H
@@ -47,6 +47,7 @@
 #if FA_HAVE_BF16DOT && defined(__linux__) && defined(__x86_64__) \
     && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define FA_HAVE_AMX 1
+#include <errno.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #else
@@ -144,6 +145,12 @@ static inline void fa_amx_model_dp_test(float* c, const uint16_t* a, const uint1
 
 /* ------------------------------------------------------------ the CPU and the OS */
 
+/* fa_amx_status()'s answers other than an errno */
+#define FA_AMX_OK 0
+#define FA_AMX_NO_CPU (-1)
+#define FA_AMX_NO_OS (-2)
+#define FA_AMX_NOT_BUILT (-3)
+
 #if FA_HAVE_AMX
 #define FA_AMX_TARGET FA_BDP_TARGET
 
@@ -154,25 +161,29 @@ static inline void fa_amx_model_dp_test(float* c, const uint16_t* a, const uint1
 
 /* Whether this process may run AMX-BF16 tiles: CPUID leaf 7 (EDX bit 22 AMX-BF16, bit 24
  * AMX-TILE), the OS's tile state in XCR0 (bits 17, 18), and the kernel's permission,
- * requested once (the answer is kept: the request is idempotent but a system call). */
-static int fa_amx_cpu(void)
+ * requested once (the answer is kept: the request is idempotent but a system call).
+ * Returns FA_AMX_OK, or why not: FA_AMX_NO_CPU, FA_AMX_NO_OS, or the permission request's
+ * errno (positive; ENOSPC, for one, when a thread's signal stack is too small for the
+ * tile state). */
+static int fa_amx_status(void)
 {
-    static int answer = -1;
-    if (answer >= 0) return answer;
+    static int answer, known;
+    if (known) return answer;
+    known = 1;
     unsigned int eax, ebx, ecx, edx;
-    answer = 0;
+    answer = FA_AMX_NO_CPU;
     __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(0), "c"(0));
     if (eax < 7) return answer;
     __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
     if (!((edx >> 22) & 1) || !((edx >> 24) & 1)) return answer;
+    answer = FA_AMX_NO_OS;
     __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
     if (!((ecx >> 27) & 1)) return answer;                   /* OSXSAVE: xgetbv runs */
     unsigned int xlo, xhi;
     __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
     if ((xlo & (3u << 17)) != (3u << 17)) return answer;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, FA_XFEATURE_XTILEDATA) != 0)
-        return answer;
-    answer = 1;
+    answer = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, FA_XFEATURE_XTILEDATA) == 0
+             ? FA_AMX_OK : errno;
     return answer;
 }
 
@@ -251,7 +262,7 @@ FA_AMX_TARGET static double fa_amx_hw_peak_loop(long n)
 }
 
 #else
-static inline int fa_amx_cpu(void) { return 0; }
+static inline int fa_amx_status(void) { return FA_AMX_NOT_BUILT; }
 static inline void fa_amx_hw_dp_test(float* c, const uint16_t* a, const uint16_t* b)
 { (void)c; (void)a; (void)b; }
 static inline double fa_amx_hw_peak_loop(long n) { (void)n; return 0; }
@@ -281,6 +292,48 @@ FA_BDP_NOINLINE void fa_pack_p_rows(const float* s, ptrdiff_t lds, ptrdiff_t nj,
             for (int u = 0; u < 16; u++)
                 _mm256_storeu_si256((__m256i*) (pr + (r0 + u) * ldpr + j0),
                                     (__m256i) _mm512_cvtneps_pbh((__m512) t[u]));
+        }
+}
+
+/*
+ * Rows of float32 in bfloat16 (to nearest even), zero-padded: dst[i*ldd + c] =
+ * bf16(s[i*lds + c]) for rows i < nrows and columns c < ncols; zero for ncols <= c <
+ * ncols_pad (a multiple of 16) and for whole rows nrows <= i < nrows_pad.  The backward's
+ * P^T and dS^T (keys x rows) as the A operand of its dV and dK tiles.
+ */
+FA_BDP_NOINLINE void fa_pack_bf16_cols(const float* s, ptrdiff_t lds, ptrdiff_t nrows,
+                                       ptrdiff_t nrows_pad, ptrdiff_t ncols,
+                                       ptrdiff_t ncols_pad, uint16_t* dst, ptrdiff_t ldd)
+{
+    for (ptrdiff_t i = 0; i < nrows_pad; i++)
+        for (ptrdiff_t c = 0; c < ncols_pad; c += 16) {
+            const ptrdiff_t n = i >= nrows || c >= ncols ? 0 : ncols - c < 16 ? ncols - c : 16;
+            const __m512 x = _mm512_maskz_loadu_ps((__mmask16) ((1u << n) - 1), s + i * lds + c);
+            _mm256_storeu_si256((__m256i*) (dst + i * ldd + c), (__m256i) _mm512_cvtneps_pbh(x));
+        }
+}
+
+/*
+ * Pairs of float32 rows in bfloat16, the B operand of a tile: dst[p*ncols + c] =
+ * bf16(x[2p][c]) | bf16(x[2p+1][c]) << 16 for p < nrows_pad / 2, rows at or past nrows
+ * as zeros; ncols a multiple of 16.  The backward's dO and Q rows (bfloat16 values
+ * widened, so exact).
+ */
+FA_BDP_NOINLINE void fa_pack_row_pairs(const float* x, ptrdiff_t ldx, ptrdiff_t nrows,
+                                       ptrdiff_t nrows_pad, ptrdiff_t ncols, uint32_t* dst)
+{
+    const __m512i lo_hi = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (ptrdiff_t p = 0; p < nrows_pad / 2; p++)
+        for (ptrdiff_t c = 0; c < ncols; c += 16) {
+            const __m512 x0 = 2 * p < nrows ? _mm512_loadu_ps(x + 2 * p * ldx + c)
+                                            : _mm512_setzero_ps();
+            const __m512 x1 = 2 * p + 1 < nrows ? _mm512_loadu_ps(x + (2 * p + 1) * ldx + c)
+                                                : _mm512_setzero_ps();
+            const __m512i both = (__m512i) _mm512_cvtne2ps_pbh(x1, x0);
+            _mm512_storeu_si512((void*) (dst + p * ncols + c),
+                                _mm512_permutexvar_epi16(lo_hi, both));
         }
 }
 
@@ -353,6 +406,20 @@ static inline void fa_amx_scores(int backend, const uint16_t* const* kr, ptrdiff
     fa_amx_scores_model(kr, nj, qt, ldqt, nlanes, D, scale, s, lds, kst, zrow);
 }
 
+static inline void fa_amx_gemm(int backend, const uint16_t* a, ptrdiff_t lda, ptrdiff_t M,
+                               ptrdiff_t nchunks, const uint32_t* b, ptrdiff_t ldb,
+                               ptrdiff_t N, float* c, ptrdiff_t ldc)
+{
+#if FA_HAVE_AMX
+    if (backend == FA_AMX_HW) {
+        fa_amx_gemm_hw(a, lda, M, nchunks, b, ldb, N, c, ldc);
+        return;
+    }
+#endif
+    (void) backend;
+    fa_amx_gemm_model(a, lda, M, nchunks, b, ldb, N, c, ldc);
+}
+
 static inline void fa_amx_pv(int backend, const uint16_t* pr, ptrdiff_t ldpr,
                              ptrdiff_t nchunks, ptrdiff_t nlanes, ptrdiff_t nrows,
                              const uint32_t* vp, ptrdiff_t Dv, float* acc, ptrdiff_t ldacc,
@@ -378,6 +445,19 @@ static inline __attribute__((unused)) void fa_amx_scores(int backend, const uint
     float scale, float* s, ptrdiff_t lds, uint16_t* kst, const uint16_t* zrow)
 { (void)backend; (void)kr; (void)nj; (void)qt; (void)ldqt; (void)nlanes; (void)D; (void)scale;
   (void)s; (void)lds; (void)kst; (void)zrow; }
+static inline __attribute__((unused)) void fa_pack_bf16_cols(const float* s, ptrdiff_t lds,
+    ptrdiff_t nrows, ptrdiff_t nrows_pad, ptrdiff_t ncols, ptrdiff_t ncols_pad, uint16_t* dst,
+    ptrdiff_t ldd)
+{ (void)s; (void)lds; (void)nrows; (void)nrows_pad; (void)ncols; (void)ncols_pad; (void)dst;
+  (void)ldd; }
+static inline __attribute__((unused)) void fa_pack_row_pairs(const float* x, ptrdiff_t ldx,
+    ptrdiff_t nrows, ptrdiff_t nrows_pad, ptrdiff_t ncols, uint32_t* dst)
+{ (void)x; (void)ldx; (void)nrows; (void)nrows_pad; (void)ncols; (void)dst; }
+static inline __attribute__((unused)) void fa_amx_gemm(int backend, const uint16_t* a,
+    ptrdiff_t lda, ptrdiff_t M, ptrdiff_t nchunks, const uint32_t* b, ptrdiff_t ldb, ptrdiff_t N,
+    float* c, ptrdiff_t ldc)
+{ (void)backend; (void)a; (void)lda; (void)M; (void)nchunks; (void)b; (void)ldb; (void)N;
+  (void)c; (void)ldc; }
 static inline __attribute__((unused)) void fa_amx_pv(int backend, const uint16_t* pr,
     ptrdiff_t ldpr, ptrdiff_t nchunks, ptrdiff_t nlanes, ptrdiff_t nrows, const uint32_t* vp,
     ptrdiff_t Dv, float* acc, ptrdiff_t ldacc, const float* alpha)

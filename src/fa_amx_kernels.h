@@ -116,6 +116,56 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_pv)(const uint16_t* pr, ptrdiff_t ldpr, ptrdif
     FA_TILE_RELEASE();
 }
 
+/*
+ * c[m*ldc + n] = sum over k of A[m][k] B[k][n], overwritten, for rows m < M and columns
+ * n < N (a multiple of 32), over nchunks chunks of 32 along k: A = rows of bfloat16
+ * (a[m*lda + k], rows up to M rounded up to 16 readable, zero past the real k), B = pairs
+ * of its rows (b[kp*ldb + n], zero pairs past the real k).  The backward's dV, dK (A = P^T
+ * or dS^T, B = dO or Q) and dQ (A = dS, B = K).
+ */
+FA_AMX_FN void FA_AMX_NAME(fa_amx_gemm)(const uint16_t* a, ptrdiff_t lda, ptrdiff_t M,
+                                        ptrdiff_t nchunks, const uint32_t* b, ptrdiff_t ldb,
+                                        ptrdiff_t N, float* c, ptrdiff_t ldc)
+{
+    FA_TILE_STATE;
+    float cb[4][16 * 16];
+    FA_TILE_CONFIG();
+    for (ptrdiff_t m0 = 0; m0 < M; m0 += 32) {
+        const ptrdiff_t m1 = m0 + 16 < M ? m0 + 16 : m0;
+        const ptrdiff_t nm0 = M - m0 < 16 ? M - m0 : 16;
+        const ptrdiff_t nm1 = m1 == m0 ? 0 : M - m1 < 16 ? M - m1 : 16;
+        for (ptrdiff_t n0 = 0; n0 < N; n0 += 32) {
+            FA_TILE_ZERO(0);
+            FA_TILE_ZERO(1);
+            FA_TILE_ZERO(2);
+            FA_TILE_ZERO(3);
+            for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
+                FA_TILE_LOAD(4, a + m0 * lda + 32 * kc, 2 * lda);
+                FA_TILE_LOAD(5, a + m1 * lda + 32 * kc, 2 * lda);
+                FA_TILE_LOAD(6, b + 16 * kc * ldb + n0, 4 * ldb);
+                FA_TILE_LOAD(7, b + 16 * kc * ldb + n0 + 16, 4 * ldb);
+                FA_TILE_DP(0, 4, 6);
+                FA_TILE_DP(1, 4, 7);
+                FA_TILE_DP(2, 5, 6);
+                FA_TILE_DP(3, 5, 7);
+            }
+            FA_TILE_STORE(0, cb[0], 64);
+            FA_TILE_STORE(1, cb[1], 64);
+            FA_TILE_STORE(2, cb[2], 64);
+            FA_TILE_STORE(3, cb[3], 64);
+            for (ptrdiff_t i = 0; i < nm0; i++) {
+                memcpy(c + (m0 + i) * ldc + n0, cb[0] + 16 * i, 64);
+                memcpy(c + (m0 + i) * ldc + n0 + 16, cb[1] + 16 * i, 64);
+            }
+            for (ptrdiff_t i = 0; i < nm1; i++) {
+                memcpy(c + (m1 + i) * ldc + n0, cb[2] + 16 * i, 64);
+                memcpy(c + (m1 + i) * ldc + n0 + 16, cb[3] + 16 * i, 64);
+            }
+        }
+    }
+    FA_TILE_RELEASE();
+}
+
 #undef FA_AMX_NAME
 #undef FA_AMX_FN
 #undef FA_TILE_STATE

@@ -312,17 +312,21 @@ def test_head_dims_the_tiles_do_not_take_stay_on_the_pairs(tiles):
         np.testing.assert_array_equal(got, want)
 
 
-def test_backward_scores_on_tiles(tiles):
-    # S and dP of the backward multiply on the tiles too: gradients within bfloat16
-    # accuracy of float64's on the rounded inputs, the same bits on any thread count, and
-    # other bits than the pairs'.
-    q, k, v = make_qkv(np.random.default_rng(13), *qkv_shapes((2,), 4, 2, 90, 150, 64))
-    dout = np.random.default_rng(14).standard_normal(q.shape, dtype=np.float32)
+@pytest.mark.parametrize("batch, Hq, Hkv", [(2, 4, 2), (1, 2, 1)])
+def test_backward_on_tiles(tiles, batch, Hq, Hkv):
+    # All five products of the backward on the tiles (P and dS rounded to bfloat16):
+    # gradients within bfloat16 accuracy of float64's on the rounded inputs, the same
+    # bits on any thread count (one kv head: the passes split over threads, else whole
+    # heads), and other bits than the pairs'.
+    q, k, v = make_qkv(np.random.default_rng(13), *qkv_shapes((batch,), Hq, Hkv, 90, 150, 64))
+    dout = bfloat16_values(np.random.default_rng(14).standard_normal(q.shape, np.float32))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = ml_dtypes.bfloat16
+    qb, kb, vb, db = (a.astype(bf) for a in (q, k, v, dout))
 
     def grads():
-        with fastattn.float32_precision("bfloat16"):
-            out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True)
-            return fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+        out, lse = fastattn.attention(qb, kb, vb, causal=True, return_lse=True)
+        return fastattn.attention_backward(db, qb, kb, vb, out, lse, causal=True)
 
     with fastattn.num_threads(1):
         one = grads()
@@ -332,6 +336,7 @@ def test_backward_scores_on_tiles(tiles):
     want = reference.attention_backward(dout.astype(np.float64), qr, kr, vr, causal=True)
     pairs = on_pairs(grads)
     for g1, g2, w, p in zip(one, two, want, pairs):
+        g1, g2, p = (np.asarray(x, np.float32) for x in (g1, g2, p))
         np.testing.assert_array_equal(g1, g2)
         assert np.abs(g1 - w).max() < 2**-6 * np.abs(w).max()
         assert not np.array_equal(g1, p)

@@ -27,7 +27,7 @@ FASTATTN_ISAS=base,avx512 timeout 300 $PY setup.py build_ext --inplace --paralle
 $PY -m fastattn info | tee "$OUT/info.txt"
 
 echo "== tests on the hardware"
-timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_amx.py \
+timeout 300 $PY -m pytest -q -p no:cacheprovider -p no:faulthandler -rs tests/test_amx.py \
     tests/test_bf16_products.py tests/test_flash_rule_bf16.py tests/test_kvcache.py \
     2>&1 | tee "$OUT/tests.log" | tail -25
 
