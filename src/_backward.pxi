@@ -514,9 +514,12 @@ cdef inline void _bjob_item(const BJob* J, floating* workspace, Py_ssize_t w,
     cdef floating* ws = workspace + tid * J.ws_elems
     cdef Py_ssize_t* idx = J.row_idx + tid * 2 * FA_BQ
     cdef Py_ssize_t bg, rb
+    cdef int amx = P.amx if floating is float else 0
     if J.stage == 0:
         _delta_rows(P, G, w // P.Hq, w % P.Hq, ws)
-    elif J.stage == 3:
+        return
+    fa_amx_begin(amx)
+    if J.stage == 3:
         _head_item(P, G, w // P.Hkv, w % P.Hkv, ws, idx, idx + FA_BQ)
     elif J.stage == 1:
         bg = w // G.n_kitems
@@ -527,6 +530,7 @@ cdef inline void _bjob_item(const BJob* J, floating* workspace, Py_ssize_t w,
         rb = J.n_rblk - 1 - w % J.n_rblk
         bg = w // J.n_rblk
         _q_item(P, G, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, ws, idx, idx + FA_BQ)
+    fa_amx_end(amx)
 
 
 cdef void _bjob_item_f(void* ctx, Py_ssize_t w, int tid) noexcept nogil:

@@ -223,6 +223,8 @@ cdef extern from "fa_kernels.h" nogil:
                            uint16_t* dst, Py_ssize_t ldd)
     void fa_pack_row_pairs(const float* x, Py_ssize_t ldx, Py_ssize_t nrows,
                            Py_ssize_t nrows_pad, Py_ssize_t ncols, uint32_t* dst)
+    void fa_amx_begin(int backend)
+    void fa_amx_end(int backend)
     void fa_amx_gemm(int backend, const uint16_t* a, Py_ssize_t lda, Py_ssize_t M,
                      Py_ssize_t nchunks, const uint32_t* b, Py_ssize_t ldb, Py_ssize_t N,
                      float* c, Py_ssize_t ldc)

@@ -1466,13 +1466,16 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
         kc1 = (t.tile_hi + FA_KCHUNK - 1) // FA_KCHUNK
     if chunk >= 0:
         kc0, kc1 = chunk, chunk + 1
+    fa_amx_begin(t.amx)
     for kc in range(kc0, kc1):
         _reduce_chunk(P, &t, &w, ws, kc)
         if chunk >= 0:
             _store_partial(P, &t, &w, ws, partial)
-            return
-        _merge_chunk(&t, &w, ws, ws + w.m, ws + w.l, ws + w.acc)
-    _write_rows(P, &t, &w, ws)
+        else:
+            _merge_chunk(&t, &w, ws, ws + w.m, ws + w.l, ws + w.acc)
+    fa_amx_end(t.amx)
+    if chunk < 0:
+        _write_rows(P, &t, &w, ws)
 
 
 cdef void _merge_partials(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,

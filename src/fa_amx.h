@@ -38,12 +38,14 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fa_bf16dot.h"
 
-/* The hardware kernels need an assembler that knows the tile instructions, Linux's permission call and
- * the bfloat16 packers of fa_bf16dot.h. */
+/* The hardware kernels need an assembler that knows the tile instructions, Linux's
+ * permission call and the bfloat16 packers of fa_bf16dot.h. */
 #if FA_HAVE_BF16DOT && defined(__linux__) && defined(__x86_64__) \
     && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define FA_HAVE_AMX 1
@@ -66,9 +68,11 @@ typedef struct {
 } fa_amx_tile;
 
 static inline float fa_amx_f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t fa_amx_bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline uint32_t fa_amx_bits_of_f32(float f)
+{ uint32_t u; memcpy(&u, &f, 4); return u; }
 
-/* A float32 below FLT_MIN in magnitude, as zero of its sign (DAZ on input, FTZ on output). */
+/* A float32 below FLT_MIN in magnitude as zero of its sign (DAZ on input, FTZ on
+ * output). */
 static inline float fa_amx_flush(float x)
 {
     uint32_t u = fa_amx_bits_of_f32(x);
@@ -114,8 +118,10 @@ static inline void fa_amx_model_dp(fa_amx_tile* c, const fa_amx_tile* a,
             float acc = fa_amx_flush(fa_amx_f32(c, m, n));
             float even = 0, odd = 0;
             for (int k = 0; k < FA_AMX_COLSB / 4; k++) {
-                const float a0 = fa_amx_bf16(&a->b[m][4 * k]), a1 = fa_amx_bf16(&a->b[m][4 * k + 2]);
-                const float b0 = fa_amx_bf16(&b->b[k][4 * n]), b1 = fa_amx_bf16(&b->b[k][4 * n + 2]);
+                const float a0 = fa_amx_bf16(&a->b[m][4 * k]);
+                const float a1 = fa_amx_bf16(&a->b[m][4 * k + 2]);
+                const float b0 = fa_amx_bf16(&b->b[k][4 * n]);
+                const float b1 = fa_amx_bf16(&b->b[k][4 * n + 2]);
                 if (sequential) {
                     acc = fa_amx_flush(fmaf(a0, b0, acc));
                     acc = fa_amx_flush(fmaf(a1, b1, acc));
@@ -128,6 +134,22 @@ static inline void fa_amx_model_dp(fa_amx_tile* c, const fa_amx_tile* a,
                 acc = fa_amx_flush(acc + fa_amx_flush(even + odd));
             memcpy(&c->b[m][4 * n], &acc, 4);
         }
+}
+
+/*
+ * The tile registers are configured once per work item (fa_amx_begin .. fa_amx_end, on
+ * the thread that runs it), not per kernel call: a configuration costs about as much as
+ * a few tile steps.  The model checks that protocol, so that the tests on any machine
+ * catch a kernel called outside it, which on the hardware would fault.
+ */
+static __thread int fa_amx_model_open;
+
+static inline void fa_amx_model_check(void)
+{
+    if (!fa_amx_model_open) {
+        fputs("fastattn: an AMX tile kernel ran outside fa_amx_begin/fa_amx_end\n", stderr);
+        abort();
+    }
 }
 
 /* One model instruction for the tests: c (16 x 16 float32) += a (16 x 32 bfloat16) .
@@ -144,6 +166,10 @@ static inline void fa_amx_model_dp_test(float* c, const uint16_t* a, const uint1
 }
 
 /* ------------------------------------------------------------ the CPU and the OS */
+
+/* The kernels' backends: the hardware's tiles, or the model's */
+#define FA_AMX_HW 1
+#define FA_AMX_MODEL 2
 
 /* fa_amx_status()'s answers other than an errno */
 #define FA_AMX_OK 0
@@ -207,7 +233,8 @@ typedef struct {
     __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)"                                 \
                      :: "r"((void*) (p)), "r"((long) (stride)) : "memory")
 #define FA_AMX_ASM_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
-#define FA_AMX_ASM_DP(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define FA_AMX_ASM_DP(c, a, b)                                                            \
+    __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 #define FA_AMX_ASM_RELEASE() __asm__ volatile("tilerelease" ::)
 
 FA_AMX_TARGET static inline void fa_amx_hw_configure(void)
@@ -221,6 +248,8 @@ FA_AMX_TARGET static inline void fa_amx_hw_configure(void)
     }
     __asm__ volatile("ldtilecfg %0" :: "m"(cfg));
 }
+
+FA_AMX_TARGET static inline void fa_amx_hw_release(void) { FA_AMX_ASM_RELEASE(); }
 
 /* One hardware instruction for the tests, as fa_amx_model_dp_test. */
 FA_AMX_TARGET static void fa_amx_hw_dp_test(float* c, const uint16_t* a, const uint16_t* b)
@@ -307,9 +336,12 @@ FA_BDP_NOINLINE void fa_pack_bf16_cols(const float* s, ptrdiff_t lds, ptrdiff_t 
 {
     for (ptrdiff_t i = 0; i < nrows_pad; i++)
         for (ptrdiff_t c = 0; c < ncols_pad; c += 16) {
-            const ptrdiff_t n = i >= nrows || c >= ncols ? 0 : ncols - c < 16 ? ncols - c : 16;
-            const __m512 x = _mm512_maskz_loadu_ps((__mmask16) ((1u << n) - 1), s + i * lds + c);
-            _mm256_storeu_si256((__m256i*) (dst + i * ldd + c), (__m256i) _mm512_cvtneps_pbh(x));
+            const ptrdiff_t n = i >= nrows || c >= ncols ? 0
+                                : ncols - c < 16 ? ncols - c : 16;
+            const __mmask16 keep = (__mmask16) ((1u << n) - 1);
+            const __m512 x = _mm512_maskz_loadu_ps(keep, s + i * lds + c);
+            _mm256_storeu_si256((__m256i*) (dst + i * ldd + c),
+                                (__m256i) _mm512_cvtneps_pbh(x));
         }
 }
 
@@ -345,7 +377,8 @@ FA_BDP_INLINE void fa_amx_acc_update(float* acc, ptrdiff_t ldacc, const float* a
     for (ptrdiff_t r = 0; r < nr; r++) {
         const __m512 a = _mm512_set1_ps(alpha[r]);
         float* o = acc + r * ldacc;
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), a, _mm512_loadu_ps(lo + 16 * r)));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), a,
+                                            _mm512_loadu_ps(lo + 16 * r)));
         _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16), a,
                                                  _mm512_loadu_ps(hi + 16 * r)));
     }
@@ -365,8 +398,7 @@ static inline int fa_amx_even_rows(const uint16_t* const* kr, ptrdiff_t* stride)
 #define FA_AMX_NAME(f) f##_model
 #define FA_AMX_FN FA_BDP_NOINLINE
 #define FA_TILE_STATE fa_amx_tile tmm_[8]
-#define FA_TILE_CONFIG() ((void) 0)
-#define FA_TILE_RELEASE() ((void) 0)
+#define FA_TILE_CONFIG() fa_amx_model_check()
 #define FA_TILE_LOAD(t, p, stride) fa_amx_model_load(&tmm_[t], (p), (stride))
 #define FA_TILE_STORE(t, p, stride) fa_amx_model_store(&tmm_[t], (p), (stride))
 #define FA_TILE_ZERO(t) fa_amx_model_zero(&tmm_[t])
@@ -378,8 +410,7 @@ static inline int fa_amx_even_rows(const uint16_t* const* kr, ptrdiff_t* stride)
 #define FA_AMX_NAME(f) f##_hw
 #define FA_AMX_FN static __attribute__((noinline, unused)) FA_AMX_TARGET
 #define FA_TILE_STATE int tmm_unused_ __attribute__((unused))
-#define FA_TILE_CONFIG() fa_amx_hw_configure()
-#define FA_TILE_RELEASE() FA_AMX_ASM_RELEASE()
+#define FA_TILE_CONFIG() ((void) 0)
 #define FA_TILE_LOAD(t, p, stride) FA_AMX_ASM_LOAD(t, p, stride)
 #define FA_TILE_STORE(t, p, stride) FA_AMX_ASM_STORE(t, p, stride)
 #define FA_TILE_ZERO(t) FA_AMX_ASM_ZERO(t)
@@ -387,9 +418,24 @@ static inline int fa_amx_even_rows(const uint16_t* const* kr, ptrdiff_t* stride)
 #include "fa_amx_kernels.h"
 #endif
 
-/* The kernels by backend: 1 the hardware, 2 the model. */
-#define FA_AMX_HW 1
-#define FA_AMX_MODEL 2
+/* The kernels by backend, and the configuration around a work item's calls (backend 0:
+ * none) */
+static inline void fa_amx_begin(int backend)
+{
+#if FA_HAVE_AMX
+    if (backend == FA_AMX_HW) fa_amx_hw_configure();
+#endif
+    if (backend == FA_AMX_MODEL) fa_amx_model_open = 1;
+}
+
+static inline void fa_amx_end(int backend)
+{
+#if FA_HAVE_AMX
+    if (backend == FA_AMX_HW) fa_amx_hw_release();
+#endif
+    if (backend == FA_AMX_MODEL) fa_amx_model_open = 0;
+}
+
 
 static inline void fa_amx_scores(int backend, const uint16_t* const* kr, ptrdiff_t nj,
                                  const uint32_t* qt, ptrdiff_t ldqt, ptrdiff_t nlanes,
@@ -437,34 +483,38 @@ static inline void fa_amx_pv(int backend, const uint16_t* pr, ptrdiff_t ldpr,
 
 #else  /* no bfloat16 code in this build: the pipeline never calls these */
 
-static inline __attribute__((unused)) void fa_pack_p_rows(const float* s, ptrdiff_t lds,
-    ptrdiff_t nj, ptrdiff_t nlanes, uint16_t* pr, ptrdiff_t ldpr)
+/* Stubs with the kernels' signatures, which only the avx512 build compiles. */
+#define FA_AMX_STUB static inline __attribute__((unused)) void
+FA_AMX_STUB fa_pack_p_rows(const float* s, ptrdiff_t lds, ptrdiff_t nj, ptrdiff_t nlanes,
+                           uint16_t* pr, ptrdiff_t ldpr)
 { (void)s; (void)lds; (void)nj; (void)nlanes; (void)pr; (void)ldpr; }
-static inline __attribute__((unused)) void fa_amx_scores(int backend, const uint16_t* const* kr,
-    ptrdiff_t nj, const uint32_t* qt, ptrdiff_t ldqt, ptrdiff_t nlanes, ptrdiff_t D,
-    float scale, float* s, ptrdiff_t lds, uint16_t* kst, const uint16_t* zrow)
-{ (void)backend; (void)kr; (void)nj; (void)qt; (void)ldqt; (void)nlanes; (void)D; (void)scale;
-  (void)s; (void)lds; (void)kst; (void)zrow; }
-static inline __attribute__((unused)) void fa_pack_bf16_cols(const float* s, ptrdiff_t lds,
-    ptrdiff_t nrows, ptrdiff_t nrows_pad, ptrdiff_t ncols, ptrdiff_t ncols_pad, uint16_t* dst,
-    ptrdiff_t ldd)
-{ (void)s; (void)lds; (void)nrows; (void)nrows_pad; (void)ncols; (void)ncols_pad; (void)dst;
-  (void)ldd; }
-static inline __attribute__((unused)) void fa_pack_row_pairs(const float* x, ptrdiff_t ldx,
-    ptrdiff_t nrows, ptrdiff_t nrows_pad, ptrdiff_t ncols, uint32_t* dst)
+FA_AMX_STUB fa_amx_scores(int backend, const uint16_t* const* kr, ptrdiff_t nj,
+                          const uint32_t* qt, ptrdiff_t ldqt, ptrdiff_t nlanes, ptrdiff_t D,
+                          float scale, float* s, ptrdiff_t lds, uint16_t* kst,
+                          const uint16_t* zrow)
+{ (void)backend; (void)kr; (void)nj; (void)qt; (void)ldqt; (void)nlanes; (void)D;
+  (void)scale; (void)s; (void)lds; (void)kst; (void)zrow; }
+FA_AMX_STUB fa_pack_bf16_cols(const float* s, ptrdiff_t lds, ptrdiff_t nrows,
+                              ptrdiff_t nrows_pad, ptrdiff_t ncols, ptrdiff_t ncols_pad,
+                              uint16_t* dst, ptrdiff_t ldd)
+{ (void)s; (void)lds; (void)nrows; (void)nrows_pad; (void)ncols; (void)ncols_pad;
+  (void)dst; (void)ldd; }
+FA_AMX_STUB fa_pack_row_pairs(const float* x, ptrdiff_t ldx, ptrdiff_t nrows,
+                              ptrdiff_t nrows_pad, ptrdiff_t ncols, uint32_t* dst)
 { (void)x; (void)ldx; (void)nrows; (void)nrows_pad; (void)ncols; (void)dst; }
-static inline __attribute__((unused)) void fa_amx_gemm(int backend, const uint16_t* a,
-    ptrdiff_t lda, ptrdiff_t M, ptrdiff_t nchunks, const uint32_t* b, ptrdiff_t ldb, ptrdiff_t N,
-    float* c, ptrdiff_t ldc)
+FA_AMX_STUB fa_amx_gemm(int backend, const uint16_t* a, ptrdiff_t lda, ptrdiff_t M,
+                        ptrdiff_t nchunks, const uint32_t* b, ptrdiff_t ldb, ptrdiff_t N,
+                        float* c, ptrdiff_t ldc)
 { (void)backend; (void)a; (void)lda; (void)M; (void)nchunks; (void)b; (void)ldb; (void)N;
   (void)c; (void)ldc; }
-static inline __attribute__((unused)) void fa_amx_pv(int backend, const uint16_t* pr,
-    ptrdiff_t ldpr, ptrdiff_t nchunks, ptrdiff_t nlanes, ptrdiff_t nrows, const uint32_t* vp,
-    ptrdiff_t Dv, float* acc, ptrdiff_t ldacc, const float* alpha)
+FA_AMX_STUB fa_amx_pv(int backend, const uint16_t* pr, ptrdiff_t ldpr, ptrdiff_t nchunks,
+                      ptrdiff_t nlanes, ptrdiff_t nrows, const uint32_t* vp, ptrdiff_t Dv,
+                      float* acc, ptrdiff_t ldacc, const float* alpha)
 { (void)backend; (void)pr; (void)ldpr; (void)nchunks; (void)nlanes; (void)nrows; (void)vp;
   (void)Dv; (void)acc; (void)ldacc; (void)alpha; }
-#define FA_AMX_HW 1
-#define FA_AMX_MODEL 2
+FA_AMX_STUB fa_amx_begin(int backend) { (void)backend; }
+FA_AMX_STUB fa_amx_end(int backend) { (void)backend; }
+#undef FA_AMX_STUB
 
 #endif /* FA_HAVE_BF16DOT */
 #endif /* FA_AMX_H */

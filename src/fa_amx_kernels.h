@@ -1,7 +1,8 @@
 /*
  * fa_amx_kernels.h -- the AMX tile kernels, written once over the tile operations
  * FA_TILE_LOAD/STORE/ZERO/DP (fa_amx.h includes this file twice: on the model, on the
- * hardware).  Eight tiles of 16 x 64 bytes: 0-3 sums (2 x 2), 4-5 A, 6-7 B.  A second
+ * hardware), called between fa_amx_begin and fa_amx_end (FA_TILE_CONFIG checks that on
+ * the model).  Eight tiles of 16 x 64 bytes: 0-3 sums (2 x 2), 4-5 A, 6-7 B.  A second
  * group of rows or keys with nothing in it repeats the first, whose sums are not stored,
  * so that no tile reads past the data.  The chains are fa_amx.h's canonical ones.
  */
@@ -14,9 +15,10 @@
  * staged whole in kst (2 x 16 x D values), zero rows past nj.
  */
 FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t nj,
-                                          const uint32_t* qt, ptrdiff_t ldqt, ptrdiff_t nlanes,
-                                          ptrdiff_t D, float scale, float* s, ptrdiff_t lds,
-                                          uint16_t* kst, const uint16_t* zrow)
+                                          const uint32_t* qt, ptrdiff_t ldqt,
+                                          ptrdiff_t nlanes, ptrdiff_t D, float scale,
+                                          float* s, ptrdiff_t lds, uint16_t* kst,
+                                          const uint16_t* zrow)
 {
     FA_TILE_STATE;
     float cb[4][16 * 16];
@@ -49,11 +51,11 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t n
             FA_TILE_ZERO(3);
             for (ptrdiff_t d0 = 0; d0 < D; d0 += 32) {
                 FA_TILE_LOAD(4, base[0] + d0, stride[0]);
-                FA_TILE_LOAD(5, base[1] + d0, stride[1]);
                 FA_TILE_LOAD(6, qt + (d0 / 2) * ldqt + r0, 4 * ldqt);
-                FA_TILE_LOAD(7, qt + (d0 / 2) * ldqt + r1, 4 * ldqt);
                 FA_TILE_DP(0, 4, 6);
+                FA_TILE_LOAD(7, qt + (d0 / 2) * ldqt + r1, 4 * ldqt);
                 FA_TILE_DP(1, 4, 7);
+                FA_TILE_LOAD(5, base[1] + d0, stride[1]);
                 FA_TILE_DP(2, 5, 6);
                 FA_TILE_DP(3, 5, 7);
             }
@@ -63,12 +65,13 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t n
             FA_TILE_STORE(3, cb[3], 64);
             for (int g = 0; g < 2; g++)
                 for (int h = 0; h < (r1 != r0 ? 2 : 1); h++)
-                    for (ptrdiff_t u = 0; u < nk[g]; u++)
+                    for (ptrdiff_t u = 0; u < nk[g]; u++) {
+                        const __m512 c = _mm512_loadu_ps(cb[2 * g + h] + 16 * u);
                         _mm512_storeu_ps(s + (k0 + 16 * g + u) * lds + (h ? r1 : r0),
-                                         _mm512_mul_ps(_mm512_loadu_ps(cb[2 * g + h] + 16 * u), sc));
+                                         _mm512_mul_ps(c, sc));
+                    }
         }
     }
-    FA_TILE_RELEASE();
 }
 
 /*
@@ -96,11 +99,11 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_pv)(const uint16_t* pr, ptrdiff_t ldpr, ptrdif
             FA_TILE_ZERO(3);
             for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
                 FA_TILE_LOAD(4, pr + r0 * ldpr + 32 * kc, 2 * ldpr);
-                FA_TILE_LOAD(5, pr + r1 * ldpr + 32 * kc, 2 * ldpr);
                 FA_TILE_LOAD(6, vp + 16 * kc * Dv + c0, 4 * Dv);
-                FA_TILE_LOAD(7, vp + 16 * kc * Dv + c0 + 16, 4 * Dv);
                 FA_TILE_DP(0, 4, 6);
+                FA_TILE_LOAD(7, vp + 16 * kc * Dv + c0 + 16, 4 * Dv);
                 FA_TILE_DP(1, 4, 7);
+                FA_TILE_LOAD(5, pr + r1 * ldpr + 32 * kc, 2 * ldpr);
                 FA_TILE_DP(2, 5, 6);
                 FA_TILE_DP(3, 5, 7);
             }
@@ -110,10 +113,10 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_pv)(const uint16_t* pr, ptrdiff_t ldpr, ptrdif
             FA_TILE_STORE(3, cb[3], 64);
             fa_amx_acc_update(acc + r0 * ldacc + c0, ldacc, alpha + r0, cb[0], cb[1], nr0);
             if (nr1 > 0)
-                fa_amx_acc_update(acc + r1 * ldacc + c0, ldacc, alpha + r1, cb[2], cb[3], nr1);
+                fa_amx_acc_update(acc + r1 * ldacc + c0, ldacc, alpha + r1, cb[2], cb[3],
+                                  nr1);
         }
     }
-    FA_TILE_RELEASE();
 }
 
 /*
@@ -141,11 +144,11 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_gemm)(const uint16_t* a, ptrdiff_t lda, ptrdif
             FA_TILE_ZERO(3);
             for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
                 FA_TILE_LOAD(4, a + m0 * lda + 32 * kc, 2 * lda);
-                FA_TILE_LOAD(5, a + m1 * lda + 32 * kc, 2 * lda);
                 FA_TILE_LOAD(6, b + 16 * kc * ldb + n0, 4 * ldb);
-                FA_TILE_LOAD(7, b + 16 * kc * ldb + n0 + 16, 4 * ldb);
                 FA_TILE_DP(0, 4, 6);
+                FA_TILE_LOAD(7, b + 16 * kc * ldb + n0 + 16, 4 * ldb);
                 FA_TILE_DP(1, 4, 7);
+                FA_TILE_LOAD(5, a + m1 * lda + 32 * kc, 2 * lda);
                 FA_TILE_DP(2, 5, 6);
                 FA_TILE_DP(3, 5, 7);
             }
@@ -163,14 +166,12 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_gemm)(const uint16_t* a, ptrdiff_t lda, ptrdif
             }
         }
     }
-    FA_TILE_RELEASE();
 }
 
 #undef FA_AMX_NAME
 #undef FA_AMX_FN
 #undef FA_TILE_STATE
 #undef FA_TILE_CONFIG
-#undef FA_TILE_RELEASE
 #undef FA_TILE_LOAD
 #undef FA_TILE_STORE
 #undef FA_TILE_ZERO
