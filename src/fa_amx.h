@@ -397,6 +397,7 @@ static inline int fa_amx_even_rows(const uint16_t* const* kr, ptrdiff_t* stride)
 /* The model's kernels */
 #define FA_AMX_NAME(f) f##_model
 #define FA_AMX_FN FA_BDP_NOINLINE
+#define FA_AMX_STEP FA_BDP_NOINLINE
 #define FA_TILE_STATE fa_amx_tile tmm_[8]
 #define FA_TILE_CONFIG() fa_amx_model_check()
 #define FA_TILE_LOAD(t, p, stride) fa_amx_model_load(&tmm_[t], (p), (stride))
@@ -409,6 +410,7 @@ static inline int fa_amx_even_rows(const uint16_t* const* kr, ptrdiff_t* stride)
 /* The hardware's: the same text on the tile registers */
 #define FA_AMX_NAME(f) f##_hw
 #define FA_AMX_FN static __attribute__((noinline, unused)) FA_AMX_TARGET
+#define FA_AMX_STEP static inline __attribute__((always_inline)) FA_AMX_TARGET
 #define FA_TILE_STATE int tmm_unused_ __attribute__((unused))
 #define FA_TILE_CONFIG() ((void) 0)
 #define FA_TILE_LOAD(t, p, stride) FA_AMX_ASM_LOAD(t, p, stride)

@@ -8,6 +8,39 @@
  */
 
 /*
+ * One step of every kernel, on the 2 x 2 sum tiles: cb[2i + j] = A_i . B_j from zero,
+ * over nchunks chunks of 32 along the sum.  A_i: 16 rows of bfloat16 at a_i, sa_i bytes
+ * apart, the next chunk astep bytes on; B_j: 16 pair rows at b_j, sb bytes apart, the
+ * next chunk bstep bytes on.  The loads go between the products, as the tiles free up.
+ */
+FA_AMX_STEP void FA_AMX_NAME(fa_amx_2x2)(const char* a0, ptrdiff_t sa0, const char* a1,
+                                         ptrdiff_t sa1, ptrdiff_t astep, const char* b0,
+                                         const char* b1, ptrdiff_t sb, ptrdiff_t bstep,
+                                         ptrdiff_t nchunks, float cb[4][16 * 16])
+{
+    FA_TILE_STATE;
+    FA_TILE_CONFIG();
+    FA_TILE_ZERO(0);
+    FA_TILE_ZERO(1);
+    FA_TILE_ZERO(2);
+    FA_TILE_ZERO(3);
+    for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
+        FA_TILE_LOAD(4, a0 + kc * astep, sa0);
+        FA_TILE_LOAD(6, b0 + kc * bstep, sb);
+        FA_TILE_DP(0, 4, 6);
+        FA_TILE_LOAD(7, b1 + kc * bstep, sb);
+        FA_TILE_DP(1, 4, 7);
+        FA_TILE_LOAD(5, a1 + kc * astep, sa1);
+        FA_TILE_DP(2, 5, 6);
+        FA_TILE_DP(3, 5, 7);
+    }
+    FA_TILE_STORE(0, cb[0], 64);
+    FA_TILE_STORE(1, cb[1], 64);
+    FA_TILE_STORE(2, cb[2], 64);
+    FA_TILE_STORE(3, cb[3], 64);
+}
+
+/*
  * Scores of a key block against the tile's rows, s[j*lds + r] = scale * K[j] . Q[r] for
  * keys j < nj (at most 64) and rows r < nlanes (a multiple of 16), 32 dims a step (D a
  * multiple of 32).  A = 16 key rows, B = Q^T in pairs of dims (qt[p*ldqt + r]).  Key rows
@@ -20,10 +53,8 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t n
                                           float* s, ptrdiff_t lds, uint16_t* kst,
                                           const uint16_t* zrow)
 {
-    FA_TILE_STATE;
     float cb[4][16 * 16];
     const __m512 sc = _mm512_set1_ps(scale);
-    FA_TILE_CONFIG();
     for (ptrdiff_t k0 = 0; k0 < nj; k0 += 32) {
         const uint16_t* base[2];
         ptrdiff_t stride[2], nk[2];
@@ -45,24 +76,10 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t n
         }
         for (ptrdiff_t r0 = 0; r0 < nlanes; r0 += 32) {
             const ptrdiff_t r1 = r0 + 16 < nlanes ? r0 + 16 : r0;
-            FA_TILE_ZERO(0);
-            FA_TILE_ZERO(1);
-            FA_TILE_ZERO(2);
-            FA_TILE_ZERO(3);
-            for (ptrdiff_t d0 = 0; d0 < D; d0 += 32) {
-                FA_TILE_LOAD(4, base[0] + d0, stride[0]);
-                FA_TILE_LOAD(6, qt + (d0 / 2) * ldqt + r0, 4 * ldqt);
-                FA_TILE_DP(0, 4, 6);
-                FA_TILE_LOAD(7, qt + (d0 / 2) * ldqt + r1, 4 * ldqt);
-                FA_TILE_DP(1, 4, 7);
-                FA_TILE_LOAD(5, base[1] + d0, stride[1]);
-                FA_TILE_DP(2, 5, 6);
-                FA_TILE_DP(3, 5, 7);
-            }
-            FA_TILE_STORE(0, cb[0], 64);
-            FA_TILE_STORE(1, cb[1], 64);
-            FA_TILE_STORE(2, cb[2], 64);
-            FA_TILE_STORE(3, cb[3], 64);
+            FA_AMX_NAME(fa_amx_2x2)((const char*) base[0], stride[0],
+                                    (const char*) base[1], stride[1], 64,
+                                    (const char*) (qt + r0), (const char*) (qt + r1),
+                                    4 * ldqt, 64 * ldqt, D / 32, cb);
             for (int g = 0; g < 2; g++)
                 for (int h = 0; h < (r1 != r0 ? 2 : 1); h++)
                     for (ptrdiff_t u = 0; u < nk[g]; u++) {
@@ -72,6 +89,25 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t n
                     }
         }
     }
+}
+
+/*
+ * The 2 x 2 sum tiles of rows [m0, m0 + 32) and columns [n0, n0 + 32) of A . B, A rows of
+ * bfloat16 (a[m*lda + k]) and B in pairs of rows (b[kp*ldb + n]), over nchunks chunks of
+ * 32 along k; the second group of rows repeats the first at the end of the M rows.
+ * Returns the rows of the second group (m1) in *m1.
+ */
+FA_AMX_STEP void FA_AMX_NAME(fa_amx_rows_2x2)(const uint16_t* a, ptrdiff_t lda,
+                                              ptrdiff_t M, ptrdiff_t m0, ptrdiff_t nchunks,
+                                              const uint32_t* b, ptrdiff_t ldb,
+                                              ptrdiff_t n0, float cb[4][16 * 16],
+                                              ptrdiff_t* m1)
+{
+    *m1 = m0 + 16 < M ? m0 + 16 : m0;
+    FA_AMX_NAME(fa_amx_2x2)((const char*) (a + m0 * lda), 2 * lda,
+                            (const char*) (a + *m1 * lda), 2 * lda, 64,
+                            (const char*) (b + n0), (const char*) (b + n0 + 16), 4 * ldb,
+                            64 * ldb, nchunks, cb);
 }
 
 /*
@@ -85,38 +121,19 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_pv)(const uint16_t* pr, ptrdiff_t ldpr, ptrdif
                                       ptrdiff_t Dv, float* acc, ptrdiff_t ldacc,
                                       const float* alpha)
 {
-    FA_TILE_STATE;
     float cb[4][16 * 16];
-    FA_TILE_CONFIG();
-    for (ptrdiff_t r0 = 0; r0 < nrows; r0 += 32) {
-        const ptrdiff_t r1 = r0 + 16 < nlanes ? r0 + 16 : r0;
-        const ptrdiff_t nr0 = nrows - r0 < 16 ? nrows - r0 : 16;
-        const ptrdiff_t nr1 = r1 == r0 ? 0 : nrows - r1 < 16 ? nrows - r1 : 16;
+    ptrdiff_t r1;
+    for (ptrdiff_t r0 = 0; r0 < nrows; r0 += 32)
         for (ptrdiff_t c0 = 0; c0 < Dv; c0 += 32) {
-            FA_TILE_ZERO(0);
-            FA_TILE_ZERO(1);
-            FA_TILE_ZERO(2);
-            FA_TILE_ZERO(3);
-            for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
-                FA_TILE_LOAD(4, pr + r0 * ldpr + 32 * kc, 2 * ldpr);
-                FA_TILE_LOAD(6, vp + 16 * kc * Dv + c0, 4 * Dv);
-                FA_TILE_DP(0, 4, 6);
-                FA_TILE_LOAD(7, vp + 16 * kc * Dv + c0 + 16, 4 * Dv);
-                FA_TILE_DP(1, 4, 7);
-                FA_TILE_LOAD(5, pr + r1 * ldpr + 32 * kc, 2 * ldpr);
-                FA_TILE_DP(2, 5, 6);
-                FA_TILE_DP(3, 5, 7);
-            }
-            FA_TILE_STORE(0, cb[0], 64);
-            FA_TILE_STORE(1, cb[1], 64);
-            FA_TILE_STORE(2, cb[2], 64);
-            FA_TILE_STORE(3, cb[3], 64);
+            FA_AMX_NAME(fa_amx_rows_2x2)(pr, ldpr, nlanes, r0, nchunks, vp, Dv, c0, cb,
+                                         &r1);
+            const ptrdiff_t nr0 = nrows - r0 < 16 ? nrows - r0 : 16;
+            const ptrdiff_t nr1 = r1 == r0 ? 0 : nrows - r1 < 16 ? nrows - r1 : 16;
             fa_amx_acc_update(acc + r0 * ldacc + c0, ldacc, alpha + r0, cb[0], cb[1], nr0);
             if (nr1 > 0)
                 fa_amx_acc_update(acc + r1 * ldacc + c0, ldacc, alpha + r1, cb[2], cb[3],
                                   nr1);
         }
-    }
 }
 
 /*
@@ -130,46 +147,25 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_gemm)(const uint16_t* a, ptrdiff_t lda, ptrdif
                                         ptrdiff_t nchunks, const uint32_t* b, ptrdiff_t ldb,
                                         ptrdiff_t N, float* c, ptrdiff_t ldc)
 {
-    FA_TILE_STATE;
     float cb[4][16 * 16];
-    FA_TILE_CONFIG();
-    for (ptrdiff_t m0 = 0; m0 < M; m0 += 32) {
-        const ptrdiff_t m1 = m0 + 16 < M ? m0 + 16 : m0;
-        const ptrdiff_t nm0 = M - m0 < 16 ? M - m0 : 16;
-        const ptrdiff_t nm1 = m1 == m0 ? 0 : M - m1 < 16 ? M - m1 : 16;
+    ptrdiff_t m1;
+    for (ptrdiff_t m0 = 0; m0 < M; m0 += 32)
         for (ptrdiff_t n0 = 0; n0 < N; n0 += 32) {
-            FA_TILE_ZERO(0);
-            FA_TILE_ZERO(1);
-            FA_TILE_ZERO(2);
-            FA_TILE_ZERO(3);
-            for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
-                FA_TILE_LOAD(4, a + m0 * lda + 32 * kc, 2 * lda);
-                FA_TILE_LOAD(6, b + 16 * kc * ldb + n0, 4 * ldb);
-                FA_TILE_DP(0, 4, 6);
-                FA_TILE_LOAD(7, b + 16 * kc * ldb + n0 + 16, 4 * ldb);
-                FA_TILE_DP(1, 4, 7);
-                FA_TILE_LOAD(5, a + m1 * lda + 32 * kc, 2 * lda);
-                FA_TILE_DP(2, 5, 6);
-                FA_TILE_DP(3, 5, 7);
-            }
-            FA_TILE_STORE(0, cb[0], 64);
-            FA_TILE_STORE(1, cb[1], 64);
-            FA_TILE_STORE(2, cb[2], 64);
-            FA_TILE_STORE(3, cb[3], 64);
-            for (ptrdiff_t i = 0; i < nm0; i++) {
+            FA_AMX_NAME(fa_amx_rows_2x2)(a, lda, M, m0, nchunks, b, ldb, n0, cb, &m1);
+            for (ptrdiff_t i = 0; i < 16 && m0 + i < M; i++) {
                 memcpy(c + (m0 + i) * ldc + n0, cb[0] + 16 * i, 64);
                 memcpy(c + (m0 + i) * ldc + n0 + 16, cb[1] + 16 * i, 64);
             }
-            for (ptrdiff_t i = 0; i < nm1; i++) {
+            for (ptrdiff_t i = 0; m1 != m0 && i < 16 && m1 + i < M; i++) {
                 memcpy(c + (m1 + i) * ldc + n0, cb[2] + 16 * i, 64);
                 memcpy(c + (m1 + i) * ldc + n0 + 16, cb[3] + 16 * i, 64);
             }
         }
-    }
 }
 
 #undef FA_AMX_NAME
 #undef FA_AMX_FN
+#undef FA_AMX_STEP
 #undef FA_TILE_STATE
 #undef FA_TILE_CONFIG
 #undef FA_TILE_LOAD

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import make_qkv, qkv_shapes, run_python
+import test_bf16_products as pairs_tests      # the pairs' checks, rerun on the tiles
+from test_bf16_products import bf16
 
 import fastattn
 from fastattn import reference
@@ -197,14 +199,6 @@ def tiles(request):
     kernel.set_amx(old)
 
 
-def bf16(**kw):
-    """fastattn.attention with bfloat16 products for float32 inputs."""
-    def call(*args, **more):
-        with fastattn.float32_precision("bfloat16"):
-            return fastattn.attention(*args, **kw, **more)
-    return call
-
-
 def on_pairs(f, *args, **kw):
     """f on the bfloat16 pairs (no tiles)."""
     old = kernel.set_amx("off")
@@ -236,17 +230,7 @@ def test_accuracy_against_float64_on_rounded_inputs(tiles, causal, window, D):
 
 
 def test_bits_do_not_depend_on_threads_batch_or_rows(tiles):
-    q, k, v = make_qkv(np.random.default_rng(3), *qkv_shapes((3,), 8, 2, 200, 300, 64))
-    f = bf16(causal=True)
-    with fastattn.num_threads(1):
-        one = f(q, k, v)
-    with fastattn.num_threads(2):
-        two = f(q, k, v)
-    np.testing.assert_array_equal(one, two)
-    for b in range(3):
-        np.testing.assert_array_equal(f(q[b:b + 1], k[b:b + 1], v[b:b + 1])[0], two[b])
-    np.testing.assert_array_equal(f(q[:, :, 150:], k, v), two[:, :, 150:])
-    np.testing.assert_array_equal(f(q[:, 5:6], k[:, 1:2], v[:, 1:2]), two[:, 5:6])
+    pairs_tests.test_bits_do_not_depend_on_threads_batch_or_rows()
 
 
 @pytest.mark.parametrize("window", [None, (33, 0), (70, 0)])
@@ -266,14 +250,7 @@ def test_decode_steps_give_the_prefill_rows(tiles, window):
 
 
 def test_varlen_rows_equal_their_own_calls(tiles):
-    q, k, v = make_qkv(np.random.default_rng(7), *qkv_shapes((), 4, 2, 170, 260, 64))
-    cu_q, cu_k = [0, 1, 70, 170], [0, 33, 150, 260]
-    with fastattn.float32_precision("bfloat16"):
-        packed = fastattn.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
-        for s in range(3):
-            one = fastattn.attention(q[:, cu_q[s]:cu_q[s + 1]], k[:, cu_k[s]:cu_k[s + 1]],
-                                     v[:, cu_k[s]:cu_k[s + 1]], causal=True)
-            np.testing.assert_array_equal(packed[:, cu_q[s]:cu_q[s + 1]], one)
+    pairs_tests.test_varlen_rows_equal_their_own_calls()
 
 
 def test_bfloat16_caches_paged_and_decoded_keep_the_prefill_bits(tiles):
