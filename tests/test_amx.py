@@ -229,6 +229,36 @@ def test_accuracy_against_float64_on_rounded_inputs(tiles, causal, window, D):
     assert not np.array_equal(lse, pair_lse)
 
 
+VARIANTS = {
+    "mask-sinks": dict(mask="bool", sinks=True),
+    "softcap-alibi": dict(softcap=20.0, alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
+    "lengths": dict(kv_lengths=[200, 37], q_lengths=[60, 5]),
+}
+
+
+@pytest.mark.parametrize("D, Dv", [(128, 64), (64, 96)])
+@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+def test_variants_and_head_dims(tiles, D, Dv, variant):
+    # The modifiers live in the pairs' finish stage; the tiles only multiply.  D != Dv
+    # sizes the staging (K and V rows) and the pairs' buffers apart.
+    rng = np.random.default_rng(17)
+    q, k, v = make_qkv(rng, *qkv_shapes((2,), 4, 2, 60, 200, D, Dv))
+    kw = dict(VARIANTS[variant], causal=True)
+    if kw.get("mask") == "bool":
+        kw["mask"] = rng.random((60, 200)) < 0.8
+    if kw.get("sinks"):
+        kw["sinks"] = rng.standard_normal(4)
+    out, lse = bf16(**kw, return_lse=True)(q, k, v)
+    qr, kr, vr = (bfloat16_values(a).astype(np.float64) for a in (q, k, v))
+    ref, ref_lse = reference.attention(qr, kr, vr, **kw, return_lse=True)
+    seen = np.isfinite(ref_lse)
+    assert np.abs(out - ref).max() < 2**-9 * np.abs(vr).max()
+    assert np.abs(lse[seen] - ref_lse[seen]).max() < 1e-5
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    _, pair_lse = on_pairs(bf16(**kw, return_lse=True), q, k, v)
+    assert not np.array_equal(lse, pair_lse)
+
+
 def test_bits_do_not_depend_on_threads_batch_or_rows(tiles):
     pairs_tests.test_bits_do_not_depend_on_threads_batch_or_rows()
 
@@ -289,14 +319,16 @@ def test_head_dims_the_tiles_do_not_take_stay_on_the_pairs(tiles):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("batch, Hq, Hkv", [(2, 4, 2), (1, 2, 1)])
-def test_backward_on_tiles(tiles, batch, Hq, Hkv):
+@pytest.mark.parametrize("batch, Hq, Hkv, Dv", [(2, 4, 2, 64), (1, 2, 1, 64), (1, 4, 2, 96)])
+def test_backward_on_tiles(tiles, batch, Hq, Hkv, Dv):
     # All five products of the backward on the tiles (P and dS rounded to bfloat16):
     # gradients within bfloat16 accuracy of float64's on the rounded inputs, the same
     # bits on any thread count (one kv head: the passes split over threads, else whole
     # heads), and other bits than the pairs'.
-    q, k, v = make_qkv(np.random.default_rng(13), *qkv_shapes((batch,), Hq, Hkv, 90, 150, 64))
-    dout = bfloat16_values(np.random.default_rng(14).standard_normal(q.shape, np.float32))
+    q, k, v = make_qkv(np.random.default_rng(13),
+                       *qkv_shapes((batch,), Hq, Hkv, 90, 150, 64, Dv))
+    dout = bfloat16_values(
+        np.random.default_rng(14).standard_normal((*q.shape[:-1], Dv), np.float32))
     ml_dtypes = pytest.importorskip("ml_dtypes")
     bf = ml_dtypes.bfloat16
     qb, kb, vb, db = (a.astype(bf) for a in (q, k, v, dout))
