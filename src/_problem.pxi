@@ -128,48 +128,6 @@ def _amx_from_environment():
 _amx_from_environment()
 
 
-def amx_model_dp(object c, object a, object b, bint sequential=False):
-    """One TDPBF16PS on the scalar tile model, in place: c (16 x 16 float32) += a (16 x 32
-    bfloat16 bits, uint16) . b (16 x 32 uint16, pairs of rows interleaved).  For tests."""
-    _check_tile_operands(c, a, b)
-    fa_amx_model_dp_test(<float*> cnp.PyArray_DATA(c), <const uint16_t*> cnp.PyArray_DATA(a),
-                         <const uint16_t*> cnp.PyArray_DATA(b), sequential)
-
-
-def amx_hw_dp(object c, object a, object b):
-    """amx_model_dp on the hardware's tiles (where amx_cpu())."""
-    _check_tile_operands(c, a, b)
-    if not amx_cpu():
-        raise ValueError("amx_hw_dp: this build or CPU cannot run AMX-BF16 tiles")
-    fa_amx_hw_dp_test(<float*> cnp.PyArray_DATA(c), <const uint16_t*> cnp.PyArray_DATA(a),
-                      <const uint16_t*> cnp.PyArray_DATA(b))
-
-
-def amx_peak(long steps):
-    """Multiply-adds a second of a plain loop of independent tdpbf16ps on one thread."""
-    if not amx_cpu():
-        raise ValueError("amx_peak: this build or CPU cannot run AMX-BF16 tiles")
-    cdef timespec t0, t1
-    clock_gettime(CLOCK_MONOTONIC, &t0)
-    cdef double macs = fa_amx_hw_peak_loop(steps)
-    clock_gettime(CLOCK_MONOTONIC, &t1)
-    return macs / ((t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec))
-
-
-cdef _check_tile_operands(object c, object a, object b):
-    for name, x in (("c", c), ("a", a), ("b", b)):
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
-    if (c.dtype != np.float32 or tuple(c.shape) != (16, 16) or not c.flags.c_contiguous
-            or not c.flags.writeable):
-        raise ValueError(f"c must be a writable C-contiguous 16 x 16 float32 array, got "
-                         f"{c.dtype} {tuple(c.shape)}")
-    for name, x in (("a", a), ("b", b)):
-        if x.dtype != np.uint16 or tuple(x.shape) != (16, 32) or not x.flags.c_contiguous:
-            raise ValueError(f"{name} must be a C-contiguous 16 x 32 uint16 array, got "
-                             f"{x.dtype} {tuple(x.shape)}")
-
-
 cdef inline bint _kernel_layout(cnp.ndarray a):
     # Contiguous last axis and whole-element strides: the kernel can read it in place.
     cdef int d, nd = cnp.PyArray_NDIM(a)

@@ -454,8 +454,9 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
               and D % 8 == 0 and D <= FA_KT8_MAX_D)
     # The common case (no causal diagonal, window or per-sequence lengths in the tile) in
     # one flag, so that the per-block stages need not scan the rows.
-    # (Blocks of bfloat16 products start at even keys, which may put a key before tile_lo
-    # into the first block: the finish stage must then hide it.)
+    # (Blocks of bfloat16 products start at even keys, on AMX tiles at multiples of 32
+    # (_block_align), which may put keys before tile_lo into the first block: the finish
+    # stage must then hide them.)
     t.same_keys = t.tile_lo < t.tile_hi and not (t.bf16_dot and t.tile_lo % _block_align(t))
     for r in range(t.nrows):
         if t.lo[r] != t.tile_lo or t.hi[r] != t.tile_hi:
