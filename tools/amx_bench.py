@@ -12,7 +12,6 @@ left out.  tools/amx_device_check.sh runs this on the device machine's Xeon.
 """
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -49,29 +48,30 @@ def tensors(torch, Hq, Lq, Lk, D, dtype, seed=0):
     return q, k, v, dout
 
 
-def as_numpy(x):
-    import ml_dtypes
-    if str(x.dtype) == "torch.bfloat16":
-        return x.view(getattr(__import__("torch"), "int16")).numpy().view(ml_dtypes.bfloat16)
+def as_numpy(torch, x):
+    """A torch tensor as a NumPy array of the same bits (bfloat16 as ml_dtypes')."""
+    if x.dtype == torch.bfloat16:
+        import ml_dtypes
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return x.numpy()
 
 
 def variants(torch, row):
-    """(name, setup, call) for each implementation of the row; call returns a float64
-    array to check."""
+    """(name, AMX mode or None, call) for each implementation of the row.  The backward
+    rows time the backward alone: torch's autograd.grad through SDPA's graph, kept, and
+    fastattn.attention_backward on its forward's out and lse."""
     name, Hq, Lq, Lk, D, causal, dtype, backward = row
     q, k, v, dout = tensors(torch, Hq, Lq, Lk, D, dtype)
-    nq, nk, nv, ndo = (as_numpy(x) for x in (q, k, v, dout))
+    nq, nk, nv, ndo = (as_numpy(torch, x) for x in (q, k, v, dout))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    out_ref = None
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    graph = sdpa(*xs, is_causal=causal) if backward else None
 
     def torch_call():
         if not backward:
             with torch.no_grad():
                 return sdpa(q, k, v, is_causal=causal)
-        xs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = sdpa(*xs, is_causal=causal)
-        return torch.autograd.grad(out, xs, dout)[0]
+        return torch.autograd.grad(graph, xs, dout, retain_graph=True)[0]
 
     fa_out, fa_lse = fastattn.attention(nq, nk, nv, causal=causal, return_lse=True)
 
