@@ -1,9 +1,10 @@
 /*
  * fa_amx.h -- bfloat16 products on AMX tiles, and a scalar model of the tile instructions.
  *
- * The kernels (fa_amx_kernels.h) are written once over six tile operations and compiled
+ * The kernels (fa_amx_kernels.h) are written once over the tile operations and compiled
  * twice: on the hardware (`_hw`: tileloadd, tilestored, tilezero, tdpbf16ps) and on the
- * model below (`_model`), which any AVX-512 build runs.  The model follows the pseudocode
+ * model below (`_model`), which runs wherever the bfloat16 pairs do (fa_bf16dot.h: their
+ * packers serve both).  The model follows the pseudocode
  * of TDPBF16PS in Intel's Software Developer's Manual:
  *
  *   for each row m of C, and each column n:
@@ -27,6 +28,10 @@
  *           multiples of 32 from key 0 (keys outside the block, or beyond the row's
  *           keys, add p = 0 exactly); P rounded to bfloat16 (to nearest even) first;
  *           then acc = fma(acc, alpha, C).
+ *   backward: dV and dK of a key per tile of rows, C = 0, then one step per 32 rows from
+ *           the tile's first, the tiles' sums added in order; dQ of a row per key block,
+ *           one step per 32 keys from the block's first, the blocks' sums added in
+ *           order; P and dS rounded to bfloat16 first.
  *
  * On Linux a process may use the tile registers only after asking the kernel for them
  * (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); fa_amx_status() asks once and
