@@ -26,8 +26,8 @@
 # A key block's S^T comes from the forward's own stages (_load_block,
 # _score_lanes, _finish_scores: the one home of the visibility rule and the modifiers),
 # always on the prefill tiles; dP^T from the same score micro-tiles with dO in place of Q.
-# On AMX tiles all five products run there, P and dS rounded to bfloat16 (as torch's
-# bfloat16 backward does), with the chains of fa_amx.h.
+# On AMX tiles all five products run there, P and dS rounded to bfloat16 (the tiles
+# multiply bfloat16 only), with the chains of fa_amx.h.
 # Rows that see nothing, padding rows (past q_len) and keys past kv_len get exactly zero
 # gradients: their dO, Q and Delta are taken as 0 and their P as 0 (lse2 = +inf).
 # Extra memory: one workspace per thread (O(FA_BQ * (D + Dv + FA_BK) + FA_BKV_MAX * (D + Dv)))
@@ -278,10 +278,12 @@ cdef void _kv_block_amx(const Problem* P, const Tile* t, const Workspace* w,
     cdef uint16_t* pr = <uint16_t*> (ws + w.pr)
     cdef uint32_t* rp = <uint32_t*> (ws + w.bpairs)
     fa_pack_bf16_cols(ws + w.s, FA_BQ, t.nj, nk, t.nlanes, nr, pr, FA_BQ)
-    fa_pack_row_pairs(ws + w.dorows, dv_pad, t.nlanes, nr, P.Dv, rp)
+    fa_pack_p_pairs(ws + w.dorows, dv_pad, t.nlanes, P.Dv, rp, P.Dv)
+    _zero_pairs_to(rp, t.nlanes, nr, P.Dv)
     fa_amx_gemm(t.amx, pr, FA_BQ, t.nj, nr // 32, rp, P.Dv, P.Dv, ws + w.dvblk, dv_pad)
     fa_pack_bf16_cols(ws + w.dp, FA_BQ, t.nj, nk, t.nlanes, nr, pr, FA_BQ)
-    fa_pack_row_pairs(ws + w.qrows, d_pad, t.nlanes, nr, P.D, rp)
+    fa_pack_p_pairs(ws + w.qrows, d_pad, t.nlanes, P.D, rp, P.D)
+    _zero_pairs_to(rp, t.nlanes, nr, P.D)
     fa_amx_gemm(t.amx, pr, FA_BQ, t.nj, nr // 32, rp, P.D, P.D, ws + w.dkblk, d_pad)
 
 
@@ -290,14 +292,14 @@ cdef void _accumulate_q_amx(const Problem* P, const Tile* t, const Workspace* w,
     # _accumulate_q on AMX tiles: dS rounded to bfloat16 rows (zero past the block's keys)
     # against K in pairs of keys, over the block's chunks of 32 keys from its first
     # (fa_amx_gemm); then added to the running sums.
-    cdef Py_ssize_t d_pad = _round_up(P.D, t.NL), npairs = (t.nj + 1) // 2
-    cdef Py_ssize_t nchunks = (t.nj + 31) // 32
+    cdef Py_ssize_t d_pad = _round_up(P.D, t.NL)
     cdef uint16_t* pr = <uint16_t*> (ws + w.pr)
     cdef uint32_t* kp = <uint32_t*> (ws + w.kpairs)
     fa_pack_p_rows(ws + w.dp, FA_BQ, t.nj, t.nlanes, pr, FA_BK)
     fa_pack_v_pairs(<const uint16_t* const*> t.kptr, t.nj, P.D, kp)
-    memset(kp + npairs * P.D, 0, (nchunks * 16 - npairs) * P.D * sizeof(uint32_t))
-    fa_amx_gemm(t.amx, pr, FA_BK, t.nrows, nchunks, kp, P.D, P.D, ws + w.dqblk, d_pad)
+    _zero_pairs_to(kp, t.nj, _round_up(t.nj, 32), P.D)
+    fa_amx_gemm(t.amx, pr, FA_BK, t.nrows, (t.nj + 31) // 32, kp, P.D, P.D, ws + w.dqblk,
+                d_pad)
     _add_rows(ws + w.dqblk, d_pad, ws + w.dqacc, d_pad, t.nrows, d_pad)
 
 

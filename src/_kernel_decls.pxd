@@ -221,8 +221,6 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pack_bf16_cols(const float* s, Py_ssize_t lds, Py_ssize_t nrows,
                            Py_ssize_t nrows_pad, Py_ssize_t ncols, Py_ssize_t ncols_pad,
                            uint16_t* dst, Py_ssize_t ldd)
-    void fa_pack_row_pairs(const float* x, Py_ssize_t ldx, Py_ssize_t nrows,
-                           Py_ssize_t nrows_pad, Py_ssize_t ncols, uint32_t* dst)
     void fa_amx_begin(int backend)
     void fa_amx_end(int backend)
     void fa_amx_gemm(int backend, const uint16_t* a, Py_ssize_t lda, Py_ssize_t M,

@@ -520,9 +520,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         if floating is float and not P.backward:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
             if t.amx:
-                # the output tiles read whole chunks of 16 pairs: zeros past the block's keys
-                memset(ws + w.vblk + (t.nj + 1) // 2 * P.Dv, 0,
-                       ((t.nj + 31) // 32 * 16 - (t.nj + 1) // 2) * P.Dv * sizeof(float))
+                _zero_pairs_to(<uint32_t*> (ws + w.vblk), t.nj, _round_up(t.nj, 32), P.Dv)
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), 0, 0
     elif t.copy_rows:
         t.vblk, t.vblk_row, t.vblk_sj = <const char*> (ws + w.vblk), P.Dv * P.v_isz, P.Dv
@@ -1202,6 +1200,15 @@ cdef void _pv_bf16(const Tile* t, const Workspace* w, float* ws) noexcept nogil:
                                 ws + w.acc + rg * t.dv_pad + c, t.dv_pad, ws + w.alpha + rg)
             c += t.NL
         rg += nr
+
+
+cdef inline void _zero_pairs_to(uint32_t* pairs, Py_ssize_t n, Py_ssize_t n_pad,
+                                Py_ssize_t ncols) noexcept nogil:
+    # Zero pairs after the (n + 1) // 2 packed from n rows (ncols values a pair row), up
+    # to n_pad // 2: AMX tiles read whole chunks of 16 pairs, and a stale NaN or infinity
+    # times a zero weight would not be zero.
+    cdef Py_ssize_t done = (n + 1) // 2
+    memset(pairs + done * ncols, 0, (n_pad // 2 - done) * ncols * sizeof(uint32_t))
 
 
 cdef void _pv_amx(const Tile* t, const Workspace* w, float* ws) noexcept nogil:

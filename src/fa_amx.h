@@ -350,30 +350,6 @@ FA_BDP_NOINLINE void fa_pack_bf16_cols(const float* s, ptrdiff_t lds, ptrdiff_t 
         }
 }
 
-/*
- * Pairs of float32 rows in bfloat16, the B operand of a tile: dst[p*ncols + c] =
- * bf16(x[2p][c]) | bf16(x[2p+1][c]) << 16 for p < nrows_pad / 2, rows at or past nrows
- * as zeros; ncols a multiple of 16.  The backward's dO and Q rows (bfloat16 values
- * widened, so exact).
- */
-FA_BDP_NOINLINE void fa_pack_row_pairs(const float* x, ptrdiff_t ldx, ptrdiff_t nrows,
-                                       ptrdiff_t nrows_pad, ptrdiff_t ncols, uint32_t* dst)
-{
-    const __m512i lo_hi = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (ptrdiff_t p = 0; p < nrows_pad / 2; p++)
-        for (ptrdiff_t c = 0; c < ncols; c += 16) {
-            const __m512 x0 = 2 * p < nrows ? _mm512_loadu_ps(x + 2 * p * ldx + c)
-                                            : _mm512_setzero_ps();
-            const __m512 x1 = 2 * p + 1 < nrows ? _mm512_loadu_ps(x + (2 * p + 1) * ldx + c)
-                                                : _mm512_setzero_ps();
-            const __m512i both = (__m512i) _mm512_cvtne2ps_pbh(x1, x0);
-            _mm512_storeu_si512((void*) (dst + p * ncols + c),
-                                _mm512_permutexvar_epi16(lo_hi, both));
-        }
-}
-
 /* acc[r*ldacc + c] = fma(acc, alpha[r], C[r][c]) for r < nr, c < 32, the block sum C of
  * 32 columns in two stored 16 x 16 tiles (lo: columns 0-15, hi: 16-31).  Both backends. */
 FA_BDP_INLINE void fa_amx_acc_update(float* acc, ptrdiff_t ldacc, const float* alpha,
@@ -506,9 +482,6 @@ FA_AMX_STUB fa_pack_bf16_cols(const float* s, ptrdiff_t lds, ptrdiff_t nrows,
                               uint16_t* dst, ptrdiff_t ldd)
 { (void)s; (void)lds; (void)nrows; (void)nrows_pad; (void)ncols; (void)ncols_pad;
   (void)dst; (void)ldd; }
-FA_AMX_STUB fa_pack_row_pairs(const float* x, ptrdiff_t ldx, ptrdiff_t nrows,
-                              ptrdiff_t nrows_pad, ptrdiff_t ncols, uint32_t* dst)
-{ (void)x; (void)ldx; (void)nrows; (void)nrows_pad; (void)ncols; (void)dst; }
 FA_AMX_STUB fa_amx_gemm(int backend, const uint16_t* a, ptrdiff_t lda, ptrdiff_t M,
                         ptrdiff_t nchunks, const uint32_t* b, ptrdiff_t ldb, ptrdiff_t N,
                         float* c, ptrdiff_t ldc)

@@ -177,7 +177,7 @@ FA_BDP_NOINLINE void fa_pack_qt_pairs(const uint16_t* const* rows, ptrdiff_t D, 
 /*
  * P^T in pairs of keys, rounded to bfloat16 (to nearest even): for the nlanes rows (a
  * multiple of 16) and keys [0, nj) of the block's P^T (s[j*lds + r]), a key nj (odd nj)
- * counting as p = 0.
+ * counting as p = 0.  Any float32 rows pair up so (the AMX backward's dO and Q rows).
  */
 FA_BDP_NOINLINE void fa_pack_p_pairs(const float* s, ptrdiff_t lds, ptrdiff_t nj,
                                      ptrdiff_t nlanes, uint32_t* pp, ptrdiff_t ldp)

@@ -265,16 +265,7 @@ def test_bits_do_not_depend_on_threads_batch_or_rows(tiles):
 def test_decode_steps_give_the_prefill_rows(tiles, window):
     # Windows put a row's first key anywhere: its tile's first block starts at the
     # multiple of 32 below, which other tiles reach from an earlier key.
-    q, k, v = make_qkv(np.random.default_rng(5), *qkv_shapes((1,), 4, 4, 40, 700, 128))
-    f = bf16(causal=True, window=window)
-    prefill = f(q, k, v)
-    for i in (0, 1, 17, 38, 39):
-        n = 700 - 40 + 1 + i
-        step = f(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n])
-        np.testing.assert_array_equal(step[:, :, 0], prefill[:, :, i])
-    with fastattn.num_threads(2):   # one head: keys split over threads (flash-decoding)
-        split = f(q[:, :1, -1:], k[:, :1], v[:, :1])
-    np.testing.assert_array_equal(split[0, 0, 0], prefill[0, 0, -1])
+    pairs_tests.test_decode_steps_give_the_prefill_rows(window)
 
 
 def test_varlen_rows_equal_their_own_calls(tiles):
