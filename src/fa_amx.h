@@ -143,9 +143,9 @@ static inline void fa_amx_model_dp(fa_amx_tile* c, const fa_amx_tile* a,
 
 /*
  * The tile registers are configured once per work item (fa_amx_begin .. fa_amx_end, on
- * the thread that runs it), not per kernel call: a configuration costs about as much as
- * a few tile steps.  The model checks that protocol, so that the tests on any machine
- * catch a kernel called outside it, which on the hardware would fault.
+ * the thread that runs it), not per kernel call, which keeps ldtilecfg out of the
+ * kernels' loops over blocks.  The model checks that protocol, so that the tests on any
+ * machine catch a kernel called outside it, which on the hardware would fault.
  */
 static __thread int fa_amx_model_open;
 
