@@ -250,8 +250,10 @@ def _finished_scores(p):
     -inf."""
     cdt = p.compute_dtype
     group = p.Hq // p.Hkv
-    q = p.q.astype(cdt).reshape(p.q.shape[:-3] + (p.Hkv, group, p.Lq, p.D))
-    k = p.k.astype(cdt)[..., :, None, :, :]
+    # C order whatever the caller's layout: a BLAS product's bits depend on the layout of
+    # its operands, and a view must give its copy's weights.
+    q = p.q.astype(cdt, order="C").reshape(p.q.shape[:-3] + (p.Hkv, group, p.Lq, p.D))
+    k = p.k.astype(cdt, order="C")[..., :, None, :, :]
     with np.errstate(all="ignore"):  # some BLAS kernels raise spurious FP warnings
         s = cdt.type(p.scale) * (q @ np.swapaxes(k, -1, -2))
     full = p.batch + (p.Hq, p.Lq, p.Lk)

@@ -198,12 +198,14 @@ def store_as(a, dtype, name):
     with np.errstate(invalid="ignore"):
         big = np.isinf(out.astype(np.float32)) & np.isfinite(a.astype(np.float64))
     if big.any():
-        limit = float(np.finfo(np.float16).max) if dtype == np.float16 else float(
-            np.finfo(np.float32).max)
+        # The largest finite value of each 16-bit format; float32 and wider never get here
+        # from a finite float32 value.
+        limit, wider = ((float(np.finfo(np.float16).max), "bfloat16 or float32")
+                        if dtype == np.float16 else ((2 - 2 ** -7) * 2.0 ** 127, "float32"))
         raise ValueError(
-            f"{name} has values beyond {dtype.name}'s range (|x| > {limit:g}), up to "
-            f"{float(np.abs(a.astype(np.float64)[big]).max()):g}: store it as bfloat16 or "
-            "float32 instead")
+            f"{name} has values beyond {dtype.name}'s range (|x| <= {limit:.6g}), up to "
+            f"{float(np.abs(a.astype(np.float64)[big]).max()):.6g}: store it as {wider} "
+            "instead")
     return out
 
 

@@ -42,8 +42,9 @@ def _delta64(dout, out, dlse):
     delta = np.empty(n, np.float64)
     step = max(1, 2**15 // max(Dv, 1))
     for s in range(0, n, step):
+        # C order: a row's sum runs in the same order whatever the caller's layout.
         delta[s:s + step] = np.multiply(dout[s:s + step], out[s:s + step],
-                                        dtype=np.float64).sum(axis=-1)
+                                        dtype=np.float64, order="C").sum(axis=-1)
     delta = delta.reshape(rows)
     return delta if dlse is None else delta - dlse
 
@@ -53,7 +54,7 @@ def _dsinks(sinks, lse, delta, shape, sinks_dtype):
     head), as ``shape`` (the sinks argument's) in the gradient dtype of ``sinks_dtype``;
     rows that saw nothing and no sink (lse = -inf) count 0."""
     sink = np.asarray(sinks, dtype=np.float64)[..., None]
-    lse = lse.astype(np.float64)
+    lse = lse.astype(np.float64, order="C")      # the sum below in one order for any view
     none = np.isneginf(lse)
     delta = np.where(none, 0.0, delta.reshape(lse.shape))
     with np.errstate(over="ignore", invalid="ignore"):

@@ -368,6 +368,11 @@ cdef class KVCachePlanBase:
         cdef float top            # the largest fp8 value
         if q_kind < 0 or cnp.PyArray_NDIM(qa) != 4:
             return None
+        if self._cos32 is None and not _kernel_layout(qa):
+            # The kernel reads q's rows in place only where each row is contiguous; q is
+            # small beside the caches, so any other view is read through a copy (the
+            # rotation below reads any strides and writes a copy of its own).
+            qa = np.ascontiguousarray(qa)
         if cnp.PyArray_DIM(qa, 0) != self.batch:
             try:        # one length for every sequence: the plan takes q's batch
                 self._batch_of(cnp.PyArray_DIM(qa, 0))

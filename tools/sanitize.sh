@@ -42,7 +42,7 @@ if [ ${#pytest_args[@]} -eq 0 ]; then
                  tests/test_score_modifiers.py tests/test_hardening.py tests/test_half.py
                  tests/test_backward.py
                  tests/test_bf16_products.py tests/test_kvcache.py tests/test_plan.py
-                 tests/test_cache_formats.py tests/test_amx.py
+                 tests/test_cache_formats.py tests/test_amx.py tests/test_paths_fuzz.py
                  -k "not every_isa_variant and not peak_memory and not two_threads_overlap and not no_leak and not no_float32_copy and not memory_is_not_quadratic and not flash_attn_kvcache_cases and not read_in_place")
 fi
 
@@ -97,6 +97,8 @@ for isa in "${isas[@]}"; do
     rc=0
     # --capture=sys: a sanitizer writes its report to fd 2 and aborts; with pytest's
     # default fd capture that report would die with the test's capture file.
+    # The differential fuzzer's budget is smaller here: each case runs ~10x slower.
+    FASTATTN_FUZZ_CASES=${FASTATTN_FUZZ_CASES:-300} \
     FASTATTN_ISA=$isa LD_PRELOAD="$libasan" "$py" -m pytest -q -x -p no:cacheprovider --capture=sys \
         "${pytest_args[@]}" > "$work/pytest-$isa.log" 2>&1 || rc=$?
     tail -5 "$work/pytest-$isa.log"
