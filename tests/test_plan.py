@@ -306,3 +306,38 @@ def test_serving_calls_run_compiled(rng, monkeypatch, cache_dtype, page):
                         k_scale=caches.get("k_scale"), v_scale=caches.get("v_scale"),
                         sinks=np.zeros(H))
     assert res is out and lse.shape == (B, H, 1) and np.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES + ["q8_0", "q4_0"])
+@pytest.mark.parametrize("layout", ["step", "fortran", "swapaxes", "reversed"])
+def test_serving_call_reads_q_as_any_view(rng, cache_dtype, layout):
+    # A view of q gives the bits of its C-contiguous copy, compiled or checked, decode and
+    # prefill: the compiled run once read such a q's rows as if they were contiguous.
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    caches, _ = _caches(rng, cache_dtype, B, Hkv, 16, D, D)
+    for Lq in (1, 3):
+        base = rng.standard_normal((B, Hq, Lq, 2 * D)).astype(np.float32)
+        q = {"step": base[..., ::2],
+             "fortran": np.asfortranarray(base[..., :D]),
+             "swapaxes": np.swapaxes(np.ascontiguousarray(np.swapaxes(base[..., :D], 2, 3)), 2, 3),
+             "reversed": base[..., :D][..., ::-1]}[layout]
+        want = fastattn.attention_with_kvcache(np.ascontiguousarray(q), **_copy(caches),
+                                               cache_seqlens=[5, 9])
+        got = fastattn.attention_with_kvcache(q, **_copy(caches), cache_seqlens=[5, 9])
+        assert_same_bits(got, want)
+
+
+def test_bfloat16_cache_refusal_names_its_own_range(rng):
+    if BF16 is None:
+        pytest.skip("needs ml_dtypes")
+    caches, _ = _caches(rng, BF16, 1, 1, 8, 32, 32)
+    k = np.full((1, 1, 1, 32), np.finfo(np.float32).max, np.float32)
+    v = np.zeros_like(k)
+    before = _copy(caches)
+    with pytest.raises(ValueError) as e:
+        fastattn.attention_with_kvcache(k[:, :1], caches["k_cache"], caches["v_cache"], k, v,
+                                        cache_seqlens=[2])
+    msg = str(e.value)
+    assert "bfloat16's range" in msg and "3.38953e+38" in msg and "3.40282e+38" in msg
+    assert "store it as float32" in msg and "as bfloat16" not in msg
+    assert all(before[n].tobytes() == caches[n].tobytes() for n in caches)
