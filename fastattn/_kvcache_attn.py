@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _api, _args, _glue, _precision, _threads
+from . import _api, _args, _glue, _kinds, _precision, _threads
 from ._glue import kernel as _kernel
 from ._quant import (BLOCK, cache_format, check_block_pair, check_fp8_scale, dequantize,
                      quantize)
@@ -274,7 +274,7 @@ def _cache(a, name):
 
 def _row_values(cache):
     """The values in a row of ``cache``: its last axis, twice that for q4_0."""
-    return cache.shape[-1] * (2 if cache.dtype == np.uint8 else 1)
+    return _kinds.row_values(cache.dtype, cache.shape[-1])
 
 
 def _check_scales(cache, s, name, cache_name):
@@ -315,7 +315,7 @@ def _check_caches(q, k_cache, v_cache, k_scale, v_scale):
         raise ValueError(f"k_cache and v_cache must agree on all but the last axis: "
                          f"k_cache.shape={k_cache.shape}, v_cache.shape={v_cache.shape}")
     if _row_values(k_cache) != q.shape[-1]:
-        half = " (q4_0: D // 2 bytes a row)" if k_cache.dtype == np.uint8 else ""
+        half = " (q4_0: D // 2 bytes a row)" if _row_values(k_cache) != k_cache.shape[-1] else ""
         raise ValueError(f"q and k_cache must have the same head dim D{half}: "
                          f"q.shape={q.shape}, k_cache.shape={k_cache.shape}")
     Hkv = k_cache.shape[1]

@@ -35,7 +35,7 @@ import numbers
 
 import numpy as np
 
-from . import _args
+from . import _args, _kinds
 from ._dispatch import kernel
 
 __all__ = ["Q8_0", "Q4_0", "BLOCK", "FP8_NAMES", "quantize_q8_0", "dequantize_q8_0",
@@ -45,22 +45,22 @@ __all__ = ["Q8_0", "Q4_0", "BLOCK", "FP8_NAMES", "quantize_q8_0", "dequantize_q8
 
 Q8_0 = "q8_0"      # the names of the block formats, as cache dtypes
 Q4_0 = "q4_0"
-BLOCK = 32         # values per block (one scale each), llama.cpp's QK8_0 and QK4_0
-FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
+# Values per block (one scale each), llama.cpp's QK8_0 and QK4_0: the table's, one for both.
+BLOCK = _kinds.BY_NAME[Q8_0]["block"]
+FP8_NAMES = tuple(k["name"] for k in _kinds.KINDS if k["scale"] == "float32 per tensor or kv head")
 
-# Per block format: the values' dtype, values per byte, and the largest |x| whose block
-# scale is a finite float16 (127 or 8 times 65504; beyond, the scale would be inf).
-_F16_MAX = float(np.finfo(np.float16).max)
-_BLOCKS = {Q8_0: (np.dtype(np.int8), 1, 127.0 * _F16_MAX),
-           Q4_0: (np.dtype(np.uint8), 2, 8.0 * _F16_MAX)}
-_LEVELS = {Q8_0: "127", Q4_0: "8"}
+# Per block format (the storage kinds' table): the values' dtype, values per byte, and the
+# largest |x| whose block scale is a finite float16 (beyond, the scale would be inf).
+_BLOCKS = {k["name"]: (np.dtype(k["dtype"]), k["per_item"], k["quantisable"])
+           for k in _kinds.KINDS if k["scale"] == "float16 per block"}
+_LEVELS = {name: f"{_kinds.BY_NAME[name]['largest']:g}" for name in _BLOCKS}
 
 
 def is_fp8(dtype):
     """Whether ``dtype`` is one of ``ml_dtypes``' fp8 types a cache stores (checked without
     importing ml_dtypes)."""
-    return (isinstance(dtype, np.dtype) and dtype.itemsize == 1 and dtype.name in FP8_NAMES
-            and dtype.type.__module__.split(".")[0] == "ml_dtypes")
+    kind = _kinds.of_dtype(dtype) if isinstance(dtype, np.dtype) else None
+    return kind is not None and kind["name"] in FP8_NAMES
 
 
 def fp8_dtype(dtype, name="dtype"):
@@ -98,11 +98,10 @@ def cache_dtype(dtype, name="dtype"):
 def cache_format(dtype):
     """The quantised format an array of ``dtype`` holds as a cache: ``"q8_0"`` (int8),
     ``"q4_0"`` (uint8), ``"fp8"`` (ml_dtypes' fp8), or None for a float cache."""
-    if dtype == np.int8:
-        return Q8_0
-    if dtype == np.uint8:
-        return Q4_0
-    return "fp8" if is_fp8(dtype) else None
+    kind = _kinds.of_dtype(dtype)
+    if kind is None or kind["scale"] is None:
+        return None
+    return "fp8" if kind["name"] in FP8_NAMES else kind["name"]
 
 
 def check_block_dim(D, name, shape, fmt=Q8_0):
@@ -351,7 +350,7 @@ def dequantize_fp8(values, scale=1.0):
 
 def fp8_max(fp8):
     """The largest finite value of the fp8 dtype ``fp8``."""
-    return 448.0 if fp8.name == "float8_e4m3fn" else 57344.0
+    return _kinds.BY_NAME[fp8.name]["largest"]
 
 
 def check_fp8_scale(s, name, fp8, cache, cache_name):

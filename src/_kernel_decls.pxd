@@ -12,6 +12,20 @@ ctypedef fused floating:
     float
     double
 
+cdef extern from "fa_kinds.h" nogil:
+    # The storage kinds' table (its columns are described there).
+    enum:
+        FA_N_KINDS
+        FA_SCALE_NONE
+        FA_SCALE_F16_BLOCK
+        FA_SCALE_F32_HEAD
+    ctypedef struct fa_kind_info:
+        const char* name
+        const char* dtype
+        int per_item, block, scale
+        double largest, quantisable
+    const fa_kind_info fa_kinds[]
+
 cdef extern from "fa_kernels.h" nogil:
     enum:
         FA_BK

@@ -64,8 +64,8 @@ cdef int _cache_kind(cnp.ndarray a):
 
 
 cdef inline Py_ssize_t _row_values(int kind, cnp.ndarray cache) noexcept:
-    # The values in a row of a cache of storage kind `kind`: q4_0 holds two a byte.
-    return cnp.PyArray_DIM(cache, 3) * (2 if kind == FA_STORE_Q4_0 else 1)
+    # The values in a row of a cache of storage kind `kind` (q4_0 holds two a byte).
+    return cnp.PyArray_DIM(cache, 3) * fa_kinds[kind].per_item
 
 
 cdef inline bint _is_array(object a) noexcept:
@@ -84,16 +84,16 @@ cdef bint _shape_is(cnp.ndarray a, Py_ssize_t d0, Py_ssize_t d1, Py_ssize_t d2,
 
 cdef bint _scales_fit(object s, cnp.ndarray cache, int kind, bint write) noexcept:
     # The block scales of a q8_0 or q4_0 cache: float16 of shape cache.shape[:-1] +
-    # (D // 32,), rows the kernel reads in place, writeable when rows are appended.
+    # (D // block,), rows the kernel reads in place, writeable when rows are appended.
     cdef cnp.ndarray a
-    cdef Py_ssize_t D = _row_values(kind, cache)
+    cdef Py_ssize_t D = _row_values(kind, cache), block = fa_kinds[kind].block
     if not _is_array(s):
         return False
     a = s
     if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT16 or not cnp.PyArray_ISNOTSWAPPED(a):
         return False
-    if D % 32 or not _shape_is(a, cnp.PyArray_DIM(cache, 0), cnp.PyArray_DIM(cache, 1),
-                               cnp.PyArray_DIM(cache, 2), D // 32):
+    if D % block or not _shape_is(a, cnp.PyArray_DIM(cache, 0), cnp.PyArray_DIM(cache, 1),
+                                  cnp.PyArray_DIM(cache, 2), D // block):
         return False
     return _kernel_layout(a) and (not write or cnp.PyArray_ISWRITEABLE(a))
 
@@ -393,7 +393,7 @@ cdef class KVCachePlanBase:
                     and _scales_fit(v_scale, vc, c_kind, k is not None)):
                 return None
         elif FA_QUANTISED(c_kind):
-            top = 448 if c_kind == FA_STORE_E4M3 else 57344
+            top = fa_kinds[c_kind].largest
             k_scale = _fp8_scales(k_scale, cnp.PyArray_DIM(kc, 1), top)
             v_scale = _fp8_scales(v_scale, cnp.PyArray_DIM(kc, 1), top)
             if k_scale is None or v_scale is None:
@@ -604,3 +604,19 @@ def quantize_rows(cnp.ndarray x, cnp.ndarray values, cnp.ndarray scales):
                 break
     PyMem_RawFree(buf)
     return not bad
+
+
+_SCALE_NAMES = {FA_SCALE_NONE: None, FA_SCALE_F16_BLOCK: "float16 per block",
+                FA_SCALE_F32_HEAD: "float32 per tensor or kv head"}
+
+
+def storage_kinds():
+    """The storage kinds' table (src/fa_kinds.h) as a tuple of dicts, one a kind, in the
+    order of their numbers: ``kind``, ``name``, ``dtype``, ``per_item``, ``block``,
+    ``scale``, ``largest`` and ``quantisable``."""
+    cdef int i
+    return tuple(dict(kind=i, name=fa_kinds[i].name.decode(), dtype=fa_kinds[i].dtype.decode(),
+                      per_item=fa_kinds[i].per_item, block=fa_kinds[i].block,
+                      scale=_SCALE_NAMES[fa_kinds[i].scale], largest=fa_kinds[i].largest,
+                      quantisable=fa_kinds[i].quantisable)
+                 for i in range(FA_N_KINDS))

@@ -18,21 +18,8 @@
 
 #include "fa_simd.h"
 
-/* Storage kinds of q, K, V and out: the compute type itself, or a 16-bit type. */
-#define FA_STORE_NATIVE 0
-#define FA_STORE_F16 1
-#define FA_STORE_BF16 2
-/* K or V only, one byte per value or two values per byte (fa_quant.h):
- *   q8_0  llama.cpp's int8 values with one float16 scale per 32 of a row;
- *   q4_0  llama.cpp's 4-bit values (+ 8) with one float16 scale per 32, two to a byte;
- *   e4m3, e5m2  fp8 (float8_e4m3fn, float8_e5m2) with one float32 scale per kv head. */
-#define FA_STORE_Q8_0 3
-#define FA_STORE_Q4_0 4
-#define FA_STORE_E4M3 5
-#define FA_STORE_E5M2 6
-/* Whether a kind is one of those, and whether its scales are float16 per 32 values. */
-#define FA_QUANTISED(kind) ((kind) >= FA_STORE_Q8_0)
-#define FA_BLOCK_SCALED(kind) ((kind) == FA_STORE_Q8_0 || (kind) == FA_STORE_Q4_0)
+/* The storage kinds (FA_STORE_*, FA_QUANTISED, FA_BLOCK_SCALED): one table. */
+#include "fa_kinds.h"
 
 /* Whether float16 widens in one instruction (F16C), or in the portable integer sequence. */
 #if defined(__F16C__)

@@ -31,7 +31,7 @@
 
 FA_INLINE ptrdiff_t fa_quant_row_bytes(const int kind, ptrdiff_t n)
 {
-    return kind == FA_STORE_Q4_0 ? n / 2 : n;
+    return fa_kind_row_items(kind, n);
 }
 
 /* Where the byte of value d of a q4_0 row is: blocks of 32 values in 16 bytes, value

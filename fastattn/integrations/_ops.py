@@ -36,6 +36,7 @@ import torch
 
 import fastattn
 
+from .. import _kinds
 from .._threads import in_torch
 
 Tensor = torch.Tensor
@@ -388,7 +389,7 @@ def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, k_sc
       causal="none", window=None, softcap=None, alibi_slopes=None, sinks=None):
     B, Hq, Lq, _ = q.shape
     lse_dtype = compute_dtype(q, k_cache, v_cache, k, v)
-    Dv = v_cache.shape[-1] * (2 if v_cache.dtype == torch.uint8 else 1)   # q4_0: 2 a byte
+    Dv = _kinds.row_values(str(v_cache.dtype).split(".")[-1], v_cache.shape[-1])
     return q.new_empty((B, Hq, Lq, Dv)), q.new_empty((B, Hq, Lq), dtype=lse_dtype)
 
 
