@@ -146,13 +146,27 @@ class KVCachePlan(_kernel.KVCachePlanBase):
         super()._set_batch(seqlens, table32)
 
     def _check_pages(self, page, lnew):
-        """Called by the compiled run once per page size and ``lnew``: the pages in use
-        checked (new rows in cache rows of their own) and remembered by the span of their
-        indices, which each run compares with its pool."""
+        """The pages in use for a page size and ``lnew`` checked (new rows in cache rows of
+        their own) and remembered for the compiled run (see ``_resolve``)."""
         pages, in_use = _pages_in_use(self._seqlens_b, self._table, page, lnew)
-        used = pages[in_use]
+        self._remember_pages_of(pages[in_use], page, lnew)
+
+    def _remember_pages_of(self, used, page, lnew):
+        """Remember the span of the pages in use (``used``, checked) for the compiled
+        run, which compares it with each run's pool."""
         lo, hi = (int(used.min()), int(used.max())) if used.size else (0, -1)
         self._remember_pages(page, lnew, lo, hi)
+
+    def _resolve(self, q, k_cache, k):
+        """Decide ahead of a run what the compiled run reuses and never decides itself: the
+        lengths of q's batch and the pages its new rows and keys use.  Arrays that do not
+        fit are left to the run, which refuses them with its own message."""
+        try:
+            self._batch_of(q.shape[0])
+            if self._table is not None:
+                self._check_pages(k_cache.shape[2], 0 if k is None else k.shape[2])
+        except (AttributeError, IndexError, TypeError, ValueError):
+            pass
 
     def _run_checked(self, q, k_cache, v_cache, k, v, k_scale, v_scale, sinks, return_lse,
                      out):
@@ -245,6 +259,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                        rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                        rotary_interleaved=rotary_interleaved, scale=scale, causal=causal,
                        window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    plan._resolve(q, k_cache, k)
     return plan.run(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
                     return_lse=return_lse, out=out)
 
@@ -540,7 +555,12 @@ def _check_call(plan, q, k_cache, v_cache, k, v, k_scale, v_scale):
     _check_rotary_fits(c, plan._cos, k is not None)
     if table is not None:
         _check_pages(c, table, k_cache.shape[0])
+        plan._remember_pages_of(c.pages[_in_use(c)], page, Lnew)
     return c
+
+
+def _in_use(c):
+    return np.arange(c.pages.shape[1]) < (-(-c.seen // c.page))[:, None]
 
 
 def _value_dtype(c):

@@ -11,6 +11,12 @@
 # including every invalid call, goes to the plan's checked path (_run_checked) before
 # anything is written, and that path raises the clear error or computes the same bits.
 #
+# The run decides nothing that the checked path decides: a batch of another size, or pages
+# not yet checked for a page size and a count of new rows, go to the checked path, which
+# resolves them (the batch's lengths, the span of the pages in use: KVCachePlan._batch_of,
+# _remember_pages_of) for the runs that follow.  attention_with_kvcache resolves them
+# before its one run (KVCachePlan._resolve).  The run never calls back into Python.
+#
 # Thread safety: run reads the plan's arrays into locals (references) with the GIL held,
 # and the kernel runs without it, so several Python threads may run one plan at once.
 
@@ -374,10 +380,7 @@ cdef class KVCachePlanBase:
             # rotation below reads any strides and writes a copy of its own).
             qa = np.ascontiguousarray(qa)
         if cnp.PyArray_DIM(qa, 0) != self.batch:
-            try:        # one length for every sequence: the plan takes q's batch
-                self._batch_of(cnp.PyArray_DIM(qa, 0))
-            except ValueError:
-                return None
+            return None         # a new batch: the checked path resolves its lengths
         cdef Py_ssize_t B = self.batch, Hq = cnp.PyArray_DIM(qa, 1), Lq = cnp.PyArray_DIM(qa, 2)
         cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3)
         c_kind = _caches_kind(kc, vc, B, Hq, Lq, D)
@@ -452,7 +455,7 @@ cdef class KVCachePlanBase:
         if page == 0 or self._top + Lnew > capacity:
             return False
         if self._memo_page != page or self._memo_lnew != Lnew:
-            self._check_pages(page, Lnew)       # raises for new rows sharing a cache row
+            return False        # pages not checked for this page size and Lnew: see above
         return self._memo_lo >= 0 and self._memo_hi < cnp.PyArray_DIM(kc, 0)
 
     cdef int _append(self, cnp.ndarray k, cnp.ndarray v, cnp.ndarray kc, cnp.ndarray vc,

@@ -288,24 +288,39 @@ def _gather(cache, table, page, n):
 @pytest.mark.parametrize("cache_dtype", DTYPES + QUANT_CACHES)
 @pytest.mark.parametrize("page", [None, 4])
 def test_serving_calls_run_compiled(rng, monkeypatch, cache_dtype, page):
-    # The calls a server makes -- decode with an append, rotary, sinks, out, lse -- never
-    # reach the checked path (which would cost its Python checks on every layer).
-    def refuse(*args):
-        raise AssertionError("the checked path ran")
+    # The calls a server makes -- decode with an append, rotary, sinks, out, lse -- reach
+    # the checked path (its Python checks) at most once a plan: a paged plan's first layer
+    # resolves the pages in use for its page size and new rows, and every later layer
+    # reuses that in compiled code.
+    calls = []
+    checked = type(fastattn.plan_kvcache(cache_seqlens=0))._run_checked
+
+    def counted(*args):
+        calls.append(1)
+        return checked(*args)
 
     B, H, D = 2, 4, 64
-    caches, table = _caches(rng, cache_dtype, B, 2, 24, D, D, page)
     cos, sin = _rotary(32, D)
+    first, table = _caches(rng, cache_dtype, B, 2, 24, D, D, page)
+    monkeypatch.setattr(fastattn.KVCachePlan, "_run_checked", counted)
     plan = fastattn.plan_kvcache(cache_seqlens=[4, 11], block_table=table, rotary_cos=cos,
                                  rotary_sin=sin, causal=True, window=(8, 0), softcap=20.0)
-    monkeypatch.setattr(type(plan), "_run_checked", refuse)
-    q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
-    k, v = (rng.standard_normal((B, 2, 1, D)).astype(np.float32) for _ in range(2))
-    out = np.empty((B, H, 1, D), np.float32)
-    res, lse = plan.run(q, caches["k_cache"], caches["v_cache"], k, v, out=out, return_lse=True,
-                        k_scale=caches.get("k_scale"), v_scale=caches.get("v_scale"),
-                        sinks=np.zeros(H))
-    assert res is out and lse.shape == (B, H, 1) and np.isfinite(lse).all()
+    for layer in range(3):
+        caches = _copy(first)          # each layer's own arrays, of the first one's shapes
+        q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+        k, v = (rng.standard_normal((B, 2, 1, D)).astype(np.float32) for _ in range(2))
+        out = np.empty((B, H, 1, D), np.float32)
+        res, lse = plan.run(q, caches["k_cache"], caches["v_cache"], k, v, out=out,
+                            return_lse=True, k_scale=caches.get("k_scale"),
+                            v_scale=caches.get("v_scale"), sinks=np.zeros(H))
+        assert res is out and lse.shape == (B, H, 1) and np.isfinite(lse).all()
+    assert len(calls) == (0 if page is None else 1)
+    # attention_with_kvcache resolves before its one run: never the checked path.
+    calls.clear()
+    fastattn.attention_with_kvcache(q, caches["k_cache"], caches["v_cache"], k, v,
+                                    cache_seqlens=[4, 11], block_table=table,
+                                    k_scale=caches.get("k_scale"), v_scale=caches.get("v_scale"))
+    assert not calls
 
 
 @pytest.mark.parametrize("cache_dtype", DTYPES + ["q8_0", "q4_0"])
