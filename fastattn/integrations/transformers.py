@@ -80,7 +80,10 @@ def register(name="fastattn", *, fallback="sdpa"):
       ``output_attentions=True`` the call runs as ``eager`` (see ``fallback``).
     - **Continuous batching.** ``model.generate_batch`` and ``ContinuousBatchingManager``
       run a model loaded on ``name`` on fastattn too, reading transformers' paged cache in
-      place (:mod:`fastattn.integrations._paged`).  transformers admits to continuous
+      place (:mod:`fastattn.integrations._paged`), on transformers 5.23 to 5.24.  The
+      internals this reads are checked when registered and when used; where one differs,
+      batching runs on transformers' own cache path with one warning naming the release,
+      and the same tokens.  transformers admits to continuous
       batching only "sdpa", "paged|eager" and names containing "flash", so a second name,
       ``name + "_flash"``, is registered for it, and the manager's switch to a batching
       implementation (``switch_to_cb_friendly_attn``) moves a model on ``name`` to it and
