@@ -160,7 +160,7 @@ def _unseen(k_pages, v_pages, key, value, write, page):
         return "the page pool is not one contiguous run of token rows"
     for pages, new in ((k_pages, key), (v_pages, value)):
         flat = pages.view(-1, *pages.shape[2:])
-        for n in (0, write.numel() - 1):
+        for n in ({0, write.numel() - 1} if write.numel() else ()):   # first and last
             r = int(write[n])
             if r >= flat.shape[0] or not torch.equal(flat[r], new[0, :, n]):
                 return "the page pool does not hold the rows the update wrote"
