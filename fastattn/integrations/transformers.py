@@ -80,7 +80,10 @@ def register(name="fastattn", *, fallback="sdpa"):
       ``output_attentions=True`` the call runs as ``eager`` (see ``fallback``).
     - **Continuous batching.** ``model.generate_batch`` and ``ContinuousBatchingManager``
       run a model loaded on ``name`` on fastattn too, reading transformers' paged cache in
-      place (:mod:`fastattn.integrations._paged`).  transformers admits to continuous
+      place (:mod:`fastattn.integrations._paged`), on transformers 5.23 to 5.24.  The
+      internals this reads are checked when registered and when used; where one differs,
+      batching runs on transformers' own cache path with one warning naming the release,
+      and the same tokens.  transformers admits to continuous
       batching only "sdpa", "paged|eager" and names containing "flash", so a second name,
       ``name + "_flash"``, is registered for it, and the manager's switch to a batching
       implementation (``switch_to_cb_friendly_attn``) moves a model on ``name`` to it and
@@ -129,7 +132,9 @@ def register(name="fastattn", *, fallback="sdpa"):
 def _register_batching_twin(name, fallback):
     """The name continuous batching runs a model on ``name`` under (see :func:`register`):
     the same attention function, and flash attention's mask function (none, or the 2-D
-    padding mask), since a batching step describes its requests by their lengths."""
+    padding mask), since a batching step describes its requests by their lengths.  Checks
+    the internals of transformers' continuous batching that fastattn relies on
+    (:data:`fastattn.integrations._paged.INTERNALS`), warning once where one differs."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask
     try:
@@ -137,13 +142,20 @@ def _register_batching_twin(name, fallback):
             ContinuousBatchingManager)
     except ImportError:    # a transformers without continuous batching
         return
+    from . import _paged
 
     twin = name + "_flash"
     AttentionInterface.register(twin, functools.partial(attention_forward, fallback=fallback))
     AttentionMaskInterface.register(twin, flash_attention_mask)
     _BATCHING_TWINS[name] = twin
-    switch = ContinuousBatchingManager.switch_to_cb_friendly_attn
-    if not getattr(switch, "_fastattn", False):
+    reason = _paged.install(lambda implementation: implementation in _BATCHING_TWINS.values())
+    if reason is not None:
+        _paged.warn_once(reason)
+    switch = getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)
+    if switch is None:
+        _paged.warn_once("ContinuousBatchingManager has no switch_to_cb_friendly_attn",
+                         "load the model with attn_implementation='sdpa' for continuous batching")
+    elif not getattr(switch, "_fastattn", False):
         ContinuousBatchingManager.switch_to_cb_friendly_attn = _switch_to_twin(switch)
 
 
@@ -155,14 +167,21 @@ def _switch_to_twin(switch):
     """transformers' ``switch_to_cb_friendly_attn``, which also moves a model on a name
     :func:`register` gave to that name's batching twin, setting the config as
     ``set_attn_implementation`` does but without its search for a flash package (the manager
-    restores the original name when it stops)."""
+    restores the original name, kept in ``_original_attn_impl``, when it stops).  A manager
+    without that attribute could not restore it: the model then goes to ``"sdpa"``,
+    transformers' own path, with a warning."""
     @functools.wraps(switch)
     def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
-        current = model.config._attn_implementation
+        current = getattr(model.config, "_attn_implementation", None)
         if current in _BATCHING_TWINS:
-            model.config._attn_implementation = _BATCHING_TWINS[current]
-            self._original_attn_impl = current
-            return None
+            if hasattr(self, "_original_attn_impl"):
+                model.config._attn_implementation = _BATCHING_TWINS[current]
+                self._original_attn_impl = current
+                return None
+            from . import _paged
+            _paged.warn_once("the manager keeps no _original_attn_impl to restore the model's "
+                             "attention with", "the batch and the model stay on 'sdpa'")
+            model.set_attn_implementation("sdpa")
         return switch(self, model, *args, **kwargs)
 
     switch_to_cb_friendly_attn._fastattn = True
@@ -200,7 +219,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     import torch
 
-    if kwargs.get("cache") is not None:
+    if kwargs.get("cache") is not None or "write_index" in kwargs:
         # continuous batching: a step's requests packed in one row (no mask to hand over)
         reason = _paged_unsupported(torch, query, key, value, dropout, kwargs)
         if reason is not None:
