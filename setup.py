@@ -114,7 +114,8 @@ class BuildExt(build_ext):
         for cflags, ldflags in candidates:
             if _compiles(self.compiler, cflags + ldflags, OPENMP_CHECK):
                 return cflags, ldflags
-        self.warn("OpenMP not available: fastattn will be built single-threaded")
+        self.warn("OpenMP not available: building without it; the kernels still run on "
+                  "fastattn's own thread pool")
         return [], []
 
     def build_extensions(self):
