@@ -10,6 +10,11 @@ build host's CPU: no -march=native, so a wheel runs on any x86-64 (or other) mac
 Threads: the kernels run on fastattn's own pool of POSIX threads (src/fa_pool.h); OpenMP
 supplies the default thread count (OMP_NUM_THREADS) where it is available.
 
+One build makes every variant: the three Cython sources become C in parallel processes,
+each only when a source it includes is newer than its C file (cythonize compares them), and
+the three C files compile in parallel, one job per core unless `-j` says otherwise.  Both
+happen in build_ext, so pip's metadata steps and the sdist never run Cython.
+
 Environment switches:
   FASTATTN_NO_OPENMP=1   build without OpenMP (still the thread pool).
   FASTATTN_NO_THREADS=1  build single-threaded kernels (no pool, no OpenMP).
@@ -70,8 +75,34 @@ int main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }
 """
 
 
+CYTHON_DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": False,
+    "wraparound": False,
+    "cdivision": True,
+    "initializedcheck": False,
+    "nonecheck": False,
+}
+
+
+def _cores():
+    """The cores this process may run on (its affinity, which containers and CI runners
+    narrow), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
 class BuildExt(build_ext):
-    """Adds OpenMP and optimisation flags according to the compiler actually used."""
+    """Cythonizes and compiles the variants in parallel, with OpenMP and optimisation flags
+    according to the compiler actually used."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        # pip builds without -j: every core, since the variants are independent.
+        if not self.parallel:
+            self.parallel = _cores()
 
     def openmp_flags(self):
         if os.environ.get("FASTATTN_NO_OPENMP") or os.environ.get("FASTATTN_NO_THREADS"):
@@ -83,7 +114,8 @@ class BuildExt(build_ext):
         for cflags, ldflags in candidates:
             if _compiles(self.compiler, cflags + ldflags, OPENMP_CHECK):
                 return cflags, ldflags
-        self.warn("OpenMP not available: fastattn will be built single-threaded")
+        self.warn("OpenMP not available: building without it; the kernels still run on "
+                  "fastattn's own thread pool")
         return [], []
 
     def build_extensions(self):
@@ -91,6 +123,14 @@ class BuildExt(build_ext):
             # Stop before compiling anything, with the reason rather than a C error.
             raise PlatformError("fastattn's kernels are written with GCC/Clang vector "
                                 "extensions, which MSVC cannot compile: Windows is not supported")
+        jobs = _cores() if self.parallel is True else self.parallel
+        # Cython's own build_ext would cythonize each variant in a build thread, serialised
+        # by the GIL: processes run the three at once.  `force` regenerates unchanged ones.
+        generated = cythonize(self.extensions, nthreads=jobs if jobs > 1 else 0,
+                              force=self.force, compiler_directives=CYTHON_DIRECTIVES)
+        sources = {ext.name: ext.sources for ext in generated}
+        for ext in self.extensions:   # kept: build_ext has annotated them
+            ext.sources = sources[ext.name]
         omp_c, omp_l = self.openmp_flags()
         # -Wno-psabi: the vector helpers are always inlined, so no vector crosses an ABI boundary.
         # Contraction of a*b+c into one FMA is pinned: every score and output chain is
@@ -122,17 +162,8 @@ def extensions():
     ]
 
 
-setup(
-    ext_modules=cythonize(
-        extensions(),
-        compiler_directives={
-            "language_level": 3,
-            "boundscheck": False,
-            "wraparound": False,
-            "cdivision": True,
-            "initializedcheck": False,
-            "nonecheck": False,
-        },
-    ),
-    cmdclass={"build_ext": BuildExt},
-)
+# Guarded: cythonize's worker processes import the main module where they are spawned
+# (macOS; forkserver, Linux's default from Python 3.14), and must not run setup() again.
+# pip's backend runs this file as __main__ too.
+if __name__ == "__main__":
+    setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -66,8 +66,7 @@ Both call paths::
 - ``fastattn/cli/``           ``python -m fastattn bench | info | demo``: imports the
                               library, never imported by it.
 """
-from importlib import metadata as _metadata
-
+from ._version import __version__
 from ._api import attention, attention_varlen, attention_weights, softmax
 from ._backward import attention_backward, attention_varlen_backward
 from ._kvcache_attn import KVCachePlan, attention_with_kvcache, plan_kvcache
@@ -80,11 +79,6 @@ from ._config import show_config
 from . import reference
 from .layers import KVCache, MultiHeadAttention, self_attention
 from .positions import rope, sinusoidal_positions
-
-try:
-    __version__ = _metadata.version("fastattn")
-except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.1.0+unknown"
 
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "softmax", "merge_attention",

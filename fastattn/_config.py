@@ -108,7 +108,13 @@ def shadowing_problems(fa):
 
 
 def collect(fa=None):
-    """Return a dict of facts about this fastattn installation (JSON-serialisable)."""
+    """Return a dict of facts about this fastattn installation (JSON-serialisable).
+
+    ``fa`` is the module ``import fastattn`` gives; by default the package this module was
+    imported from, as ``sys.modules`` holds it (not imported here: the package imports this
+    module).  It is a namespace module when a folder named fastattn hides the package and an
+    editable install's finder supplies the submodules.
+    """
     info = {
         "version": UNKNOWN, "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
@@ -117,11 +123,7 @@ def collect(fa=None):
         "threads": UNKNOWN, "isa": UNKNOWN, "available_variants": UNKNOWN,
     }
     if fa is None:
-        try:
-            import fastattn as fa
-        except Exception as exc:  # e.g. the extension is not built
-            info["import_error"] = f"{type(exc).__name__}: {exc}"
-            return info
+        fa = sys.modules[__package__]
     problems = shadowing_problems(fa)
     if problems:
         info["problems"] = problems
@@ -131,13 +133,13 @@ def collect(fa=None):
     except Exception:
         pass
     try:
-        from fastattn import _threads
+        from . import _threads
         info["pool_choice"] = str(_threads._pool)
         info["openmp_team"] = str(_threads.pool_team())
     except Exception:
         pass
     try:
-        from fastattn import _dispatch
+        from . import _dispatch
     except Exception as exc:
         info["dispatch_error"] = f"{type(exc).__name__}: {exc}"
         return info
@@ -218,7 +220,7 @@ def _team_role(info):
 
 def _precision_facts(info):
     """Add whether bfloat16 products run, and what float32 calls multiply in now."""
-    from fastattn import _precision
+    from . import _precision
 
     runs, how = _precision.bf16_products()
     state = f"yes ({how})" if runs else f"no ({how}: float32 products)"
@@ -278,7 +280,7 @@ def format_info(info):
     ]
     rows += [(k.replace("_", " "), v) for k, v in info.get("build", {}).items()]
     rows += [(k.replace("_", " "), info[k]) for k in
-             ("kernel_module", "import_error", "dispatch_error", "build_info_error") if k in info]
+             ("kernel_module", "dispatch_error", "build_info_error") if k in info]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k + ':':<{width + 1}} {show(v)}" for k, v in rows]
     for problem in info.get("problems", []):

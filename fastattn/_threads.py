@@ -28,6 +28,7 @@ import sys
 import threading
 
 from ._dispatch import kernel
+from ._version import __version__
 
 
 def _initial_default():
@@ -145,7 +146,6 @@ def _register_with_threadpoolctl(threadpoolctl):
             _limit = None if num_threads >= _default else max(1, int(num_threads))
 
         def get_version(self):
-            from . import __version__
             return __version__
 
         def set_additional_attributes(self):

@@ -701,6 +701,17 @@ static void fa_widen_array_f(int kind, const uint16_t* x, float* y, ptrdiff_t n)
 static void fa_narrow_array_f(int kind, const float* x, uint16_t* y, ptrdiff_t n)
 { fa_narrow_f(kind, x, n, y); }
 
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+/* F16C from CPUID leaf 1 (ECX bit 29): clang before 16 does not know "f16c" as a feature
+ * name of __builtin_cpu_supports.  The AVX state it needs is the one the avx2 probe checks. */
+static inline int fa_cpu_has_f16c(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
+    return (ecx >> 29) & 1;
+}
+#endif
+
 /* CPU probe for import-time dispatch (answers for the machine running, not the build host). */
 static inline int fa_cpu_supports(const char* isa)
 {
@@ -709,12 +720,12 @@ static inline int fa_cpu_supports(const char* isa)
     /* every CPU with AVX2 and FMA has F16C; checked anyway, the builds use it */
     if (strcmp(isa, "avx2") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-               && __builtin_cpu_supports("f16c");
+               && fa_cpu_has_f16c();
     if (strcmp(isa, "avx512") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
                && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-               && __builtin_cpu_supports("f16c");
+               && fa_cpu_has_f16c();
     if (strcmp(isa, "sse2") == 0) return 1;
     return 0;
 #else

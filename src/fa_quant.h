@@ -247,8 +247,16 @@ FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t
 
 FA_INLINE fa_vf fa_quant_lane(const int kind, __m512i b, const int lane, const int nan)
 {
-    return fa_quant_widen(kind, lane ? _mm512_extracti32x4_epi32(b, lane)
-                                     : _mm512_castsi512_si128(b), nan);
+    /* The lane of the extract is an immediate: each one spelled out, as Clang requires a
+     * literal constant where GCC accepts one that inlining makes constant. */
+    __m128i x;
+    switch (lane) {
+    case 1: x = _mm512_extracti32x4_epi32(b, 1); break;
+    case 2: x = _mm512_extracti32x4_epi32(b, 2); break;
+    case 3: x = _mm512_extracti32x4_epi32(b, 3); break;
+    default: x = _mm512_castsi512_si128(b); break;
+    }
+    return fa_quant_widen(kind, x, nan);
 }
 
 FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h, fa_vf* t)

@@ -12,7 +12,12 @@ both causal alignments, windows, bool and float masks, kv_lengths, Dv != D, head
 are not a multiple of the vector width, flash-decoding key chunks and both dtypes.
 Then every storage type of K and V: float16 and bfloat16 inputs (prefill and decode
 tiles), and KV caches of float32, float16, bfloat16 and q8_0, contiguous and paged, in
-decode steps (1, 4 and 8 rows per kv head) and short prefills.
+decode steps (1, 4 and 8 rows per kv head) and short prefills.  Last, softcap, ALiBi and
+sinks, alone and together, in the forward, on packed sequences and in the backward (dq, dk,
+dv and dsinks).
+
+Two compilers' builds of the same commit are compared the same way (setup.py with
+``CC=clang`` in another clone, say): they must give the same bits.
 """
 import hashlib
 import itertools
@@ -137,6 +142,43 @@ def _run_cache(paged, q, k, v, dtype, var, rng):
                                            **scales)
 
 
+def _modifier_configs():
+    shapes = [(4, 2, 1, 147, 32, 32), (4, 2, 113, 211, 64, 64), (2, 1, 37, 300, 24, 40)]
+    variants = [dict(softcap=20.0), dict(alibi=True, causal=True, window=(60, 0)),
+                dict(sinks=True), dict(softcap=5.0, alibi=True, sinks=True, causal=True)]
+    for shape, var in itertools.product(shapes, variants):
+        for kind in ("forward", "varlen", "backward"):
+            yield kind, shape, var
+
+
+def _run_modifier(kind, shape, var, threads):
+    Hq, Hkv, Lq, Lk, D, Dv = shape
+    rng = np.random.default_rng(zlib.crc32(repr(shape).encode()))
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    q, k, v = f(Hq, 2 * Lq, D), f(Hkv, 2 * Lk, D), f(Hkv, 2 * Lk, Dv)
+    kw = dict(var)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = 2.0 ** -np.arange(1, Hq + 1)
+    if kw.pop("sinks", False):
+        kw["sinks"] = rng.standard_normal(Hq)
+    with fastattn.num_threads(threads):
+        if kind == "varlen":      # two sequences of different lengths, packed
+            nq, nk = Lq + max(1, Lq // 2), Lk + Lk // 3
+            outs = fastattn.attention_varlen(q[:, :nq], k[:, :nk], v[:, :nk], [0, Lq, nq],
+                                             [0, Lk, nk], return_lse=True, **kw)
+        else:
+            q, k, v = q[:, :Lq], k[:, :Lk], v[:, :Lk]
+            out, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+            outs = (out, lse)
+            if kind == "backward":
+                dout = np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
+                outs = fastattn.attention_backward(dout, q, k, v, out, lse, **kw)
+    h = hashlib.sha256()
+    for a in outs:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:20]
+
+
 def fingerprints():
     fp = {}
     runs = [(f"{shape} {sorted(var.items())} {dtype.__name__}", _run, (shape, var, dtype))
@@ -144,6 +186,8 @@ def fingerprints():
     runs += [(f"{kind} {shape} {sorted(var.items())} "
               f"{dtype if isinstance(dtype, str) else np.dtype(dtype).name}", _run_storage,
               (kind, shape, var, dtype)) for kind, shape, var, dtype in _storage_configs()]
+    runs += [(f"{kind} {shape} {sorted(var.items())}", _run_modifier, (kind, shape, var))
+             for kind, shape, var in _modifier_configs()]
     for key, run, args in runs:
         one, two = run(*args, 1), run(*args, 2)
         if one != two:

@@ -21,8 +21,9 @@
 #          $FASTATTN_ARM64_ROOT (default /var/tmp/fastattn-arm64); each step leaves a marker
 #          there and is skipped on the next run.  Delete the directory to start afresh.
 #   build  copies the worktree's files (tracked and untracked, not ignored) to
-#          ROOT/src/fastattn and builds the extension there with the host's Python and
-#          Cython and aarch64-linux-gnu-gcc, against the root's Python and NumPy headers;
+#          ROOT/src/fastattn and builds the extension there with the host's Python (in a
+#          venv, ROOT/.build-venv, holding pyproject.toml's build requirements) and
+#          aarch64-linux-gnu-gcc, against the root's Python and NumPy headers;
 #          the root's sysconfig data gives the compiler, flags and extension suffix.  On
 #          aarch64 setup.py builds only the "base" kernel variant.
 #   test   runs pytest with the root's Python under `qemu-aarch64-static -L ROOT`, in
@@ -152,13 +153,22 @@ stage_build() {
     sysconfigdata=$(ls "$ROOT"/usr/lib/python3.*/_sysconfigdata__aarch64-linux-gnu.py | tail -n1)
     pydir=$(basename "$(dirname "$sysconfigdata")")
     npinc=$("$PYQEMU" -c 'import numpy; print(numpy.get_include())')
+    # The build requirements of pyproject.toml in a venv of their own: the host's python3
+    # may have an older setuptools (Debian 12's 66 cannot read project.license).
+    local venv="$ROOT/.build-venv"
+    if ! "$venv/bin/python" -c 'import Cython, numpy, setuptools' 2>/dev/null; then
+        log "build requirements into $venv"
+        rm -rf "$venv"
+        "$HOST_PY" -m venv "$venv"
+        "$venv/bin/python" -m pip install -q "setuptools>=77" "Cython>=3.1" "numpy>=2.0"
+    fi
     log "cross-building with $(aarch64-linux-gnu-gcc --version | head -n1)"
     (cd "$src" &&
         PYTHONPATH="$(dirname "$sysconfigdata")" \
         _PYTHON_SYSCONFIGDATA_NAME="$(basename "$sysconfigdata" .py)" \
         _PYTHON_HOST_PLATFORM=linux-aarch64 \
         CFLAGS="-I$ROOT/usr/include/$pydir -I$npinc -idirafter $ROOT/usr/include" \
-        "$HOST_PY" setup.py build_ext --inplace -q)
+        "$venv/bin/python" setup.py build_ext --inplace -q)
     ls -l "$src"/fastattn/_kernel_*.so
 }
 

@@ -30,4 +30,4 @@ def run(args, stdout=None):
         print(json.dumps(info, indent=2), file=stdout)
     else:
         print(format_info(info), file=stdout)
-    return ENVIRONMENT if "import_error" in info or "problems" in info else OK
+    return ENVIRONMENT if "problems" in info else OK
