@@ -414,12 +414,12 @@ def check_varlen_shapes(q, k, v):
                           ("v", v, "(Hkv, total_k, Dv)")):
         if a.ndim != 3:
             raise ValueError(f"{name} must have shape {want} (packed sequences), got {a.shape}")
-    _check_heads(q, k, v, "(Hkv, total_k, :)")
+    _check_shapes(q, k, v, "(Hkv, total_k, :)")
     (Hq, total_q, D), (Hkv, total_k, _) = q.shape, k.shape
     return Hq, Hkv, total_q, total_k, D, v.shape[2]
 
 
-def _check_heads(q, k, v, kv_axes):
+def _check_shapes(q, k, v, kv_axes):
     """q, k and v (or None) agree on their last three axes ``(heads, length, dim)``: one
     head dim D, k's heads and length for v, ``Hq`` a multiple of ``Hkv``.  ``kv_axes``
     spells k's and v's axes for the message."""
@@ -430,9 +430,16 @@ def _check_heads(q, k, v, kv_axes):
     if v is not None and v.shape[-3:-1] != (Hkv, Lk):
         raise ValueError(f"k and v must have the same heads and length {kv_axes}: "
                          f"k.shape={k.shape}, v.shape={v.shape}")
+    check_gqa(q, k, "k")
+
+
+def check_gqa(q, k, k_name):
+    """A ``ValueError`` unless q's heads (axis -3) are a multiple of ``k``'s, which are
+    not 0: query head ``h`` reads key/value head ``h // (Hq // Hkv)`` (GQA, MQA)."""
+    Hq, Hkv = q.shape[-3], k.shape[-3]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"the number of query heads must be a multiple of the key/value heads: "
-                         f"q.shape={q.shape} (Hq={Hq}), k.shape={k.shape} (Hkv={Hkv})")
+                         f"q.shape={q.shape} (Hq={Hq}), {k_name}.shape={k.shape} (Hkv={Hkv})")
 
 
 def _cu(cu, name, total, total_name):
@@ -525,7 +532,7 @@ class Shapes:
         if self.squeeze_heads:
             q, k = q[None], k[None]
             v = None if v is None else v[None]
-        _check_heads(q, k, v, "(..., Hkv, Lk, :)")
+        _check_shapes(q, k, v, "(..., Hkv, Lk, :)")
         self.Hq, self.Lq, self.D = q.shape[-3:]
         self.Hkv, self.Lk = k.shape[-3:-1]
         named = [(n, a) for n, a in zip("qkv", (q, k, v)) if a is not None]

@@ -333,11 +333,7 @@ def _check_caches(q, k_cache, v_cache, k_scale, v_scale):
         half = " (q4_0: D // 2 bytes a row)" if _row_values(k_cache) != k_cache.shape[-1] else ""
         raise ValueError(f"q and k_cache must have the same head dim D{half}: "
                          f"q.shape={q.shape}, k_cache.shape={k_cache.shape}")
-    Hkv = k_cache.shape[1]
-    if Hkv == 0 or q.shape[1] % Hkv:
-        raise ValueError(f"the number of query heads must be a multiple of the key/value "
-                         f"heads: q.shape={q.shape} (Hq={q.shape[1]}), k_cache.shape="
-                         f"{k_cache.shape} (Hkv={Hkv})")
+    _args.check_gqa(q, k_cache, "k_cache")
     k_scale = _check_scales(k_cache, k_scale, "k_scale", "k_cache")
     v_scale = _check_scales(v_cache, v_scale, "v_scale", "v_cache")
     return k_cache, v_cache, k_scale, v_scale

@@ -94,7 +94,7 @@ cdef inline bint _lean_shapes(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
     cdef Py_ssize_t Hkv = ks[nd - 3] if nd >= 3 else 1
     if ks[nd - 1] != qs[nd - 1] or vs[nd - 2] != ks[nd - 2] or (nd >= 3 and vs[nd - 3] != Hkv):
         return False
-    if Hkv == 0 or Hq % Hkv:
+    if not _gqa_fits(Hq, Hkv):
         return False
     return _kernel_layout(q) and _kernel_layout(k) and _kernel_layout(v)
 

@@ -239,7 +239,7 @@ cdef int _caches_kind(cnp.ndarray kc, cnp.ndarray vc, Py_ssize_t B, Py_ssize_t H
     if kind < 0 or _row_values(kind, kc) != D:
         return -1
     cdef Py_ssize_t Hkv = cnp.PyArray_DIM(kc, 1), Dv = cnp.PyArray_DIM(vc, 3)
-    if (B == 0 or Lq == 0 or D == 0 or Dv == 0 or Hkv == 0 or Hq % Hkv
+    if (B == 0 or Lq == 0 or D == 0 or Dv == 0 or not _gqa_fits(Hq, Hkv)
             or not _shape_is(vc, cnp.PyArray_DIM(kc, 0), Hkv, cnp.PyArray_DIM(kc, 2), Dv)):
         return -1
     if not (_kernel_layout(kc) and _kernel_layout(vc)):

@@ -128,6 +128,12 @@ def _amx_from_environment():
 _amx_from_environment()
 
 
+cdef inline bint _gqa_fits(Py_ssize_t Hq, Py_ssize_t Hkv) noexcept:
+    # GQA: query head h reads key/value head h // (Hq // Hkv) (fastattn._args.check_gqa
+    # refuses the rest with its message).
+    return Hkv != 0 and Hq % Hkv == 0
+
+
 cdef inline bint _kernel_layout(cnp.ndarray a):
     # Contiguous last axis and whole-element strides: the kernel can read it in place.
     cdef int d, nd = cnp.PyArray_NDIM(a)
