@@ -3,11 +3,11 @@
 The fused kernel (src/_kernel_impl.pxi and the .pxi files it includes, _kernel_decls.pxd,
 src/fa_*.h) is compiled once per instruction set,
 RapidFuzz-style: each src/_kernel_<isa>.pyx only includes the shared source, and its
-extension gets that ISA's flags.  fastattn/_dispatch.py checks the running CPU and imports
+extension gets that ISA's flags.  fastattn/_machine/isa.py checks the running CPU and imports
 the best variant that loads, falling back to the portable baseline.  Nothing here reads the
 build host's CPU: no -march=native, so a wheel runs on any x86-64 (or other) machine.
 
-Threads: the kernels run on fastattn's own pool of POSIX threads (src/fa_pool.h); OpenMP
+Threads: the kernels run on fastattn's own pool of POSIX threads (src/pool/fa_pool.h); OpenMP
 supplies the default thread count (OMP_NUM_THREADS) where it is available.
 
 One build makes every variant: the three Cython sources become C in parallel processes,
@@ -147,16 +147,23 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
+# src/ by concern (calls, pipeline, kinds, isa, pool): each folder on the include path,
+# so that a header or .pxi names another by its file name alone.
+SRC_DIRS = ["src"] + sorted(d for d in glob.glob("src/*") if os.path.isdir(d))
+
+
 def extensions():
     return [
         Extension(
             f"fastattn._kernel_{isa}",
             [f"src/_kernel_{isa}.pyx"],
-            include_dirs=["src", np.get_include()],
+            include_dirs=SRC_DIRS + [np.get_include()],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
             # The C headers are included by the generated .c: without this, an in-place
             # rebuild after editing only a header silently keeps the old module.
-            depends=sorted(glob.glob("src/*.h") + glob.glob("src/*.pxi") + glob.glob("src/*.pxd")),
+            depends=sorted(glob.glob("src/**/*.h", recursive=True)
+                           + glob.glob("src/**/*.pxi", recursive=True)
+                           + glob.glob("src/**/*.pxd", recursive=True)),
         )
         for isa in wanted_isas()
     ]

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 import torch  # noqa: E402
 
-from fastattn._dispatch import ISA  # noqa: E402
+from fastattn._machine.isa import ISA  # noqa: E402
 import test_flash_rule as fr  # noqa: E402
 
 SECTIONS = ("plain", "variants", "varlen", "recipe", "backward")

@@ -223,7 +223,7 @@ def decode_layers(args):
     runs = {"plan.run per layer": planned, "attention_with_kvcache per layer": per_call}
     times = {name: [] for name in runs}
     outside = {name: [] for name in runs}
-    kernel = fastattn._glue.kernel
+    kernel = fastattn._calls.glue.kernel
     seqlens = lengths.copy()
     for step in range(steps):
         names = list(runs) if step % 2 == 0 else list(runs)[::-1]

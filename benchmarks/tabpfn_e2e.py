@@ -207,7 +207,7 @@ def main(argv=None):
         raise SystemExit(f"tabpfn_e2e.py needs torch and tabpfn >= 9.2: {e}") from None
 
     import fastattn
-    from fastattn._dispatch import ISA
+    from fastattn._machine.isa import ISA
 
     torch.set_num_threads(args.threads)
     for paragraph in __doc__.split("\n\n")[2:4]:  # what it measures, what the table shows

@@ -6,7 +6,7 @@
 * ``MultiHeadAttention`` -- a layer holding plain NumPy weights the user owns
   (and may assign), with grouped-query attention (``n_kv_heads < n_heads``),
   optional biases, optional rotary embeddings, and incremental decoding.
-* ``KVCache`` (defined in ``fastattn._kvcache``) -- the keys and values of the
+* ``KVCache`` (defined in ``fastattn._layers.cache``) -- the keys and values of the
   tokens seen so far, preallocated and grown geometrically, so that a decode step
   costs one projection of the new token and one kernel call over the cache, never a
   re-encoding of the prefix.
@@ -33,11 +33,12 @@ import math
 
 import numpy as np
 
-from . import _api, _args
-from ._kvcache import KVCache
-from ._kvcache_attn import attention_with_kvcache
-from ._quant import cache_dtype, check_block_dim
-from ._state_dict import layer_from_state_dict
+from ._calls import api as _api
+from ._calls import args as _args
+from ._layers.cache import KVCache
+from ._serving.kvcache import attention_with_kvcache
+from ._storage.quant import cache_dtype, check_block_dim
+from ._layers.state_dict import layer_from_state_dict
 from .positions import _check_base
 from .positions import rope as _rope
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _args
+from ._calls import args as _args
 
 __all__ = ["sinusoidal_positions", "rope"]
 

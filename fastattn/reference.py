@@ -73,7 +73,7 @@ float64; the float64 result is rounded once to it. ``lse`` is in the compute dty
 for float16/bfloat16/float32, float64 otherwise). bfloat16 is ``ml_dtypes.bfloat16``;
 without the ``ml_dtypes`` package no array has that dtype, and nothing here imports it.
 
-Arguments are checked by :mod:`fastattn._args`, the rules every entry point shares, each
+Arguments are checked by :mod:`fastattn._calls.args`, the rules every entry point shares, each
 failing with a clear ``ValueError``/``TypeError`` that names the argument before any work
 starts.
 """
@@ -81,7 +81,7 @@ import copy
 
 import numpy as np
 
-from . import _args
+from ._calls import args as _args
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "softmax", "visible_keys",
            "attention_backward"]
@@ -98,13 +98,13 @@ def _expand_kv_heads(x, Hq):
 # --------------------------------------------------------------------------- arguments
 
 def _problem(q, k, v, out=None, return_lse=False, **keywords):
-    """The checked arguments (:class:`fastattn._args.Problem`, the rules every entry point
+    """The checked arguments (:class:`fastattn._calls.args.Problem`, the rules every entry point
     shares), with the per-batch lengths, slopes and sinks given back their batch axes."""
     return with_batch_axes(_args.Problem(q, k, v, out=out, return_lse=return_lse, **keywords))
 
 
 def with_batch_axes(p):
-    """A copy of the :class:`fastattn._args.Problem` ``p`` with its per-batch lengths
+    """A copy of the :class:`fastattn._calls.args.Problem` ``p`` with its per-batch lengths
     shaped ``batch``, and its slopes and sinks ``batch + (Hq,)``, as this module reads them."""
     p = copy.copy(p)
     p.kv_len = p.kv_len_flat().reshape(p.batch)
@@ -135,7 +135,7 @@ def visible_keys(batch_shape, Lq, Lk, *, causal=False, window=None, kv_lengths=N
 
 def _visibility(batch_shape, Lq, Lk, causal, left, right, kv_len, q_len):
     """:func:`visible_keys` for checked arguments: ``causal`` as
-    :func:`fastattn._args.check_causal` gives it, lengths shaped ``batch_shape``."""
+    :func:`fastattn._calls.args.check_causal` gives it, lengths shaped ``batch_shape``."""
     i = np.arange(Lq)[:, None]  # (Lq, 1)
     j = np.arange(Lk)[None, :]  # (1, Lk)
     # (..., 1 head, 1 query, 1 key): the per-batch numbers of queries and keys

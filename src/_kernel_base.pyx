@@ -1,4 +1,4 @@
 # cython: language_level=3
 # The fused kernel built for the "base" instruction set; the code lives in _kernel_impl.pxi
-# and setup.py sets the flags.  fastattn/_dispatch.py picks one module at import time.
+# and setup.py sets the flags.  fastattn/_machine/isa.py picks one module at import time.
 include "_kernel_impl.pxi"

@@ -59,7 +59,7 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_key_interval(Py_ssize_t i, Py_ssize_t Lq, Py_ssize_t kv_len, int causal,
                          Py_ssize_t wl, Py_ssize_t wr, Py_ssize_t* lo, Py_ssize_t* hi)
 
-    # the micro-kernels by storage kind and tile size (fa_dispatch.h)
+    # the micro-kernels by storage kind and tile size (fa_by_kind.h)
     void fa_score_micro_f(int nvec, Py_ssize_t mk, const void** kr, const float* qt,
                           Py_ssize_t ldqt, Py_ssize_t D, float scale, float* s, Py_ssize_t lds)
     void fa_score_micro_d(int nvec, Py_ssize_t mk, const void** kr, const double* qt,

@@ -1,6 +1,6 @@
 # The fused attention kernel.  Included by one tiny .pyx per instruction set
 # (_kernel_base.pyx, _kernel_avx2.pyx, _kernel_avx512.pyx), each compiled with its own
-# flags; the Python front end (fastattn/_api.py, through fastattn/_glue.py) validates
+# flags; the Python front end (fastattn/_calls/api.py, through fastattn/_calls/glue.py) validates
 # everything and picks the module.  This file holds the module's imports and the order of
 # its parts, one concern a file:
 #
@@ -27,11 +27,11 @@ from _kernel_decls cimport *
 
 cnp.import_array()
 
-include "_tile_pipeline.pxi"
-include "_jobs.pxi"
-include "_problem.pxi"
-include "_backward.pxi"
-include "_entry_points.pxi"
-include "_probes.pxi"
-include "_lean_gate.pxi"
-include "_plan.pxi"
+include "pipeline/_tile_pipeline.pxi"
+include "pipeline/_jobs.pxi"
+include "calls/_problem.pxi"
+include "pipeline/_backward.pxi"
+include "calls/_entry_points.pxi"
+include "calls/_probes.pxi"
+include "calls/_lean_gate.pxi"
+include "calls/_plan.pxi"

@@ -35,7 +35,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fastattn                                   # noqa: E402
-from fastattn import _api, _kvcache_attn          # noqa: E402
+from fastattn._calls import api as _api  # noqa: E402
+from fastattn._serving import kvcache as _kvcache_attn  # noqa: E402
 
 try:
     import ml_dtypes

@@ -1,6 +1,6 @@
 """AMX tiles: the scalar model of the tile instructions, and the tile kernels on it.
 
-The model (src/fa_amx.h) is checked against TDPBF16PS's pseudocode from Intel's manual,
+The model (src/isa/fa_amx.h) is checked against TDPBF16PS's pseudocode from Intel's manual,
 written out here in NumPy: per row and column, even and odd products summed separately
 over the pairs (each step a fused multiply-add rounded to nearest even), then their sum
 added to C, with subnormal inputs read as zero and subnormal results flushed.  The tile
@@ -19,8 +19,8 @@ from test_bf16_products import bf16
 
 import fastattn
 from fastattn import reference
-from fastattn._dispatch import kernel
-from fastattn._precision import bfloat16_bits, bfloat16_values
+from fastattn._machine.isa import kernel
+from fastattn._calls.precision import bfloat16_bits, bfloat16_values
 
 FLT_MIN = np.float32(2.0**-126)
 HAS_TILE_KERNELS = kernel.BF16_DOT_BUILT and kernel.BF16_DOT_CPU
@@ -371,7 +371,7 @@ def test_modes_are_checked():
 @pytest.mark.parametrize("value, want", [("0", "off"), ("model", "model"), ("1", "hw"),
                                          (None, "hw")])
 def test_environment_switch(value, want):
-    code = "from fastattn._dispatch import kernel; print(kernel.amx())"
+    code = "from fastattn._machine.isa import kernel; print(kernel.amx())"
     res = run_python("-c", code, env={"FASTATTN_AMX": value})
     if want == "model" and not HAS_TILE_KERNELS:
         want = "off"

@@ -1,13 +1,13 @@
 """Argument rules, by argument: a bad argument raises ValueError or TypeError naming it
 (and, for shapes, showing them) before any work starts, ``out`` and the inputs are never
-written to, and every entry point applies the rule fastattn._args owns.
+written to, and every entry point applies the rule fastattn._calls.args owns.
 
 By argument: q, k, v (shapes, then dtypes); mask; kv_lengths; window; causal; scale;
 softcap, alibi_slopes, sinks and q_lengths; out; return_lse; attention_varlen's cu_seqlens;
 then the same bad keywords through every entry point, random malformed calls, softmax's
 x and axis, attention_backward's arrays and keywords, the one description of a call that
 the kernel reads (the Problem's fields, by name, with _args' codes), and the rules of
-softcap, the per-head arrays, the lengths, cu_seqlens and storage dtypes as fastattn._args
+softcap, the per-head arrays, the lengths, cu_seqlens and storage dtypes as fastattn._calls.args
 gives them (what they normalise to) and as the reference applies them.
 
 The random ones: hypothesis builds a valid call (random small shapes, dtypes, keywords),
@@ -30,7 +30,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fastattn
-from fastattn import _args, reference as ref
+from fastattn import reference as ref
+from fastattn._calls import args as _args
 
 from conftest import make_qkv, names, names_any
 
@@ -703,7 +704,8 @@ def test_varlen_bad_input_raises():
 def test_the_kernel_reads_the_problem_by_name(qkv):
     # The compiled entry points read the call's description from the Problem's fields,
     # not from positional copies: a field changed after validation is what the kernel runs.
-    from fastattn import _args, _glue
+    from fastattn._calls import args as _args
+    from fastattn._calls import glue as _glue
     q, k, v = qkv
     p = _args.Problem(q, k, v, causal=True)
     p.scale, p.causal_code, p.softcap = 0.25, _args.CAUSAL_CODES["top-left"], 2.0
@@ -715,7 +717,8 @@ def test_the_kernel_reads_the_problem_by_name(qkv):
 
 def test_a_kernel_with_other_codes_does_not_load(monkeypatch):
     # The codes the Problem carries must be the kernel's: a module that disagrees is refused.
-    from fastattn import _args, _dispatch
+    from fastattn._calls import args as _args
+    from fastattn._machine import isa as _dispatch
     monkeypatch.setattr(_args, "CAUSAL_CODES", {"none": 0, "bottom-right": 2, "top-left": 1})
     with pytest.raises(ImportError, match="codes"):
         _dispatch._load(_dispatch.ISA)

@@ -22,9 +22,10 @@ import pytest
 from conftest import make_qkv, qkv_shapes, run_python
 
 import fastattn
-from fastattn import _precision, reference
-from fastattn._dispatch import kernel
-from fastattn._precision import bfloat16_bits, bfloat16_values
+from fastattn import reference
+from fastattn._calls import precision as _precision
+from fastattn._machine.isa import kernel
+from fastattn._calls.precision import bfloat16_bits, bfloat16_values
 
 needs_bf16_dot = pytest.mark.skipif(
     not kernel.bf16_dot(),
@@ -240,7 +241,7 @@ def test_bfloat16_inputs_use_the_products_and_the_switch_turns_them_off():
 
 
 def test_environment_switch_turns_the_products_off():
-    code = ("import fastattn; from fastattn._dispatch import kernel; "
+    code = ("import fastattn; from fastattn._machine.isa import kernel; "
             "print(kernel.bf16_dot(), kernel.set_bf16_dot(True), kernel.bf16_dot())")
     env = dict(os.environ, FASTATTN_BF16_DOT="0")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

@@ -1,6 +1,6 @@
 """Arrays in any byte order compute the same numbers on every entry point: a big-endian
 array gives the bits of its native twin everywhere.  The argument rules, and the one
-description of a call that fastattn._args builds: tests/test_arguments.py."""
+description of a call that fastattn._calls.args builds: tests/test_arguments.py."""
 import numpy as np
 import pytest
 

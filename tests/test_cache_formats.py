@@ -210,7 +210,7 @@ def test_fp8_quantize_refuses(call, exc, words):
 
 
 # --------------------------------------------------------------------------- serving caches
-# Attention over these caches runs the kernel's quantised reads (src/fa_quant.h).
+# Attention over these caches runs the kernel's quantised reads (src/kinds/fa_quant.h).
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "checked"])

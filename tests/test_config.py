@@ -1,4 +1,4 @@
-"""What this fastattn runs (fastattn._config): ``fastattn.show_config()`` for the running
+"""What this fastattn runs (fastattn._machine.config): ``fastattn.show_config()`` for the running
 process, ``python -m fastattn info`` for a fresh one; their text and JSON, and the problems
 they explain."""
 import argparse
@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -15,8 +16,8 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _config
-from fastattn._dispatch import kernel
+from fastattn._machine import config as _config
+from fastattn._machine.isa import kernel
 from fastattn.cli import info
 
 from conftest import run_cli, run_python
@@ -64,7 +65,7 @@ def test_info_json_matches_the_package():
     assert info["version"] == fastattn.__version__
     assert info["numpy"] == np.__version__
     assert info["threads"] == fastattn.get_num_threads()
-    from fastattn import _dispatch
+    from fastattn._machine import isa as _dispatch
     assert info["isa"] == _dispatch.ISA
     assert info["isa"] in info["available_variants"]
     assert isinstance(info["openmp"], bool)
@@ -134,11 +135,10 @@ def test_info_in_an_unbuilt_source_tree_says_so(tmp_path):
     # without site (-S), with NumPy's directory on PYTHONPATH: an editable install's import
     # hook (a .pth file) would otherwise supply the kernel modules to the copy.
     shadow = tmp_path / "fastattn"
-    shadow.mkdir()
     package = os.path.dirname(os.path.abspath(fastattn.__file__))
-    for name in os.listdir(package):
-        if name.endswith(".py"):
-            (shadow / name).write_bytes(open(os.path.join(package, name), "rb").read())
+    shutil.copytree(package, shadow, ignore=lambda folder, names: [
+        n for n in names if not (n.endswith(".py") or os.path.isdir(os.path.join(folder, n)))
+        or n == "__pycache__"])
     numpy_dir = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(package), numpy_dir]))
     proc = subprocess.run([sys.executable, "-S", "-m", "fastattn", "info"], cwd=tmp_path,

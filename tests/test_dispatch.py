@@ -1,8 +1,8 @@
-"""The per-ISA builds of the kernel (its variants, chosen by fastattn._dispatch): every one
+"""The per-ISA builds of the kernel (its variants, chosen by fastattn._machine.isa): every one
 that this CPU can run gives the right results.
 
 setup.py compiles the kernel once per instruction set (base, avx2, avx512 on x86; base
-elsewhere) and fastattn/_dispatch.py imports the best one the CPU runs, so the rest of the
+elsewhere) and fastattn/_machine/isa.py imports the best one the CPU runs, so the rest of the
 suite exercises only that one.  Here each variant the CPU supports is forced with
 FASTATTN_ISA in a fresh interpreter, which runs this file as a script: a compact set of
 checks against fastattn.reference (prefill, causal, window, masks, GQA, decode, float64,
@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _dispatch, _kernel_base
+from fastattn import _kernel_base
+from fastattn._machine import isa as _dispatch
 from fastattn import reference as ref
 
 from conftest import assert_close, make_qkv, qkv_shapes, run_python

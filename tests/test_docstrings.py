@@ -68,9 +68,9 @@ def _needs(test):
 def test_examples_are_collected():
     # The public API's examples at least: a walk that found nothing would pass vacuously.
     found = {p.values[0].name for p in EXAMPLES}
-    for name in ("fastattn._api.attention", "fastattn._api.attention_varlen",
-                 "fastattn._threads.num_threads", "fastattn.layers.MultiHeadAttention",
-                 "fastattn.layers.self_attention", "fastattn._kvcache.KVCache",
+    for name in ("fastattn._calls.api.attention", "fastattn._calls.api.attention_varlen",
+                 "fastattn._machine.threads.num_threads", "fastattn.layers.MultiHeadAttention",
+                 "fastattn.layers.self_attention", "fastattn._layers.cache.KVCache",
                  "fastattn.positions.sinusoidal_positions"):
         assert name in found, sorted(found)
 

@@ -1,9 +1,9 @@
-"""Accuracy of the kernel's vector 2**x (src/fa_simd.h), the only transcendental in the
+"""Accuracy of the kernel's vector 2**x (src/isa/fa_simd.h), the only transcendental in the
 fused loop.  The bounds asserted here are the ones stated in the source and the README."""
 import numpy as np
 import pytest
 
-from fastattn._dispatch import available_variants, _load
+from fastattn._machine.isa import available_variants, _load
 
 
 @pytest.fixture(params=available_variants())

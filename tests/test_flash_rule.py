@@ -48,7 +48,7 @@ from conftest import import_optional
 
 import fastattn
 from fastattn import reference
-from fastattn._dispatch import ISA
+from fastattn._machine.isa import ISA
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 # (Lq, Lk): the head dims this file runs

@@ -28,7 +28,7 @@ import pytest
 from conftest import import_optional
 
 from fastattn import reference
-from fastattn._dispatch import ISA, kernel
+from fastattn._machine.isa import ISA, kernel
 
 CASES = [
     # (Lq, Lk, D, Hkv, causal, window, softcap, alibi)

@@ -29,7 +29,7 @@ from fastattn.integrations import dask as fa_dask  # noqa: E402
 
 def _worker_facts():
     import fastattn as fa
-    from fastattn._dispatch import kernel
+    from fastattn._machine.isa import kernel
 
     return dict(file=fa.__file__, omp=os.environ.get("OMP_NUM_THREADS"),
                 threads=fa.get_num_threads(), pool_workers=kernel.pool_info()["workers"],

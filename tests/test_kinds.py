@@ -1,11 +1,12 @@
-"""The storage kinds' table (src/fa_kinds.h, read by fastattn._kinds) against the formats'
+"""The storage kinds' table (src/kinds/fa_kinds.h, read by fastattn._storage.kinds) against the formats'
 own definitions: NumPy's and ml_dtypes' finfo, and gguf's block sizes for llama.cpp's q8_0
 and q4_0."""
 import numpy as np
 import pytest
 
 from conftest import import_optional
-from fastattn import _kinds, _quant
+from fastattn._storage import kinds as _kinds
+from fastattn._storage import quant as _quant
 
 
 def test_every_kind_has_one_row_in_number_order():

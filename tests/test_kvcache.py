@@ -557,7 +557,7 @@ def test_rotary_bits_are_attention_over_the_rotated_rows(rng):
                                    rtol=5e-7, atol=5e-7)
         del q_rot
     # the bits: attention over a q rotated the same way, with the stored keys
-    from fastattn._kvcache_attn import _rotate
+    from fastattn._serving.kvcache import _rotate
     q_pos = seqlens[:, None] + np.arange(2)
     q_rot = _rotate(q, cos[q_pos][:, None], sin[q_pos][:, None], False)
     assert_same_bits(out, _per_sequence(q_rot, cache, seqlens + 2, dict(window=(3, 0))))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _api, reference
+from fastattn import reference
+from fastattn._calls import api as _api
 from fastattn.layers import KVCache, MultiHeadAttention, self_attention
 
 TOL32 = dict(rtol=2e-5, atol=2e-6)

@@ -2,7 +2,7 @@
 gives exactly the bits of the validated path, and it never takes a call that the front end
 rejects.  Hypothesis draws calls around the gate's edges: dtypes and byte orders, layouts,
 scale and causal spellings, out arrays, sinks, and invalid arguments.  The gate normalises
-nothing itself: it takes the causal codes of fastattn._args."""
+nothing itself: it takes the causal codes of fastattn._calls.args."""
 import os
 import subprocess
 import sys
@@ -14,8 +14,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import event, given, settings, strategies as st  # noqa: E402
 
 import fastattn  # noqa: E402
-from fastattn import _api  # noqa: E402
-from fastattn._dispatch import kernel  # noqa: E402
+from fastattn._calls import api as _api  # noqa: E402
+from fastattn._machine.isa import kernel  # noqa: E402
 
 from conftest import make_qkv  # noqa: E402
 
@@ -139,7 +139,7 @@ def test_common_calls_take_the_lean_path():
 
 
 def test_an_environment_switch_forces_the_validated_path():
-    code = ("import fastattn._api as a, numpy as np, fastattn; x = np.ones((2, 3, 4));"
+    code = ("import fastattn._calls.api as a, numpy as np, fastattn; x = np.ones((2, 3, 4));"
             "print(a._LEAN_PATH, fastattn.attention(x, x, x).shape)")
     env = dict(os.environ, FASTATTN_VALIDATED_ONLY="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +152,7 @@ def test_sinks_on_the_lean_path_give_the_validated_path_bits(rng):
     # A plain call with sinks of one batch element runs in the lean path; the same call
     # through the validated path (kv_lengths = Lk changes nothing) gives the same bits,
     # and invalid sinks still get the validated path's errors.
-    from fastattn._dispatch import kernel
+    from fastattn._machine.isa import kernel
     q = rng.standard_normal((1, 8, 3, 32)).astype(np.float32)
     k = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
     v = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
@@ -173,9 +173,9 @@ def test_sinks_on_the_lean_path_give_the_validated_path_bits(rng):
 
 
 def test_the_lean_gate_takes_causal_codes_from_the_one_normaliser():
-    # The gate normalises nothing: without the codes fastattn._args gives causal=False and
-    # causal=True (handed over when fastattn._dispatch loads the module), it takes no call.
-    from fastattn import _args
+    # The gate normalises nothing: without the codes fastattn._calls.args gives causal=False and
+    # causal=True (handed over when fastattn._machine.isa loads the module), it takes no call.
+    from fastattn._calls import args as _args
     q, k, v = make_qkv(7, batch=(2,), Hq=4, Hkv=2, Lq=5, Lk=7, D=8, Dv=6, dtype=np.float64)
     assert kernel.attention_fast(q, k, v, None, True, False, None, 1) is not None
     try:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _merge, reference
+from fastattn import reference
+from fastattn._calls import merge as _merge
 
 from conftest import assert_close, import_optional, make_qkv, tolerance
 

@@ -253,7 +253,7 @@ def test_threads_may_run_one_plan_at_once(rng):
         assert_same_bits(g, w)
 
 
-@pytest.mark.skipif(not fastattn._glue.kernel.bf16_dot_takes(64, 64),
+@pytest.mark.skipif(not fastattn._calls.glue.kernel.bf16_dot_takes(64, 64),
                     reason="the float32 opt-in changes nothing without bfloat16 products")
 @pytest.mark.parametrize("page", [None, 4])
 def test_float32_opt_in_gives_attention_products_in_every_layout(rng, page):

@@ -21,7 +21,7 @@ import math
 import numpy as np
 import pytest
 
-from fastattn import _args
+from fastattn._calls import args as _args
 from fastattn import reference as ref
 
 from conftest import assert_close, run_python
@@ -658,7 +658,8 @@ import sys
 sys.modules["ml_dtypes"] = None  # import ml_dtypes now raises ImportError
 import numpy as np
 import fastattn
-from fastattn import _args, reference as ref
+from fastattn import reference as ref
+from fastattn._calls import args as _args
 x = np.ones((2, 3, 4), np.float16)
 out, lse = ref.attention(x, x, x, sinks=[0.0, 1.0], return_lse=True)
 assert out.dtype == np.float16 and lse.dtype == np.float32

@@ -7,7 +7,7 @@ import pytest
 
 import fastattn
 from fastattn import reference
-from fastattn._dispatch import _load, available_variants
+from fastattn._machine.isa import _load, available_variants
 
 from conftest import assert_close, make_qkv, qkv_shapes
 

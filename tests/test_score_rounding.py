@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn._dispatch import _load, available_variants
+from fastattn._machine.isa import _load, available_variants
 
 LOG2E = 1.4426950408889634074
 LN2 = 0.69314718055994530942

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn._dispatch import kernel
+from fastattn._machine.isa import kernel
 
 from conftest import make_qkv, run_python
 
@@ -50,7 +50,7 @@ def test_fork_child_gets_its_own_workers():
     # parent's workers, and it computes the same bytes.
     out = fresh_python("""
         import os, numpy as np, fastattn
-        from fastattn._dispatch import kernel
+        from fastattn._machine.isa import kernel
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((8, 256, 64)).astype(np.float32) for _ in range(3))
         with fastattn.num_threads(2):
@@ -125,7 +125,7 @@ def test_threadpool_limits_one_starts_no_worker(order):
                else "import threadpoolctl, fastattn")
     out = fresh_python(imports + textwrap.dedent("""
         import numpy as np
-        from fastattn._dispatch import kernel
+        from fastattn._machine.isa import kernel
         if not hasattr(threadpoolctl, "register"):
             print("skip"); raise SystemExit
         fastattn.set_num_threads(2)
@@ -164,7 +164,7 @@ def test_lean_path_asks_for_the_thread_count_only_when_work_can_be_shared():
 
 # --------------------------------------------------------------------------- OpenMP team
 # Calls made from inside torch can run on the calling thread's OpenMP team (torch's)
-# instead of the pool (FASTATTN_POOL, fastattn/_threads.py).
+# instead of the pool (FASTATTN_POOL, fastattn/_machine/threads.py).
 
 TEAM = kernel.build_info()["openmp"] and POOL == "pthreads"
 needs_team = pytest.mark.skipif(not TEAM, reason="needs the pthreads pool built with OpenMP")
@@ -172,10 +172,10 @@ needs_team = pytest.mark.skipif(not TEAM, reason="needs the pthreads pool built 
 
 @pytest.fixture
 def pool_choice():
-    """Set the pool choice for a test (fastattn._threads._set_pool), restored after."""
-    before = fastattn._threads._pool
-    yield fastattn._threads._set_pool
-    fastattn._threads._set_pool(before)
+    """Set the pool choice for a test (fastattn._machine.threads._set_pool), restored after."""
+    before = fastattn._machine.threads._pool
+    yield fastattn._machine.threads._set_pool
+    fastattn._machine.threads._set_pool(before)
 
 
 @needs_team
@@ -192,7 +192,7 @@ def test_calls_on_the_openmp_team_match_one_thread(pool_choice):
             grads = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True)
         cases.append(((q, k, v, dout, out, lse), (out,) + tuple(grads)))
     pool_choice("openmp")
-    assert fastattn._threads.pool_team() == "always"
+    assert fastattn._machine.threads.pool_team() == "always"
     for n in (2, 3, 4):
         with fastattn.num_threads(n):
             for (q, k, v, dout, out, lse), want in cases:
@@ -212,17 +212,17 @@ def test_pool_choice_is_checked(pool_choice):
 @needs_team
 def test_own_and_openmp_choices_hold_whatever_is_imported(pool_choice):
     pool_choice("own")
-    assert fastattn._threads.pool_team() == "never"
-    with fastattn._threads.in_torch():
-        assert fastattn._threads.pool_team() == "never"
+    assert fastattn._machine.threads.pool_team() == "never"
+    with fastattn._machine.threads.in_torch():
+        assert fastattn._machine.threads.pool_team() == "never"
     pool_choice("openmp")
-    assert fastattn._threads.pool_team() == "always"
+    assert fastattn._machine.threads.pool_team() == "always"
 
 
 def test_in_torch_marks_the_calling_thread_and_restores():
     assert kernel.pool_set_in_torch(False) == 0
-    with fastattn._threads.in_torch():
-        with fastattn._threads.in_torch():
+    with fastattn._machine.threads.in_torch():
+        with fastattn._machine.threads.in_torch():
             pass
         assert kernel.pool_set_in_torch(True) == 1    # still marked after the inner block
     assert kernel.pool_set_in_torch(False) == 0
@@ -238,8 +238,8 @@ def test_auto_runs_the_torch_integrations_on_torchs_team(order):
     imports = "import fastattn, torch" if order == "fastattn first" else "import torch, fastattn"
     out = fresh_python(f"""
         {imports}
-        from fastattn._dispatch import kernel
-        from fastattn import _threads
+        from fastattn._machine.isa import kernel
+        from fastattn._machine import threads as _threads
         from fastattn.integrations import torch as fa_torch
         print(_threads.pool_team() if _threads._torch_shares_openmp(torch) else "skip")
         q = torch.randn(2, 4, 200, 32)
@@ -258,7 +258,7 @@ def test_auto_runs_the_torch_integrations_on_torchs_team(order):
 def test_auto_without_torch_uses_the_pool():
     out = fresh_python("""
         import sys, fastattn
-        print(fastattn._threads.pool_team(), "torch" in sys.modules)
+        print(fastattn._machine.threads.pool_team(), "torch" in sys.modules)
     """)
     assert out.split() == ["never", "False"]
 
@@ -270,8 +270,8 @@ def test_fork_child_leaves_the_openmp_team():
     # which the child does not have: the child's calls use fastattn's pool.
     out = fresh_python("""
         import os, numpy as np, fastattn
-        from fastattn import _threads
-        from fastattn._dispatch import kernel
+        from fastattn._machine import threads as _threads
+        from fastattn._machine.isa import kernel
         _threads._set_pool("openmp")
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((8, 256, 64)).astype(np.float32) for _ in range(3))

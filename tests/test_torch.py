@@ -213,7 +213,7 @@ def test_torchs_matmul_precision_leaves_fastattn_exact(matmul_precision):
 def test_fastattns_own_setting_applies_inside_the_integrations(matmul_precision):
     # fastattn's opt-in reaches calls through torch, whatever torch's setting says: the
     # integrations compute what fastattn.attention computes under the same setting.
-    from fastattn._dispatch import kernel
+    from fastattn._machine.isa import kernel
 
     q, k, v, dout = _float32_case()
     exact = _through_numpy(q, k, v, dout)

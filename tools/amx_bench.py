@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 import fastattn
-from fastattn._dispatch import ISA, kernel
+from fastattn._machine.isa import ISA, kernel
 
 #        name                      Hq  Lq    Lk    D    causal dtype       backward
 ROWS = [("prefill-1k-causal-bf16", 12, 1024, 1024, 64, True, "bfloat16", False),

@@ -200,7 +200,7 @@ def main(argv):
     if len(argv) != 3 or argv[1] not in ("save", "check"):
         raise SystemExit(__doc__)
     fp = fingerprints()
-    print(f"{len(fp)} configurations, kernel variant {fastattn._dispatch.ISA}")
+    print(f"{len(fp)} configurations, kernel variant {fastattn._machine.isa.ISA}")
     if argv[1] == "save":
         with open(argv[2], "w") as f:
             json.dump(fp, f, indent=0)

@@ -73,9 +73,9 @@ WHEEL=$(ls "$WORK"/dist/*.whl)
 missing=$("$TOOLS/python" - "$SDIST" <<'EOF'
 import sys, tarfile
 names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
-need = ["setup.py", "pyproject.toml", "src/_kernel_impl.pxi", "src/_tile_pipeline.pxi",
-        "src/_kernel_decls.pxd", "src/fa_kernels.h", "src/fa_transpose.h",
-        "src/fa_simd.h", "src/fa_tile_impl.h", "src/_kernel_base.pyx", "src/_kernel_avx2.pyx",
+need = ["setup.py", "pyproject.toml", "src/_kernel_impl.pxi", "src/pipeline/_tile_pipeline.pxi",
+        "src/_kernel_decls.pxd", "src/pipeline/fa_kernels.h", "src/pipeline/fa_transpose.h",
+        "src/isa/fa_simd.h", "src/pipeline/fa_tile_impl.h", "src/_kernel_base.pyx", "src/_kernel_avx2.pyx",
         "src/_kernel_avx512.pyx", "fastattn/py.typed", "fastattn/__init__.pyi",
         "tests/conftest.py", "CHANGELOG.md"]
 bad = [n for n in need if n not in names] + sorted(n for n in names if n.endswith(".c"))
@@ -148,7 +148,7 @@ wheel_tests() {
     shift 2
     local info
     info=$(cd "$WORK/run" && env "$@" PATH="$NOCC:$PATH" CC=false CXX=false "$venv/bin/python" -c \
-        "import numpy, fastattn, fastattn._dispatch as d; print(f'numpy {numpy.__version__}, fastattn {fastattn.__version__}, kernel {d.ISA}, from {fastattn.__file__}')")
+        "import numpy, fastattn, fastattn._machine.isa as d; print(f'numpy {numpy.__version__}, fastattn {fastattn.__version__}, kernel {d.ISA}, from {fastattn.__file__}')")
     echo "$label: $info"
     if [[ "$info" != *"$venv"* ]]; then fail "$label: fastattn not imported from the venv ($info)"; return; fi
     # tools/test_installed.py runs the suite from a copy of the repository without the
@@ -182,7 +182,8 @@ if "$PY" -m venv "$WORK/venv-sdist" && run sdist-install "$WORK/venv-sdist/bin/p
 import sys
 import numpy as np
 import fastattn
-from fastattn import _dispatch, reference
+from fastattn import reference
+from fastattn._machine import isa as _dispatch
 assert fastattn.__file__.startswith(sys.argv[1]), fastattn.__file__
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((2, 4, 37, 16)).astype(np.float32) for _ in range(3))

@@ -178,7 +178,7 @@ stage_test() {
     local args=("$@")
     ((${#args[@]})) || args=("${DEFAULT_TESTS[@]}")
     cd "$ROOT/src/fastattn"
-    "$PYQEMU" -c 'import platform, fastattn, fastattn._dispatch as d
+    "$PYQEMU" -c 'import platform, fastattn, fastattn._machine.isa as d
 print(platform.machine(), fastattn.__file__, "variant", d.ISA, d.available_variants())'
     "$PYQEMU" -m pytest -p no:cacheprovider -q -rs "${args[@]}"
 }

@@ -33,7 +33,7 @@ def main(argv):
                 shutil.copy2(src, root)
         where = subprocess.run(
             [sys.executable, "-c",
-             "import fastattn, fastattn._dispatch as d, numpy; "
+             "import fastattn, fastattn._machine.isa as d, numpy; "
              "print(fastattn.__file__, d.ISA, 'numpy', numpy.__version__)"],
             cwd=root, capture_output=True, text=True,
         )

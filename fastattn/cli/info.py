@@ -1,5 +1,5 @@
 """``python -m fastattn info``: what this installation of fastattn runs on, in a fresh
-process (the facts and their wording: ``fastattn._config``, which ``fastattn.show_config()``
+process (the facts and their wording: ``fastattn._machine.config``, which ``fastattn.show_config()``
 prints for a running one)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .._config import collect, format_info
+from .._machine.config import collect, format_info
 from .common import COMMON_STATUSES, ENVIRONMENT, OK
 
 HELP = "version, compiler, SIMD variant, threads, thread pool and precision"

@@ -21,7 +21,7 @@ inputs' alone, so ``torch.compile`` traces a call without running it and keeps i
 graph.  The real implementations hand the tensors to fastattn as NumPy views of the same
 memory (float32, float64, float16, and bfloat16 as ``ml_dtypes.bfloat16`` when that package
 is installed; otherwise bfloat16 is upcast to float32 copies) and write ``out`` in place.
-They run on torch's OpenMP team (:class:`fastattn._threads.in_torch`) and with fastattn's
+They run on torch's OpenMP team (:class:`fastattn._machine.threads.in_torch`) and with fastattn's
 own float32 precision (:func:`fastattn.set_float32_precision`), never torch's matmul
 precision.
 
@@ -36,8 +36,8 @@ import torch
 
 import fastattn
 
-from .. import _kinds
-from .._threads import in_torch
+from .._storage import kinds as _kinds
+from .._machine.threads import in_torch
 
 Tensor = torch.Tensor
 

@@ -27,9 +27,10 @@ dask is imported when :func:`attention` is called, never by importing this modul
 """
 import numpy as np
 
-from .. import _args, _threads
-from .._glue import kernel as _kernel
-from .._merge import merge_attention
+from .._calls import args as _args
+from .._machine import threads as _threads
+from .._calls.glue import kernel as _kernel
+from .._calls.merge import merge_attention
 
 __all__ = ["attention"]
 

@@ -41,7 +41,7 @@ import numbers
 
 import numpy as np
 
-from .. import _args
+from .._calls import args as _args
 
 __all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention"]
 

@@ -33,7 +33,7 @@ mean time per call (per pair for ``blas`` and the torch scenarios) over a window
 seconds; ``ratio`` is shared / fair, and 1.5 or less is what fastattn aims for. Every
 library uses the same thread count. The table names the threads that ran fastattn's work
 items: its own pool, or the calling thread's OpenMP team, which it shares with torch (see
-``FASTATTN_POOL`` in fastattn/_threads.py).
+``FASTATTN_POOL`` in fastattn/_machine/threads.py).
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ _RUN = {"blas": scenario_blas, "processes": scenario_processes,
 def _pool_used(name):
     """What ran fastattn's work items in scenario ``name`` (asked after it ran: a torch
     scenario imports torch, which can change the answer)."""
-    from fastattn import _threads
+    from fastattn._machine import threads as _threads
 
     team = _threads.pool_team()
     if team == "always" or (team == "in torch" and name in TORCH_SCENARIOS):

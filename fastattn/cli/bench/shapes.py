@@ -56,7 +56,7 @@ class Shape:
     def np_dtype(self):
         """The NumPy dtype of the inputs (bfloat16 needs ml_dtypes: TypeError without); a
         quantised cache's inputs are float32, quantised by the measurement."""
-        from fastattn._args import storage_dtype
+        from fastattn._calls.args import storage_dtype
         if self.dtype == "fp8":
             try:
                 import ml_dtypes  # noqa: F401  (the cache's float8_e4m3fn)

@@ -16,7 +16,7 @@ import operator
 
 import numpy as np
 
-from . import _args
+from . import args as _args
 
 __all__ = ["merge_attention"]
 

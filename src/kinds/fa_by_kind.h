@@ -1,5 +1,5 @@
 /*
- * fa_dispatch.h -- the kernels the tile pipeline calls by storage kind: each picks a kind's
+ * fa_by_kind.h -- the kernels the tile pipeline calls by storage kind: each picks a kind's
  * instantiation (and a tile size's) with one switch per call.  The kinds come from one list
  * per template: FA_FLOAT_KINDS below (fa_tile_impl.h), FA_QUANT_KINDS (fa_quant.h); a new
  * storage kind is a row in one of them and its loads.  Double compute reads only its own

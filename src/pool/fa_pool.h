@@ -44,7 +44,7 @@
  * per thread, set by fastattn's torch integrations) do so under FA_POOL_TEAM_IN_TORCH:
  * the team spins after fastattn's calls too, and next to NumPy's BLAS, whose threads
  * then find no core, that turned 0.15 ms calls into 8 ms ones.  Python picks the mode
- * (fa_pool_set_team; FASTATTN_POOL in fastattn/_threads.py); a forked child goes back to
+ * (fa_pool_set_team; FASTATTN_POOL in fastattn/_machine/threads.py); a forked child goes back to
  * the pool, since the parent's team threads do not exist in it.
  *
  * Backends: POSIX threads where available (Linux, macOS, the BSDs), with the OpenMP team

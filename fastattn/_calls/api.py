@@ -1,9 +1,9 @@
 """The public kernels: argument validation and dispatch to the compiled code.
 
 Everything a caller can get wrong is checked here, before any work starts and before
-``out`` is touched; the compiled kernel (src/_entry_points.pxi) never re-validates.  The
+``out`` is touched; the compiled kernel (src/calls/_entry_points.pxi) never re-validates.  The
 front end also decides the compute dtype and makes the last axis of q/k/v contiguous when
-it is not (the only copies it makes besides dtype casts; fastattn/_glue.py), and the kernel
+it is not (the only copies it makes besides dtype casts; fastattn/_calls/glue.py), and the kernel
 turns NumPy broadcasting of the batch dimensions into one element offset per flattened
 batch element, so broadcast inputs are read in place.  float16 and bfloat16 inputs are
 never cast: the kernel reads them in place and widens them itself, and writes a 16-bit
@@ -13,8 +13,11 @@ import os
 
 import numpy as np
 
-from . import _args, _glue, _precision, _threads
-from ._glue import kernel as _kernel
+from . import args as _args
+from . import glue as _glue
+from . import precision as _precision
+from .._machine import threads as _threads
+from .glue import kernel as _kernel
 
 __all__ = ["attention", "attention_varlen", "attention_weights", "softmax"]
 
@@ -110,7 +113,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
                        and type(return_lse) is bool and softcap is None
                        and alibi_slopes is None and q_lengths is None
                        and not _precision.active):
-        # The common case is recognised and run entirely in C (see src/_lean_gate.pxi,
+        # The common case is recognised and run entirely in C (see src/calls/_lean_gate.pxi,
         # "The lean call path"); it returns None for anything it does not take.
         res = _kernel.attention_fast(q, k, v, scale, causal, return_lse, out,
                                      _threads.get_num_threads, sinks)
@@ -123,7 +126,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, mask=None,
 
 
 def _forward(p):
-    """Run the kernel on a validated :class:`fastattn._args.Problem`."""
+    """Run the kernel on a validated :class:`fastattn._calls.args.Problem`."""
     cdt = p.compute_dtype
     q, k, v = (_glue.kernel_ready(a, cdt) for a in (p.q, p.k, p.v))
     q, k, v = _precision.forward_inputs(q, k, v, cdt, p.D, p.Dv)

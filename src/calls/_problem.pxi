@@ -1,8 +1,8 @@
 # Describing a call to the kernel: the C Problem (_tile_pipeline.pxi) of one call.
 #
 #   _fill_problem       THE filler: the Problem of a call the front end describes (a
-#                       fastattn._args.Problem, or varlen_problem's namespace), on the
-#                       operands fastattn/_glue.py prepared; every validated entry point
+#                       fastattn._calls.args.Problem, or varlen_problem's namespace), on the
+#                       operands fastattn/_calls/glue.py prepared; every validated entry point
 #                       (_entry_points.pxi) calls it
 #   _fill_description   the fields of the call's description, read by name, one a line:
 #                       a new keyword of the front end is an attribute of its Problem and a
@@ -12,8 +12,8 @@
 #   kernel_layout       the rule for an array the kernel addresses in place
 #
 # The kernel's codes of the normalised arguments (MASK_*, CAUSAL_*) are exported for the
-# front end, which checks that fastattn._args' codes are these when it loads the module
-# (fastattn/_dispatch.py).
+# front end, which checks that fastattn._calls.args' codes are these when it loads the module
+# (fastattn/_machine/isa.py).
 
 MASK_NONE = 0
 MASK_BOOL = 1
@@ -129,7 +129,7 @@ _amx_from_environment()
 
 
 cdef inline bint _gqa_fits(Py_ssize_t Hq, Py_ssize_t Hkv) noexcept:
-    # GQA: query head h reads key/value head h // (Hq // Hkv) (fastattn._args.check_gqa
+    # GQA: query head h reads key/value head h // (Hq // Hkv) (fastattn._calls.args.check_gqa
     # refuses the rest with its message).
     return Hkv != 0 and Hq % Hkv == 0
 
@@ -376,8 +376,8 @@ cdef int _fill_description(Problem* P, object p) except -1:
 cdef Py_ssize_t* _fill_problem(Problem* P, object p, cnp.ndarray q, cnp.ndarray k,
                                cnp.ndarray v, cnp.ndarray out, object lse, object mask,
                                Py_ssize_t* small) except NULL:
-    # The Problem of the call that p describes (a fastattn._args.Problem, or the namespace
-    # of varlen_problem when p.packed), on its operands as fastattn/_glue.py prepared them:
+    # The Problem of the call that p describes (a fastattn._calls.args.Problem, or the namespace
+    # of varlen_problem when p.packed), on its operands as fastattn/_calls/glue.py prepared them:
     # q, k, v, out, lse and mask (None for packed sequences) as _fill_layout takes them.
     # Returns the block of batch offsets (the caller frees it with _free_offsets).
     cdef Py_ssize_t bshape[32]

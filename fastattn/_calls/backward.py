@@ -1,8 +1,8 @@
 """Gradients of attention: the front end of the compiled backward pass.
 
 The arguments of the forward call are checked by the forward's own rules
-(:class:`fastattn._args.Problem`), and ``dout``, ``out``, ``lse`` and ``dlse`` by
-:func:`fastattn._args.check_forward_result`.  The kernel (src/_backward.pxi) writes
+(:class:`fastattn._calls.args.Problem`), and ``dout``, ``out``, ``lse`` and ``dlse`` by
+:func:`fastattn._calls.args.check_forward_result`.  The kernel (src/pipeline/_backward.pxi) writes
 dq, dk, dv over the full broadcast batch in the compute dtype, and Delta; here batch
 dimensions that an input broadcast are summed (one fixed order, NumPy's reduction over
 C-contiguous axes), 16-bit gradients rounded once, and the sinks' gradient computed from
@@ -12,9 +12,11 @@ compute dtype, rounds each row, and a sink's gradient adds up every row of its h
 """
 import numpy as np
 
-from . import _args, _precision, _threads
-from ._glue import kernel as _kernel
-from ._glue import kernel_mask, kernel_ready
+from . import args as _args
+from . import precision as _precision
+from .._machine import threads as _threads
+from .glue import kernel as _kernel
+from .glue import kernel_mask, kernel_ready
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
 

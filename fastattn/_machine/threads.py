@@ -1,6 +1,6 @@
 """Number of threads used by fastattn's kernels, and its threadpoolctl controller.
 
-The kernels run on fastattn's own thread pool (src/fa_pool.h).  The process-wide default
+The kernels run on fastattn's own thread pool (src/pool/fa_pool.h).  The process-wide default
 honours ``OMP_NUM_THREADS`` like an OpenMP library (otherwise: the CPUs this process may
 run on) and is changed by :func:`set_num_threads`.  The :func:`num_threads` context
 manager overrides it for the calling Python thread only, so two threads can use different
@@ -27,8 +27,8 @@ import os
 import sys
 import threading
 
-from ._dispatch import kernel
-from ._version import __version__
+from .isa import kernel
+from .version import __version__
 
 
 def _initial_default():

@@ -1,6 +1,6 @@
-# The kernel's entry points for the validated front end (fastattn/_api.py, _backward.py,
-# through fastattn/_glue.py): each takes the front end's description of the call, `p` (a
-# fastattn._args.Problem, or varlen_problem's namespace for packed sequences), and the
+# The kernel's entry points for the validated front end (fastattn/_calls/api.py, _backward.py,
+# through fastattn/_calls/glue.py): each takes the front end's description of the call, `p` (a
+# fastattn._calls.args.Problem, or varlen_problem's namespace for packed sequences), and the
 # arrays it prepared, by name, as scikit-learn's dispatcher hands its arguments to the
 # typed code.  _fill_problem (_problem.pxi) turns p into the C Problem; nothing is
 # validated here.
@@ -13,7 +13,7 @@
 
 def forward(p, *, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
             object mask, int n_threads):
-    """Run the fused kernel on the call ``p`` describes (called only by fastattn._api).
+    """Run the fused kernel on the call ``p`` describes (called only by fastattn._calls.api).
 
     q, k, v, out: the compute dtype (float32/float64) or, read and written in place,
     float16 / bfloat16 (out only with float32 compute), with a contiguous last axis
@@ -34,7 +34,7 @@ def forward(p, *, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, 
 def forward_kvcache(p, *, cnp.ndarray q, cnp.ndarray k_cache, cnp.ndarray v_cache,
                     cnp.ndarray out, object lse, object block_table, object k_scale,
                     object v_scale, int n_threads):
-    """Run the fused kernel over KV caches (called only by fastattn._kvcache_attn).
+    """Run the fused kernel over KV caches (called only by fastattn._serving.kvcache).
 
     p: the call's Problem, whose kv_lengths are the keys each sequence attends over; q
     (B, Hq, Lq, D), out and lse as for ``forward``.  The caches: (B, Hkv, Lmax, D / Dv),
@@ -100,7 +100,7 @@ cdef int _fill_caches(Problem* P, Py_ssize_t* offs, cnp.ndarray k_cache, cnp.nda
 def backward(p, *, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
              cnp.ndarray dout, cnp.ndarray lse, object dlse, cnp.ndarray delta,
              cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, object mask, int n_threads):
-    """The gradients of the call ``p`` describes (called only by fastattn._backward).
+    """The gradients of the call ``p`` describes (called only by fastattn._calls.backward).
 
     q, k, v, out, mask: as for ``forward``, the call whose out and lse these are; dout:
     out's shape and dtype, laid out likewise.  lse, dlse (or None), delta: C-contiguous
@@ -166,7 +166,7 @@ cdef int _fill_grads(Grads* G, const Problem* P, object p, cnp.ndarray dout, obj
 
 def key_intervals(p):
     """Visible key interval [lo, hi) of every query row of the call ``p`` describes (a
-    fastattn._args.Problem), intp arrays of shape (p.nbatch, p.Lq) each.
+    fastattn._calls.args.Problem), intp arrays of shape (p.nbatch, p.Lq) each.
 
     The kernel's own rule (fa_key_interval) on the Problem's own description
     (_fill_description): causal, window, kv_lengths and q_lengths (alignment uses them;

@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from . import _args
-from ._quant import cache_dtype, check_fp8_scale, dequantize, quantize
+from .._calls import args as _args
+from .._storage.quant import cache_dtype, check_fp8_scale, dequantize, quantize
 
 __all__ = ["KVCache"]
 

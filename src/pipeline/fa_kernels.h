@@ -735,7 +735,7 @@ static inline int fa_cpu_supports(const char* isa)
 }
 
 #include "fa_quant.h"
-#include "fa_dispatch.h"
+#include "fa_by_kind.h"
 #include "fa_bf16dot.h"
 #include "fa_amx.h"
 

@@ -27,7 +27,7 @@ even) and saturates to the largest finite one (448 for e4m3fn, 57344 for e5m2), 
 kernels do; non-finite values are refused.  (``ml_dtypes``' own cast rounds the same way
 but gives NaN or inf beyond the largest value.)
 
-The arithmetic is the compiled code's (``src/fa_append.h``), which the serving cache's
+The arithmetic is the compiled code's (``src/kinds/fa_append.h``), which the serving cache's
 appends share, so both give the same bytes.
 """
 import math
@@ -35,8 +35,9 @@ import numbers
 
 import numpy as np
 
-from . import _args, _kinds
-from ._dispatch import kernel
+from .._calls import args as _args
+from . import kinds as _kinds
+from .._machine.isa import kernel
 
 __all__ = ["Q8_0", "Q4_0", "BLOCK", "FP8_NAMES", "quantize_q8_0", "dequantize_q8_0",
            "quantize_q4_0", "dequantize_q4_0", "quantize_fp8", "dequantize_fp8", "cache_dtype",
@@ -83,7 +84,7 @@ def fp8_dtype(dtype, name="dtype"):
 
 def cache_dtype(dtype, name="dtype"):
     """``"q8_0"``, ``"q4_0"``, an fp8 dtype, or the float dtype ``dtype`` names
-    (:func:`fastattn._args.storage_dtype`): the dtypes a K/V cache may store."""
+    (:func:`fastattn._calls.args.storage_dtype`): the dtypes a K/V cache may store."""
     if isinstance(dtype, str) and dtype in _BLOCKS:
         return dtype
     fp8 = fp8_dtype(dtype, name)

@@ -1,6 +1,6 @@
 """The storage kinds of q, k, v and the serving caches: one table.
 
-The table lives in C (src/fa_kinds.h), where the kernels and the compiled gates read it;
+The table lives in C (src/kinds/fa_kinds.h), where the kernels and the compiled gates read it;
 Python reads the same rows from the extension (``storage_kinds()``), so no rule about a
 kind -- which dtype holds it, how many values a stored element packs (q4_0: two a byte),
 how many values share a scale and which scale, the largest value it stores -- is written
@@ -18,7 +18,7 @@ twice.  Each row is a dict:
 """
 import numpy as np
 
-from ._dispatch import kernel as _kernel
+from .._machine.isa import kernel as _kernel
 
 KINDS = _kernel.storage_kinds()
 BY_NAME = {k["name"]: k for k in KINDS}

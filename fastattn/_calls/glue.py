@@ -1,8 +1,8 @@
 """Between the validated front end and the compiled kernel: the arrays as the kernel reads them.
 
-:mod:`fastattn._api`, :mod:`fastattn._backward` and :mod:`fastattn.integrations.dask` hand
-the kernel a :class:`fastattn._args.Problem` (the call's description, which the kernel
-reads by name: ``_fill_problem`` in src/_problem.pxi) and the operands prepared here:
+:mod:`fastattn._calls.api`, :mod:`fastattn._calls.backward` and :mod:`fastattn.integrations.dask` hand
+the kernel a :class:`fastattn._calls.args.Problem` (the call's description, which the kernel
+reads by name: ``_fill_problem`` in src/calls/_problem.pxi) and the operands prepared here:
 
 - ``kernel_ready``: q, k, v (dout, out) in the compute dtype, or 16-bit read in place;
 - ``kernel_mask``: the mask as the kernel reads it;
@@ -10,13 +10,13 @@ reads by name: ``_fill_problem`` in src/_problem.pxi) and the operands prepared 
   ``out`` itself, and the result handed back when it does not.
 
 The kernel codes of the normalised arguments ride on the Problem (``causal_code``,
-``mask_code``, from ``fastattn._args.CAUSAL_CODES`` / ``MASK_CODES``); fastattn._dispatch
+``mask_code``, from ``fastattn._calls.args.CAUSAL_CODES`` / ``MASK_CODES``); fastattn._machine.isa
 checks that a kernel module agrees when it loads one.
 """
 import numpy as np
 
-from . import _args
-from ._dispatch import kernel
+from . import args as _args
+from .._machine.isa import kernel
 
 __all__ = ["kernel", "kernel_layout", "kernel_ready", "kernel_mask", "writes_in_place",
            "kernel_writes", "result"]

@@ -14,7 +14,7 @@ tests/test_dispatch.py uses it to check every variant the running CPU supports.
 import importlib
 import os
 
-from . import _args
+from .._calls import args as _args
 
 
 def _not_built(here):
@@ -28,11 +28,11 @@ def _not_built(here):
 
 
 try:
-    from . import _kernel_base
+    from .. import _kernel_base
 except ImportError:
     # A missing extension gets the diagnosis (Python's own message blames a circular
     # import); one that exists but fails to load keeps its own message.
-    _here = os.path.dirname(os.path.abspath(__file__))
+    _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the package
     if any(name.startswith("_kernel_base.") and not name.endswith((".pyx", ".pyi", ".c"))
            for name in os.listdir(_here)):
         raise
@@ -51,14 +51,14 @@ PREFERENCE = ("avx512", "avx2", "base")
 
 def _load(isa):
     """The variant's module, ready: its codes of the normalised arguments checked against
-    fastattn._args' (which every Problem carries), and its lean gate given the codes of
-    ``causal=False`` and ``causal=True`` from fastattn._args, the one normaliser of causal."""
+    fastattn._calls.args' (which every Problem carries), and its lean gate given the codes of
+    ``causal=False`` and ``causal=True`` from fastattn._calls.args, the one normaliser of causal."""
     mod = importlib.import_module(f"fastattn._kernel_{isa}")
     theirs = ({"none": mod.CAUSAL_NONE, "bottom-right": mod.CAUSAL_BOTTOM_RIGHT,
                "top-left": mod.CAUSAL_TOP_LEFT},
               {None: mod.MASK_NONE, "bool": mod.MASK_BOOL, "add": mod.MASK_ADD})
     if theirs != (_args.CAUSAL_CODES, _args.MASK_CODES):
-        raise ImportError(f"fastattn._kernel_{isa}'s codes {theirs} are not fastattn._args' "
+        raise ImportError(f"fastattn._kernel_{isa}'s codes {theirs} are not fastattn._calls.args' "
                           f"{(_args.CAUSAL_CODES, _args.MASK_CODES)}: rebuild it")
     mod.lean_causal_codes(*(_args.CAUSAL_CODES[_args.check_causal(c)] for c in (False, True)))
     return mod

@@ -4,7 +4,7 @@ The facts: the package version, Python and NumPy versions, the compiler of the c
 kernel, the thread count and the thread pool that runs the kernels (fastattn's own pool of
 POSIX threads; OpenMP, when the build has it, supplies the default thread count and runs
 the calls that ``FASTATTN_POOL`` sends to the calling thread's OpenMP team), the SIMD
-variant chosen at import time (see ``fastattn._dispatch``) with the variants this CPU could
+variant chosen at import time (see ``fastattn._machine.isa``) with the variants this CPU could
 run, whether bfloat16 products run, and what float32 calls multiply in.  They are read from
 the running process, so :func:`show_config` shows its settings (``set_num_threads``,
 ``set_float32_precision``, the kernel's switches) where ``info`` shows a fresh process's.
@@ -123,7 +123,7 @@ def collect(fa=None):
         "threads": UNKNOWN, "isa": UNKNOWN, "available_variants": UNKNOWN,
     }
     if fa is None:
-        fa = sys.modules[__package__]
+        fa = sys.modules[__package__.partition(".")[0]]
     problems = shadowing_problems(fa)
     if problems:
         info["problems"] = problems
@@ -133,13 +133,13 @@ def collect(fa=None):
     except Exception:
         pass
     try:
-        from . import _threads
+        from . import threads as _threads
         info["pool_choice"] = str(_threads._pool)
         info["openmp_team"] = str(_threads.pool_team())
     except Exception:
         pass
     try:
-        from . import _dispatch
+        from . import isa as _dispatch
     except Exception as exc:
         info["dispatch_error"] = f"{type(exc).__name__}: {exc}"
         return info
@@ -220,7 +220,7 @@ def _team_role(info):
 
 def _precision_facts(info):
     """Add whether bfloat16 products run, and what float32 calls multiply in now."""
-    from . import _precision
+    from .._calls import precision as _precision
 
     runs, how = _precision.bf16_products()
     state = f"yes ({how})" if runs else f"no ({how}: float32 products)"

@@ -11,7 +11,7 @@ computes ``x @ w + b``, so each weight is transposed.
 """
 import numpy as np
 
-from . import _args
+from .._calls import args as _args
 
 
 def _reader(state_dict, prefix):

@@ -1,5 +1,5 @@
 # Plan once, run every layer: the compiled half of fastattn's KVCachePlan
-# (fastattn/_kvcache_attn.py).
+# (fastattn/_serving/kvcache.py).
 #
 # A decode step calls attention once per layer over caches that share everything but
 # their arrays: the lengths, the block table, the rotary tables and the score modifiers.
@@ -290,7 +290,7 @@ cdef class KVCachePlanBase:
     cdef object _alibi                      # float64 (B, Hq) for _alibi_hq heads
     cdef Py_ssize_t _alibi_hq
     cdef object _n_threads                  # fastattn's thread count, a function
-    cdef object _precision                  # fastattn._precision: its `active` flag
+    cdef object _precision                  # fastattn._calls.precision: its `active` flag
     cdef public bint compiled               # False: every run takes the checked path
     # The pages in use for one (page size, Lnew): their smallest and largest index.
     cdef Py_ssize_t _memo_page, _memo_lnew, _memo_lo, _memo_hi
@@ -298,7 +298,7 @@ cdef class KVCachePlanBase:
     def _configure(self, seqlens, block_table, int causal, Py_ssize_t wl, Py_ssize_t wr,
                    scale, softcap, cos32, sin32, bint interleaved, bint rotate_q_per_row,
                    bint has_alibi, n_threads, precision, bint compiled):
-        """Set what the plan checked (fastattn/_kvcache_attn.py; nothing is checked here)."""
+        """Set what the plan checked (fastattn/_serving/kvcache.py; nothing is checked here)."""
         self._set_batch(seqlens, block_table)
         self._causal, self._wl, self._wr = causal, wl, wr
         self._scale = scale
@@ -577,7 +577,7 @@ cdef class KVCachePlanBase:
 
 
 def quantize_rows(cnp.ndarray x, cnp.ndarray values, cnp.ndarray scales):
-    """Quantise rows (fastattn._quant): ``x`` float32, float16 or bfloat16
+    """Quantise rows (fastattn._storage.quant): ``x`` float32, float16 or bfloat16
     ``(n, D)``, D a multiple of 32 for q8_0 and q4_0, into ``values`` ``(n, row bytes)`` of
     a quantised cache's dtype (int8: q8_0, uint8: q4_0, D / 2 bytes a row, ml_dtypes'
     float8_e4m3fn / float8_e5m2: fp8) and ``scales``: float16 ``(n, D // 32)`` written for
@@ -614,7 +614,7 @@ _SCALE_NAMES = {FA_SCALE_NONE: None, FA_SCALE_F16_BLOCK: "float16 per block",
 
 
 def storage_kinds():
-    """The storage kinds' table (src/fa_kinds.h) as a tuple of dicts, one a kind, in the
+    """The storage kinds' table (src/kinds/fa_kinds.h) as a tuple of dicts, one a kind, in the
     order of their numbers: ``kind``, ``name``, ``dtype``, ``per_item``, ``block``,
     ``scale``, ``largest`` and ``quantisable``."""
     cdef int i

@@ -19,8 +19,8 @@ import warnings
 
 import numpy as np
 
-from . import _args
-from ._dispatch import kernel
+from . import args as _args
+from .._machine.isa import kernel
 
 __all__ = ["set_float32_precision", "get_float32_precision", "float32_precision"]
 

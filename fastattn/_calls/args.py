@@ -248,7 +248,7 @@ _CAUSAL = {False: "none", True: "bottom-right", "bottom-right": "bottom-right",
            "top-left": "top-left"}
 
 # The compiled kernel's code of each normalised ``causal`` and mask kind (FA_CAUSAL_* of
-# src/fa_kernels.h; the mask kinds of src/_tile_pipeline.pxi), which the kernel checks
+# src/pipeline/fa_kernels.h; the mask kinds of src/pipeline/_tile_pipeline.pxi), which the kernel checks
 # against its own when it loads.  A :class:`Problem` carries its codes.
 CAUSAL_CODES = {"none": 0, "bottom-right": 1, "top-left": 2}
 MASK_CODES = {None: 0, "bool": 1, "add": 2}
@@ -571,7 +571,7 @@ class Problem(Shapes):
     ``v=None`` describes ``attention_weights``, which has no values (nor ``out``).
 
     The compiled kernel reads its description of the call from these attributes, by name
-    (``_fill_problem`` in src/_problem.pxi): a new keyword is a new attribute here and one
+    (``_fill_problem`` in src/calls/_problem.pxi): a new keyword is a new attribute here and one
     line there.  ``packed`` is False (:func:`varlen_problem` describes packed sequences).
     """
     packed = False

@@ -1,5 +1,5 @@
 /*
- * fa_backward.h -- the elementwise micro-kernels of the backward pass (src/_backward.pxi).
+ * fa_backward.h -- the elementwise micro-kernels of the backward pass (src/pipeline/_backward.pxi).
  * Its products (S, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K) run on the
  * forward's score and output micro-tiles; what is new is here:
  *

@@ -10,7 +10,7 @@
 # takes gives the validated path's bits.
 #
 # The gate normalises nothing itself: the kernel codes of causal=False and causal=True are
-# fastattn._args' (the one normaliser), handed over by fastattn/_dispatch.py when it loads
+# fastattn._calls.args' (the one normaliser), handed over by fastattn/_machine/isa.py when it loads
 # the module (lean_causal_codes); until then the gate takes no call.
 
 cdef inline bint _extent_overlap(cnp.ndarray a, cnp.ndarray b):
@@ -121,7 +121,7 @@ _lean_causal_codes[0] = _lean_causal_codes[1] = -1
 
 def lean_causal_codes(int if_false, int if_true):
     """Give the lean gate the kernel codes of causal=False and causal=True, as the front
-    end's normaliser (fastattn._args) has them."""
+    end's normaliser (fastattn._calls.args) has them."""
     _lean_causal_codes[0], _lean_causal_codes[1] = if_false, if_true
 
 

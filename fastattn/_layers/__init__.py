@@ -1,0 +1,1 @@
+"""What the layers keep: their KV cache and torch state dicts."""

@@ -1,0 +1,1 @@
+"""Storage kinds: the table the C kernels share, and the quantised formats."""
