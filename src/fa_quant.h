@@ -366,6 +366,25 @@ FA_INLINE void fa_q8_0_ksc16x4(const uint16_t* ks, float* ksc, ptrdiff_t ldksc)
     _mm512_storeu_ps(ksc + 2 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0x44));
     _mm512_storeu_ps(ksc + 3 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0xEE));
 }
+#elif defined(__AVX2__) && defined(__F16C__)
+/* The same for 8 keys: a[i] holds keys 2i and 2i + 1 (a 128-bit lane each); unpacks and
+ * shuffles leave block b's keys in the order 0 2 4 6 1 3 5 7, which one permutation sorts. */
+FA_INLINE void fa_q8_0_ksc8x4(const uint16_t* ks, float* ksc, ptrdiff_t ldksc)
+{
+    __m256 a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 8 * i)));
+    const __m256 u0 = _mm256_unpacklo_ps(a[0], a[1]), u1 = _mm256_unpacklo_ps(a[2], a[3]);
+    const __m256 w0 = _mm256_unpackhi_ps(a[0], a[1]), w1 = _mm256_unpackhi_ps(a[2], a[3]);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_ps(ksc, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(u0, u1, 0x44), order));
+    _mm256_storeu_ps(ksc + ldksc,
+                     _mm256_permutevar8x32_ps(_mm256_shuffle_ps(u0, u1, 0xEE), order));
+    _mm256_storeu_ps(ksc + 2 * ldksc,
+                     _mm256_permutevar8x32_ps(_mm256_shuffle_ps(w0, w1, 0x44), order));
+    _mm256_storeu_ps(ksc + 3 * ldksc,
+                     _mm256_permutevar8x32_ps(_mm256_shuffle_ps(w0, w1, 0xEE), order));
+}
 #endif
 
 /* n consecutive rows of K and V stored as `kind` (a page, or a contiguous run of a cache)
@@ -394,6 +413,9 @@ static void fa_quant_rows(int kind, const char* k, ptrdiff_t k_row, const uint16
 #if FA_VBYTES == 64
     if (nbk == 4 && ks_row == 4)
         for (; u0 + 16 <= n; u0 += 16) fa_q8_0_ksc16x4(ks + 4 * u0, ksc + u0, ldksc);
+#elif defined(__AVX2__) && defined(__F16C__)
+    if (nbk == 4 && ks_row == 4)
+        for (; u0 + 8 <= n; u0 += 8) fa_q8_0_ksc8x4(ks + 4 * u0, ksc + u0, ldksc);
 #endif
     for (ptrdiff_t b = 0; b < nbk; b++)
         for (ptrdiff_t u = u0; u < n; u++) ksc[b * ldksc + u] = fa_f16_to_f32(ks[u * ks_row + b]);
