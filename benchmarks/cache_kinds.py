@@ -19,7 +19,7 @@ Shapes (heads first; q and the output float32, as a serving layer holds them):
 * ``gqa``: decode, B 8, Hq 32, Hkv 8, D 128, 2048 keys per sequence;
 * ``4k``: decode, B 1, Hq = Hkv = 32, D 128, 4096 keys;
 * ``prefill``: chunked prefill, 256 new query rows (causal) over a 4096-key cache, B 1,
-  Hq 32, Hkv 8, D 128 (time ratios; its GB/s are those of one pass over the cache).
+  Hq 32, Hkv 8, D 128 (bound by its FLOPs: time ratios only).
 
 Kinds: float16, bfloat16, q8_0, q4_0, fp8 (float8_e4m3fn, a float32 scale per kv head),
 fp8-1 (float8_e4m3fn, one scalar scale) and e5m2 (float8_e5m2, per kv head).  Each call
@@ -239,7 +239,10 @@ def main():
                 gbs = np.median([x["gbs"] for x in xs])
                 share = np.median([x["share"] for x in xs])
                 f16 = np.median([x["f16_ratio"] for x in xs])
-                print(f"  {kind:<9} {ms:8.2f} {gbs:7.1f} {share:6.2f} {f16:9.2f}")
+                if SHAPES[shape][3] > 1:      # a prefill is bound by its FLOPs, not its reads
+                    print(f"  {kind:<9} {ms:8.2f} {'-':>7} {'-':>6} {f16:9.2f}")
+                else:
+                    print(f"  {kind:<9} {ms:8.2f} {gbs:7.1f} {share:6.2f} {f16:9.2f}")
                 raw[f"{isa}/{build}/{shape}/{kind}"] = dict(ms=ms, gbs=gbs, share=share, f16=f16)
     if args.old:
         print("\nnew build's time / old build's time... as old/new speed-up (same run):")
