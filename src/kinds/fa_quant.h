@@ -277,6 +277,51 @@ FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h,
     }
 #undef FA_LANES
 }
+#elif defined(__AVX2__) && defined(__F16C__)
+/* The 8 x 8 byte block is transposed as bytes, 12 unpacks against the 24 shuffles of a
+ * float transpose and its round trip through memory: byte, word and dword unpacks leave
+ * in c[i] dims 2i and 2i + 1, each a qword of the 8 keys' bytes, which is then widened. */
+typedef struct { __m128i c[4]; int nan; } fa_quant_blk;
+
+FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
+                             fa_quant_blk* u)
+{
+    __m128i x[8], a[4], b[4];
+    for (int r = 0; r < 8; r++) x[r] = fa_quant_bytes(kind, kr[r], d0);
+    for (int i = 0; i < 4; i++) a[i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
+    b[0] = _mm_unpacklo_epi16(a[0], a[1]);     /* dims 0-3, keys 0-3 */
+    b[1] = _mm_unpackhi_epi16(a[0], a[1]);     /* dims 4-7, keys 0-3 */
+    b[2] = _mm_unpacklo_epi16(a[2], a[3]);     /* dims 0-3, keys 4-7 */
+    b[3] = _mm_unpackhi_epi16(a[2], a[3]);     /* dims 4-7, keys 4-7 */
+    u->c[0] = _mm_unpacklo_epi32(b[0], b[2]);
+    u->c[1] = _mm_unpackhi_epi32(b[0], b[2]);
+    u->c[2] = _mm_unpacklo_epi32(b[1], b[3]);
+    u->c[3] = _mm_unpackhi_epi32(b[1], b[3]);
+    u->nan = 0;
+    if (kind == FA_STORE_E4M3) {   /* any e4m3fn NaN in the block (see fa_quant_widen) */
+        const __m128i sign = _mm_set1_epi8((char)0x80), ones = _mm_set1_epi8((char)0xFF);
+        __m128i any = _mm_setzero_si128();
+        for (int i = 0; i < 4; i++)
+            any = _mm_or_si128(any, _mm_cmpeq_epi8(_mm_or_si128(u->c[i], sign), ones));
+        u->nan = _mm_movemask_epi8(any) != 0;
+    }
+}
+
+FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h, fa_vf* t)
+{
+#define FA_DIMS(NAN) \
+    for (int i = 0; i < 2; i++) { \
+        const __m128i c = u->c[2 * h + i]; \
+        t[2 * i] = fa_quant_widen(kind, c, NAN); \
+        t[2 * i + 1] = fa_quant_widen(kind, _mm_unpackhi_epi64(c, c), NAN); \
+    }
+    if (kind == FA_STORE_E4M3 && u->nan) {
+        FA_DIMS(1)
+    } else {
+        FA_DIMS(0)
+    }
+#undef FA_DIMS
+}
 #else
 /* Each row widened into a small buffer, then the float transpose, all at load. */
 typedef struct { fa_vf t[FA_VL_F]; } fa_quant_blk;
@@ -321,6 +366,25 @@ FA_INLINE void fa_q8_0_ksc16x4(const uint16_t* ks, float* ksc, ptrdiff_t ldksc)
     _mm512_storeu_ps(ksc + 2 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0x44));
     _mm512_storeu_ps(ksc + 3 * ldksc, _mm512_shuffle_f32x4(t_hi, s_hi, 0xEE));
 }
+#elif defined(__AVX2__) && defined(__F16C__)
+/* The same for 8 keys: a[i] holds keys 2i and 2i + 1 (a 128-bit lane each); unpacks and
+ * shuffles leave block b's keys in the order 0 2 4 6 1 3 5 7, which one permutation sorts. */
+FA_INLINE void fa_q8_0_ksc8x4(const uint16_t* ks, float* ksc, ptrdiff_t ldksc)
+{
+    __m256 a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 8 * i)));
+    const __m256 u0 = _mm256_unpacklo_ps(a[0], a[1]), u1 = _mm256_unpacklo_ps(a[2], a[3]);
+    const __m256 w0 = _mm256_unpackhi_ps(a[0], a[1]), w1 = _mm256_unpackhi_ps(a[2], a[3]);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_ps(ksc, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(u0, u1, 0x44), order));
+    _mm256_storeu_ps(ksc + ldksc,
+                     _mm256_permutevar8x32_ps(_mm256_shuffle_ps(u0, u1, 0xEE), order));
+    _mm256_storeu_ps(ksc + 2 * ldksc,
+                     _mm256_permutevar8x32_ps(_mm256_shuffle_ps(w0, w1, 0x44), order));
+    _mm256_storeu_ps(ksc + 3 * ldksc,
+                     _mm256_permutevar8x32_ps(_mm256_shuffle_ps(w0, w1, 0xEE), order));
+}
 #endif
 
 /* n consecutive rows of K and V stored as `kind` (a page, or a contiguous run of a cache)
@@ -349,6 +413,9 @@ static void fa_quant_rows(int kind, const char* k, ptrdiff_t k_row, const uint16
 #if FA_VBYTES == 64
     if (nbk == 4 && ks_row == 4)
         for (; u0 + 16 <= n; u0 += 16) fa_q8_0_ksc16x4(ks + 4 * u0, ksc + u0, ldksc);
+#elif defined(__AVX2__) && defined(__F16C__)
+    if (nbk == 4 && ks_row == 4)
+        for (; u0 + 8 <= n; u0 += 8) fa_q8_0_ksc8x4(ks + 4 * u0, ksc + u0, ldksc);
 #endif
     for (ptrdiff_t b = 0; b < nbk; b++)
         for (ptrdiff_t u = u0; u < n; u++) ksc[b * ldksc + u] = fa_f16_to_f32(ks[u * ks_row + b]);
