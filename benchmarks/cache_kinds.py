@@ -112,7 +112,7 @@ def worker(args):
     fa.set_num_threads(threads)
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
-    from fastattn import _dispatch
+    from fastattn._machine import isa as _dispatch
     res = {"isa": _dispatch.ISA, "shapes": {}}
     big = torch.ones(512 << 18, dtype=torch.float32)
     roof_call = lambda: torch.sum(big)       # noqa: E731
