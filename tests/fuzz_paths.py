@@ -198,7 +198,7 @@ def bad_value(rng, kw, names):
         how = int(rng.integers(4))
         if how == 0:
             kw[name] = a[..., :-1] if a.shape[-1] > 1 else np.concatenate([a, a], axis=-1)
-        elif how == 1 and a.dtype.kind == "f":
+        elif how == 1 and a.dtype.kind == "f" and a.size:
             bad = np.array(a)
             bad.flat[int(rng.integers(bad.size))] = [np.nan, np.inf, -np.inf][int(rng.integers(3))]
             kw[name] = bad
@@ -235,6 +235,8 @@ def case_attention(rng, bad):
     if rng.random() < 0.2:
         res_dt = np.result_type(*dts)
         kw["out"] = any_view(np.zeros((B, Hq, Lq, Dv), res_dt), rng, writable=True)
+    elif rng.random() < 0.1 and D == Dv:
+        kw["out"] = kw["q"]                      # in place: out overlaps an input
     if bad:
         bad_value(rng, kw, [n for n in kw if n not in ("return_lse", "out")])
     return "attention", lambda a: fastattn.attention(**a), kw, ()
@@ -359,6 +361,8 @@ def draw_serving(rng, bad):
     if rng.random() < 0.2:
         layer["sinks"] = rng.standard_normal(Hq)
     layer["return_lse"] = bool(rng.integers(2))
+    if rng.random() < 0.1 and D == Dv:
+        layer["out"] = layer["q"]                # in place: out overlaps q
     if bad:
         if rng.random() < 0.5:
             bad_value(rng, layer, [n for n in layer if n not in ("return_lse",)])
@@ -469,7 +473,15 @@ def draw(seed, i, with_torch):
 def fresh(kw, contig=False):
     """A copy of a call's arguments (caches and out included, so that each run writes its
     own), keeping each array's layout unless ``contig``."""
+    memo = {}                                   # an array passed twice stays one array
+
     def copy(x):
+        if id(x) in memo:
+            return memo[id(x)]
+        memo[id(x)] = y = _copy(x)
+        return y
+
+    def _copy(x):
         if isinstance(x, dict):
             return {n: copy(y) for n, y in x.items()}
         if isinstance(x, np.ndarray):
