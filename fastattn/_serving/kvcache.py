@@ -502,14 +502,15 @@ def _pages_in_use(seqlens, table, page, Lnew):
 
 
 def _check_pages(c, table, num_pages):
-    """``c.pages``: the pages each sequence uses, checked in range of the pool."""
+    """``c.pages`` and ``c.in_use``: the pages each sequence uses, checked in range of the
+    pool."""
     pages, in_use = _pages_in_use(c.seqlens, table, c.page, c.Lnew)
     bad = in_use & ((pages < 0) | (pages >= num_pages))
     if bad.any():
         b, p = (int(i[0]) for i in np.nonzero(bad))
         raise ValueError(f"block_table[{b}, {p}] = {pages[b, p]} is not a page of the cache "
                          f"(num_pages = {num_pages}, block_table.shape={table.shape})")
-    c.pages = pages
+    c.pages, c.in_use = pages, in_use
 
 
 def _check_call(plan, q, k_cache, v_cache, k, v, k_scale, v_scale):
@@ -550,18 +551,15 @@ def _check_call(plan, q, k_cache, v_cache, k, v, k_scale, v_scale):
     c = SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale,
                         v_scale=v_scale, k=k, v=v, B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, Lnew=Lnew, D=D,
                         Dv=Dv, seqlens=seqlens, seen=seqlens + Lnew, page=page, pages=None,
+                        in_use=None,
                         cos=plan._cos, sin=plan._sin, interleaved=plan._interleaved,
                         rotate_q_per_row=plan._causal != "none" or plan._window is not None,
                         fmt=fmt)
     _check_rotary_fits(c, plan._cos, k is not None)
     if table is not None:
         _check_pages(c, table, k_cache.shape[0])
-        plan._remember_pages_of(c.pages[_in_use(c)], page, Lnew)
+        plan._remember_pages_of(c.pages[c.in_use], page, Lnew)
     return c
-
-
-def _in_use(c):
-    return np.arange(c.pages.shape[1]) < (-(-c.seen // c.page))[:, None]
 
 
 def _value_dtype(c):
