@@ -21,6 +21,16 @@
  * packs serve that many keys. */
 #define FA_BKV_MAX 256
 
+/* acc + x y as one FMA where the ISA has one, in every compiler.  Written `acc += x * y`, a
+ * scalar loop's sum rounds by the loop's length in GCC: from a few iterations on, it
+ * multiplies in vectors and adds the products in order, unfused (Clang fuses each). */
+#if FA_HAS_FMA
+#define FA_MUL_ADD(x, y, acc) \
+    _Generic((acc), float: __builtin_fmaf, double: __builtin_fma)(x, y, acc)
+#else
+#define FA_MUL_ADD(x, y, acc) ((acc) + (x) * (y))
+#endif
+
 #define FA_BWD_KERNELS(SUF, T, V, VL, LOAD, STORE, BCAST, EXP2, LOAD_TRANSPOSE)                              \
 /* Keys [ja, jz) of nvec vectors of rows: s <- P = 2^(s - lse2), dp <- dS =                   \
  * P (dp - delta) (times slope[j] when slope is not NULL); both 0 for the other keys of      \
@@ -63,7 +73,7 @@ static T fa_bwd_dot_##SUF(const T* a, const T* b, ptrdiff_t n)                  
     for (; c + VL <= n; c += VL) acc += LOAD(a + c) * LOAD(b + c);                            \
     STORE(lanes, acc);                                                                        \
     for (int u = 0; u < VL; u++) sum += lanes[u];                                             \
-    for (; c < n; c++) sum += a[c] * b[c];                                                    \
+    for (; c < n; c++) sum = FA_MUL_ADD(a[c], b[c], sum);                                      \
     return sum;                                                                               \
 }                                                                                             \
                                                                                               \
