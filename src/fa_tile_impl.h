@@ -523,11 +523,15 @@ FA_INLINE void FA_FN(fa_pv_finish)(V c[4][8], T* acc, ptrdiff_t ldacc, const T* 
     }
 }
 
+#ifndef FA_PV_PTR_AHEAD
+#define FA_PV_PTR_AHEAD 12
+#endif
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
  * register file (up to 8 for one row, so that as many chains run at once; FA_PV4_NV for
- * four).  Row j + 4 is requested into L1 as row j is read, and row j of pf (npf rows
+ * four).  Row j + FA_PV_PTR_AHEAD is requested into L1 as row j is read (far enough ahead
+ * for a row in L2 to arrive), and row j of pf (npf rows
  * of pf_bytes, the next block's) into L2, every line of it; rows of pf past nj after
  * the loop. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
@@ -541,8 +545,9 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
         for (int i = 0; i < nv; i++) c[r][i] = BCAST(0);
     for (ptrdiff_t j = 0; j < nj; j++) {
         if (j < npf) fa_prefetch_lines(pf[j], pf_bytes, 2);
-        if (j + 4 < nj)
-            fa_prefetch_lines((const char*)(vr[j + 4] + c0), nv * VL * (ptrdiff_t)sizeof(KV), 3);
+        if (j + FA_PV_PTR_AHEAD < nj)
+            fa_prefetch_lines((const char*)(vr[j + FA_PV_PTR_AHEAD] + c0),
+                              nv * VL * (ptrdiff_t)sizeof(KV), 3);
         V x[8];
         for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
         FA_FN(fa_pv_add_key)(c, p + j * ldp, x, nr, nv);
