@@ -1374,7 +1374,7 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
     # order, from the empty state: scores, finish, softmax step, P V.
     cdef Py_ssize_t c_lo = max(t.tile_lo, kc * FA_KCHUNK)
     cdef Py_ssize_t c_hi = min(t.tile_hi, kc * FA_KCHUNK + FA_KCHUNK), ib
-    _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad)
+    _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad, _acc_rows(t))
     for ib in range(c_lo // FA_BK, (c_hi + FA_BK - 1) // FA_BK if c_lo < c_hi else 0):
         t.j0 = max(ib * FA_BK, t.tile_lo - t.tile_lo % _block_align(t))
         t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
@@ -1414,13 +1414,24 @@ cdef inline Py_ssize_t _block_align(const Tile* t) noexcept nogil:
 
 
 cdef inline void _reset_state(floating* m, floating* l, floating* acc, Py_ssize_t nlanes,
-                              Py_ssize_t dv_pad) noexcept nogil:
-    # The empty softmax state: m = -inf, l = 0, acc = 0.
+                              Py_ssize_t dv_pad, Py_ssize_t acc_rows) noexcept nogil:
+    # The empty softmax state: m = -inf, l = 0 for every lane, acc = 0 for its first
+    # acc_rows rows (_acc_rows).
     cdef Py_ssize_t r
     for r in range(nlanes):
         m[r] = -INFINITY
         l[r] = 0
-    memset(acc, 0, nlanes * dv_pad * sizeof(floating))
+    memset(acc, 0, acc_rows * dv_pad * sizeof(floating))
+
+
+cdef inline Py_ssize_t _acc_rows(const Tile* t) noexcept nogil:
+    # The output rows a tile's kernels read: a decode tile's 4-row output tiles cover its
+    # rows rounded up to 4, and nothing reads the rest of its padding lanes' rows (a GQA
+    # group of 4 in 16 lanes of AVX-512 would otherwise clear four times its own bytes);
+    # prefill tiles all their lanes.
+    if t.decode:
+        return min(t.nlanes, _round_up(t.nrows, 4))
+    return t.nlanes
 
 
 cdef void _merge_chunk(const Tile* t, const Workspace* w, floating* ws, const floating* m,
@@ -1549,7 +1560,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     if next_bg >= 0:
         t.next_b, t.next_g = next_bg // P.Hkv, next_bg % P.Hkv
     _setup_rows(P, &t, &w, ws)
-    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
+    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad, _acc_rows(&t))
     if t.tile_lo < t.tile_hi:
         kc0 = t.tile_lo // FA_KCHUNK
         kc1 = (t.tile_hi + FA_KCHUNK - 1) // FA_KCHUNK
@@ -1580,7 +1591,7 @@ cdef void _merge_partials(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize
     _carve(&w, P, VL)
     _setup(P, &t, b, g, r0, NULL, NULL, ws)
     _set_mask_shifts(P, &t, <const floating*> P.mask)
-    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
+    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad, _acc_rows(&t))
     for kc in range(nchunk):
         pc = partial + kc * pst
         _merge_chunk(&t, &w, ws, pc, pc + cap, pc + 2 * cap)
