@@ -29,8 +29,9 @@ import time
 
 import numpy as np
 
+import fastattn
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import fastattn  # noqa: E402
 from fastattn._dispatch import ISA  # noqa: E402
 from fastattn.cli.bench import caches  # noqa: E402
 from fastattn.cli.bench.harness import OtherLoad  # noqa: E402
