@@ -4,6 +4,7 @@ batch sizes and sequence lengths: what a busy server's step costs in each layout
     python benchmarks/decode_grid.py [--grid 1x4096,8x1024,64x64,64x256,64x1024,256x128]
         [--types float16,q8_0] [--page 16] [--heads 32] [--kv-heads 8] [--d 128]
         [--rounds 11] [--threads N] [--plot FILE.png] [--json FILE.json]
+        [--against OLD_DIR]
 
 For each point B x keys and each cache type, the same keys and values are stored twice:
 contiguous, ``(B, Hkv, keys, D)``, and in a pool of pages whose order follows no sequence
@@ -19,6 +20,12 @@ product streaming 512 MiB with all BLAS threads (as ``python -m fastattn bench``
 Small points fit in the last-level cache, so their share can pass 1.  The "bg load"
 column is the share of the CPUs other processes used meanwhile: a figure taken beside
 other work is not the machine's.  ``FASTATTN_ISA=avx2`` runs the AVX2 build.
+
+``--against OLD_DIR`` times another build of fastattn (a directory holding an importable
+``fastattn`` package) in the same process, as tools/ab_inproc.py does: the four calls
+(old and new, contiguous and paged) take turns, and each sample is the fastest of the
+rounds, so that a loaded machine's slow phases fall on both builds alike.  The report then
+gives each build's ratio contiguous / paged and the new build's time / the old one's.
 """
 import argparse
 import json
@@ -29,9 +36,19 @@ import time
 
 import numpy as np
 
-import fastattn
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+if "--against" in sys.argv:
+    # the old build first, renamed fastattn_old, then this checkout's (or PYTHONPATH's)
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from ab_inproc import _load_both
+    _old_dir = sys.argv[sys.argv.index("--against") + 1]
+    old_fa, _ = _load_both(_old_dir, os.environ.get("PYTHONPATH", ROOT).split(os.pathsep)[0])
+else:
+    old_fa = None
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fastattn  # noqa: E402
+
+sys.path.insert(0, ROOT)
 from fastattn._dispatch import ISA  # noqa: E402
 from fastattn.cli.bench import caches  # noqa: E402
 from fastattn.cli.bench.harness import OtherLoad  # noqa: E402
@@ -82,6 +99,20 @@ def repeats_for(call, target_s=0.004):
     return max(1, int(target_s / dt))
 
 
+def time_fastest(calls, rounds):
+    """Fastest seconds per call of each call over the rounds, the calls taking turns."""
+    n = min(repeats_for(c, 0.0015) for c in calls)
+    best = [float("inf")] * len(calls)
+    for r in range(rounds):
+        order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
+        for i in order:
+            t = time.perf_counter()
+            for _ in range(n):
+                calls[i]()
+            best[i] = min(best[i], (time.perf_counter() - t) / n)
+    return best
+
+
 def time_alternating(calls, rounds):
     """Median seconds per call of each call, the calls taking turns (the first of a round
     alternates), each sample ``n`` calls in a row."""
@@ -110,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="FILE.png")
     ap.add_argument("--json", metavar="FILE.json")
+    ap.add_argument("--against", metavar="OLD_DIR",
+                    help="time the fastattn package in OLD_DIR beside this one, in one process")
     args = ap.parse_args(argv)
     names = [t for t in args.types.split(",") if t]
     unknown = sorted(set(names) - set(TYPES))
@@ -118,6 +151,10 @@ def main(argv=None):
     points = [tuple(int(x) for x in p.split("x")) for p in args.grid.split(",") if p]
     if args.threads:
         fastattn.set_num_threads(args.threads)
+        if old_fa is not None:
+            old_fa.set_num_threads(args.threads)
+    if old_fa is not None:
+        return against(args, names, points)
     rng = np.random.default_rng(args.seed)
     Hq, Hkv, D, page = args.heads, args.kv_heads, args.d, args.page
 
@@ -168,6 +205,47 @@ def main(argv=None):
                            page=page, rows=rows), f, indent=1)
     if args.plot:
         plot(rows, roof, args, names)
+    return 0
+
+
+def against(args, names, points):
+    """--against: the old build and this one, in turns, per point and cache type."""
+    rng = np.random.default_rng(args.seed)
+    Hq, Hkv, D, page = args.heads, args.kv_heads, args.d, args.page
+    print(f"{cpu_name()}, {ISA} builds, {fastattn.get_num_threads()} threads; Hq {Hq}, "
+          f"Hkv {Hkv}, D {D}, page {page} (pages shuffled); old: {args.against}; fastest of "
+          f"{args.rounds} rounds")
+    print(f"{'B x keys':>10} {'cache':>9} {'old c/p':>8} {'new c/p':>8} {'new/old c':>10}"
+          f" {'new/old p':>10} {'GB/s c':>7} {'GB/s p':>7} {'same':>5} {'bg load':>8}")
+    for B, L in points:
+        L = -(-L // page) * page
+        k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
+        v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
+        q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
+        seqlens = np.full(B, L, np.int32)
+        table = rng.permutation(B * (L // page)).astype(np.int32).reshape(B, L // page)
+        for name in names:
+            contiguous = store(name, k, v)
+            pool = paged(contiguous, table, page)
+            outs = [np.empty((B, Hq, 1, D), np.float32) for _ in range(4)]
+            calls = []
+            for fa in (old_fa, fastattn):
+                plans = (fa.plan_kvcache(cache_seqlens=seqlens),
+                         fa.plan_kvcache(cache_seqlens=seqlens, block_table=table))
+                for c, p in zip((contiguous, pool), plans):
+                    calls.append(lambda c=c, p=p, o=outs[len(calls)]: p.run(q, **c, out=o))
+            for call in calls:
+                call()
+            load = OtherLoad()
+            oc, op, nc, np_ = time_fastest(calls, args.rounds)
+            busy = load.fraction()
+            same = all(np.array_equal(outs[0], o) for o in outs[1:])
+            nbytes = step_bytes(contiguous, B, L)
+            bg = f"{100 * busy[0]:.0f}%" if busy else "?"
+            print(f"{B:>4} x {L:<4} {name:>9} {oc / op:8.2f} {nc / np_:8.2f} {nc / oc:10.2f}"
+                  f" {np_ / op:10.2f} {nbytes / nc / 1e9:7.1f} {nbytes / np_ / 1e9:7.1f}"
+                  f" {str(same):>5} {bg:>8}", flush=True)
+            del contiguous, pool
     return 0
 
 

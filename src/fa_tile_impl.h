@@ -523,7 +523,9 @@ FA_INLINE void FA_FN(fa_pv_finish)(V c[4][8], T* acc, ptrdiff_t ldacc, const T* 
     }
 }
 
-#ifndef FA_PV_PTR_AHEAD
+#ifndef FA_PV_PF_ONCE
+#define FA_PV_PF_ONCE
+/* How many rows ahead fa_pv_ptr requests V rows into L1. */
 #define FA_PV_PTR_AHEAD 12
 /* The next block's V rows that fa_pv_ptr requests into L2, spread evenly over all its
  * passes' key steps: rows[0 .. n), each of `bytes`, row `next` the next one due; a row
