@@ -579,7 +579,8 @@ cdef inline void _cache_seek_at(const Problem* P, Py_ssize_t b, Py_ssize_t g, Ca
     c.vs = page * P.vs_pst + g * P.vs_sh + i * P.vs_sj
 
 
-cdef inline Py_ssize_t _next_tile_keys(const Problem* P, const Tile* t, Py_ssize_t n) noexcept nogil:
+cdef inline Py_ssize_t _next_tile_keys(const Problem* P, const Tile* t,
+                                       Py_ssize_t n) noexcept nogil:
     # Keys of the next tile's first block to request now: when this is the tile's last
     # block, up to n of them (its keys from 0: a hint, which a window may make useless but
     # never wrong); else 0.
