@@ -10,8 +10,11 @@ and values twice: contiguous, ``(seqs, Hkv, max_len, D)``, and in a pool whose p
 shuffled (a block table that follows no order, as a busy server's does).  Then it times one
 decode step of the whole batch (``attention_with_kvcache``, one query row per sequence of
 random length in ``[min-len, max-len]``) over each, the two alternating round by round,
-and prints the medians, the ratio contiguous / paged (1.0: pages cost nothing) and whether
-both gave the same bits (they must).  The "bg load" column is the share of the CPUs other
+and prints the medians, the bytes of K and V (and their scales) the step reads as GB/s and
+as a share of the read roof, the ratio contiguous / paged (1.0: pages cost nothing) and
+whether both gave the same bits (they must).  The read roof is measured first, in the same
+run: a float32 matrix-vector product streaming 512 MiB with all BLAS threads (as
+``python -m fastattn bench`` does).  The "bg load" column is the share of the CPUs other
 processes used meanwhile: a figure taken beside other work is not the machine's.
 
 q8_0 and q4_0 are llama.cpp's blocks (``fastattn.quantize_q8_0``/``quantize_q4_0``); fp8 is
@@ -31,6 +34,7 @@ import fastattn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fastattn.cli.bench import caches  # noqa: E402
 from fastattn.cli.bench.harness import OtherLoad  # noqa: E402
+from fastattn.cli.bench.machine import cpu_name, measure_read_bandwidth  # noqa: E402
 
 TYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2")
 
@@ -106,11 +110,16 @@ def main(argv=None):
     k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
     v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
     table = rng.permutation(B * (L // page)).astype(np.int32).reshape(B, L // page)
-    print(f"{B} sequences of {seqlens.min()}-{seqlens.max()} keys, {args.heads} heads / "
-          f"{Hkv} kv heads, D {D}, page {page} (pages shuffled), "
+    load = OtherLoad()
+    roof = measure_read_bandwidth()
+    busy = load.fraction()
+    print(f"{cpu_name()}, {B} sequences of {seqlens.min()}-{seqlens.max()} keys, {args.heads} "
+          f"heads / {Hkv} kv heads, D {D}, page {page} (pages shuffled), "
           f"{fastattn.get_num_threads()} threads")
-    print(f"{'cache':10} {'contiguous':>11} {'paged':>9} {'contig/paged':>13} {'same bits':>10}"
-          f" {'bg load':>8}")
+    print(f"read roof (sgemv over 512 MiB): {roof:.1f} GB/s"
+          + (f" (bg load {100 * busy[0]:.0f}%)" if busy else ""))
+    print(f"{'cache':10} {'contiguous':>11} {'paged':>9} {'GB/s c':>7} {'GB/s p':>7} {'roof p':>7}"
+          f" {'contig/paged':>13} {'same bits':>10} {'bg load':>8}")
     for name in names:
         try:
             contiguous = store(name, k, v)
@@ -130,8 +139,12 @@ def main(argv=None):
         busy = load.fraction()
         same = np.array_equal(outs[0], outs[1])
         bg = f"{100 * busy[0]:.0f}%" if busy else "?"
-        print(f"{name:10} {t_contig * 1e3:9.2f}ms {t_paged * 1e3:7.2f}ms "
-              f"{t_contig / t_paged:13.2f} {str(same):>10} {bg:>8}")
+        # the bytes of the rows the step reads: each sequence's keys, every kv head
+        nbytes = sum(a.nbytes // (B * L) for a in contiguous.values() if a.ndim == 4) * int(
+            seqlens.sum())
+        gc, gp = nbytes / t_contig / 1e9, nbytes / t_paged / 1e9
+        print(f"{name:10} {t_contig * 1e3:9.2f}ms {t_paged * 1e3:7.2f}ms {gc:7.1f} {gp:7.1f} "
+              f"{gp / roof:7.2f} {t_contig / t_paged:13.2f} {str(same):>10} {bg:>8}")
 
 
 if __name__ == "__main__":

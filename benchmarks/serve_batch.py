@@ -23,6 +23,10 @@ It reports tokens per second and the share of each step spent outside the kernel
 the checks, the appends and the Python loop): the step's time less the kernels' own, which
 the compiled module clocks while a benchmark asks it to (``kernel_clock``).
 
+Both modes also give the bytes of K and V (and their scales) a step reads, as GB/s and as a
+share of the read roof, measured first in the same run: a float32 matrix-vector product
+streaming 512 MiB with all BLAS threads (as ``python -m fastattn bench`` does).
+
 The defaults are small, so that a run takes seconds; the figures of a real comparison
 come from longer sequences on a quiet machine (name the CPU with them).
 """
@@ -34,6 +38,8 @@ import time
 import numpy as np
 
 import fastattn
+from fastattn.cli.bench.harness import OtherLoad
+from fastattn.cli.bench.machine import cpu_name, measure_read_bandwidth
 
 
 class PagePool:
@@ -80,11 +86,24 @@ class PagePool:
             kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
         return kw
 
+    def bytes_per_key(self):
+        """Bytes of one key's rows in every kv head, K and V with their scales."""
+        return sum(a[0].nbytes // self.page for a in self.caches().values())
+
     def bytes_in_use(self):
         """Bytes of the pages the sequences hold (values and scales)."""
         used = sum(len(p) for p in self.pages.values())
         per_page = sum(a[0].nbytes for a in self.caches().values())
         return used * per_page
+
+
+def read_roof():
+    """The read roof (GB/s) and a line that says it, with the other processes' load."""
+    load = OtherLoad()
+    roof = measure_read_bandwidth()
+    busy = load.fraction()
+    return roof, (f"{cpu_name()}; read roof (sgemv over 512 MiB): {roof:.1f} GB/s"
+                  + (f" (bg load {100 * busy[0]:.0f}%)" if busy else ""))
 
 
 def main(argv=None):
@@ -120,6 +139,7 @@ def main(argv=None):
     if args.threads:
         fastattn.set_num_threads(args.threads)
 
+    roof, roof_line = read_roof()
     rng = np.random.default_rng(args.seed)
     B, Hq, Hkv, D, steps = args.seqs, args.heads, args.kv_heads, args.d, args.steps
     lengths = np.sort(rng.integers(args.min_len, args.max_len + 1, B))[::-1].copy()
@@ -170,12 +190,19 @@ def main(argv=None):
               "contiguous float32": sum(a.nbytes for a in flat.values())}
     print(f"{B} sequences of {lengths.min()}-{lengths.max()} keys (+{steps} decoded), "
           f"Hq={Hq}, Hkv={Hkv}, D={D}, page {args.page}, {fastattn.get_num_threads()} threads")
-    print(f"{'cache':<20} {'tokens/s':>10} {'ms/step':>9} {'cache MB':>9}")
+    print(roof_line)
+    # the rows a median step reads: each sequence's keys (the middle step's), every kv head
+    keys = int(lengths.sum()) + B * (steps // 2 + 1)
+    per_key = {"paged q8_0": pool.bytes_per_key(),
+               "contiguous float32": sum(a[0, :, 0].nbytes for a in flat.values())}
+    print(f"{'cache':<20} {'tokens/s':>10} {'ms/step':>9} {'cache MB':>9} {'GB/s':>7} {'roof':>6}")
     rates = {}
     for name in times:
         med = statistics.median(times[name])
         rates[name] = B / med
-        print(f"{name:<20} {rates[name]:>10.0f} {1e3 * med:>9.2f} {memory[name] / 1e6:>9.1f}")
+        gbs = keys * per_key[name] / med / 1e9
+        print(f"{name:<20} {rates[name]:>10.0f} {1e3 * med:>9.2f} {memory[name] / 1e6:>9.1f}"
+              f" {gbs:>7.1f} {gbs / roof:>6.2f}")
     print(f"largest difference between the two outputs: {diff:.2e} (q8_0 quantisation)")
 
     if plt is not None:
@@ -194,6 +221,7 @@ def main(argv=None):
 
 def decode_layers(args):
     """``--layers``: a step of ``args.layers`` layers over paged q8_0 pools (see the top)."""
+    roof, roof_line = read_roof()
     rng = np.random.default_rng(args.seed)
     B, Hq, Hkv, D, steps = args.seqs, args.heads, args.kv_heads, args.d, args.steps
     lengths = np.sort(rng.integers(args.min_len, args.max_len + 1, B))[::-1].copy()
@@ -238,11 +266,16 @@ def decode_layers(args):
     print(f"{args.layers} layers, {B} sequences of {lengths.min()}-{lengths.max()} keys "
           f"(+{steps} decoded), paged q8_0 (page {args.page}), Hq={Hq}, Hkv={Hkv}, D={D}, "
           f"{fastattn.get_num_threads()} threads")
-    print(f"{'step':<34} {'tokens/s':>9} {'ms/step':>9} {'outside kernel':>15}")
+    print(roof_line)
+    # the rows a median step reads: every layer, each sequence's keys (the middle step's)
+    nbytes = args.layers * pools[0].bytes_per_key() * (int(lengths.sum()) + B * (steps // 2 + 1))
+    print(f"{'step':<34} {'tokens/s':>9} {'ms/step':>9} {'outside kernel':>15} {'GB/s':>7}"
+          f" {'roof':>6}")
     for name, t in times.items():
         med = statistics.median(t)
         print(f"{name:<34} {B / med:>9.1f} {1e3 * med:>9.2f} "
-              f"{100 * statistics.median(outside[name]):>14.1f}%")
+              f"{100 * statistics.median(outside[name]):>14.1f}% {nbytes / med / 1e9:>7.1f}"
+              f" {nbytes / med / 1e9 / roof:>6.2f}")
     return 0
 
 

@@ -383,6 +383,34 @@ def test_bits_do_not_depend_on_batch_or_threads(rng, dtype):
         assert_same_bits(alone[0], both[b])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16] + QUANT_CACHES)
+def test_many_short_sequences_have_their_own_bits(rng, dtype):
+    # A busy server's step: many short sequences, whose tiles run several to a work item
+    # (each requesting the next one's first rows); every row keeps the bits it has alone,
+    # paged or contiguous, on one thread or two.
+    B, Hq, Hkv, D, Lmax = 40, 4, 2, 64, 96
+    cache = make_cache(rng, B, Hkv, Lmax, D, dtype=dtype)
+    pools, table = paged_from(cache, 16, rng)
+    seqlens = rng.integers(0, Lmax + 1, B)
+    seqlens[:6] = [0, 1, 16, 63, 64, 65]
+    q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
+    runs = {}
+    for threads in (1, 2):
+        with fastattn.num_threads(threads):
+            runs["paged", threads] = fastattn.attention_with_kvcache(
+                q, **pools, cache_seqlens=seqlens, block_table=table)
+            runs["contiguous", threads] = fastattn.attention_with_kvcache(
+                q, **cache, cache_seqlens=seqlens)
+    want = runs["contiguous", 1]
+    for got in runs.values():
+        assert_same_bits(got, want)
+    for b in range(0, B, 7):
+        alone = fastattn.attention_with_kvcache(q[b:b + 1], **pools,
+                                                cache_seqlens=seqlens[b:b + 1],
+                                                block_table=table[b:b + 1])
+        assert_same_bits(alone[0], want[b])
+
+
 def _q8_0_cache_with_odd_scales(rng, B, Hkv, Lmax, D, Dv):
     """A q8_0 cache whose blocks include all-zero blocks (scale 0), float16-subnormal
     scales and scales near float16's largest, beside ordinary ones."""

@@ -15,6 +15,10 @@
 #   there are fewer items than threads and several key chunks (a decode step of batch 1
 #   with few kv heads), every (item, key chunk) pair is a work item instead
 #   (flash-decoding).
+#   A decode step of many short sequences has many small tiles: a work item is then a run
+#   of `per` consecutive tiles (_tiles_per_item), so that each tile requests the next
+#   one's first rows as it ends, and a thread's reads run on from tile to tile.  Which
+#   thread runs a tile never changes its bits.
 # Extra memory: one workspace per thread, O(FA_BQ * (D + Dv + FA_BK) + FA_BK * (D + Dv)),
 # the last term a key block of 16-bit K/V widened; never O(Lq * Lk), nor a copy of K or V.
 # Flash-decoding adds one chunk state per (item, chunk): O(items * Lk / FA_KCHUNK * rows
@@ -41,6 +45,7 @@ cdef struct Job:
     Py_ssize_t* row_idx         # 2 * FA_BQ per thread
     void* partial               # flash-decoding chunk states (floating), or NULL
     Py_ssize_t pst, nchunk, n_rblk
+    Py_ssize_t per, n_tiles     # tiles per work item (_tiles_per_item), tiles in all
 
 
 cdef inline void _job_item(const Job* J, floating* workspace, Py_ssize_t w,
@@ -48,21 +53,24 @@ cdef inline void _job_item(const Job* J, floating* workspace, Py_ssize_t w,
     cdef const Problem* P = J.P
     cdef floating* partial = <floating*> J.partial
     cdef Py_ssize_t* idx = J.row_idx + tid * 2 * FA_BQ
-    cdef Py_ssize_t item, rb, bg
+    cdef Py_ssize_t item, rb, bg, tile, last
     if partial != NULL:
         # Flash-decoding: w is an (item, key chunk) pair; its chunk state goes to partial.
         item = w // J.nchunk
         rb = item % J.n_rblk
         bg = item // J.n_rblk
         _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, w % J.nchunk, partial + w * J.pst,
-                     workspace + tid * J.ws_elems, idx, idx + FA_BQ)
+                     workspace + tid * J.ws_elems, idx, idx + FA_BQ, -1)
     else:
         # Last row blocks first: under causal masking they see the most keys, and the
         # dynamic claiming then ends on the cheap ones instead of waiting on a big one.
-        rb = J.n_rblk - 1 - w % J.n_rblk
-        bg = w // J.n_rblk
-        _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
-                     workspace + tid * J.ws_elems, idx, idx + FA_BQ)
+        last = min(w * J.per + J.per, J.n_tiles)
+        for tile in range(w * J.per, last):
+            rb = J.n_rblk - 1 - tile % J.n_rblk
+            bg = tile // J.n_rblk
+            _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
+                         workspace + tid * J.ws_elems, idx, idx + FA_BQ,
+                         bg + 1 if tile + 1 < last else -1)
 
 
 cdef void _job_item_f(void* ctx, Py_ssize_t w, int tid) noexcept nogil:
@@ -88,6 +96,8 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
     J.pst = 0
     J.nchunk = nchunk
     J.n_rblk = n_rblk
+    J.per = 1
+    J.n_tiles = n_items
     if partial != NULL:
         # Flash-decoding (fewer work items than threads, several key chunks): every
         # (item, chunk) pair is a work item whose chunk state goes to `partial`; then each
@@ -101,7 +111,30 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
             _merge_partials(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, partial + item * nchunk * J.pst,
                             nchunk, workspace)
         return
-    fa_pool_run(n_threads, n_items, _job_item_f if floating is float else _job_item_d, &J)
+    J.per = _tiles_per_item(P, n_items, n_rblk, n_threads)
+    fa_pool_run(n_threads, (n_items + J.per - 1) // J.per,
+                _job_item_f if floating is float else _job_item_d, &J)
+
+
+cdef enum:
+    # Keys a work item of short decode tiles covers at least, where the tiles allow it:
+    # a few blocks of keys, enough for one tile's requests of the next one's rows to be
+    # answered before it starts.
+    ITEM_KEYS = 512
+    # Work items per thread at least, so that the dynamic claiming still balances the
+    # threads.
+    ITEMS_PER_THREAD = 8
+
+
+cdef inline Py_ssize_t _tiles_per_item(const Problem* P, Py_ssize_t n_tiles, Py_ssize_t n_rblk,
+                                       int n_threads) noexcept nogil:
+    # One tile a work item, except in decode steps (one row block per kv head): there runs
+    # of tiles (consecutive kv heads of a sequence, then sequences), at least two and
+    # ITEM_KEYS keys where the threads keep ITEMS_PER_THREAD items each.
+    if n_rblk != 1:
+        return 1
+    return max(1, min(max(2, ITEM_KEYS // max(P.Lk, 1)),
+                      n_tiles // (ITEMS_PER_THREAD * n_threads)))
 
 
 # The last call's workspace block, kept for the next (up to SPARE_MAX bytes): a loop of

@@ -116,6 +116,9 @@ cdef struct Tile:
     bint v_in_place               # and V read through row pointers (fa_pv_ptr)
     bint spread_next              # the kernels request the next block's rows (kpf, vpf)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
+    # The work item's next tile (kv head next_g of batch element next_b; next_b < 0: none),
+    # whose first key block the last block requests as it goes (_gather, _gather_quant).
+    Py_ssize_t next_b, next_g
     double scale_log2             # scale * log2 e: scores are kept in base 2
     Py_ssize_t kv_len, q_len              # keys and real query rows of batch element b
     Py_ssize_t row_len                    # positions per query head in the rows R (_row_len)
@@ -384,6 +387,7 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.pv_next_v = (t.decode and floating is float and t.nrows == 1
                    and P.v_kind == FA_STORE_NATIVE and not t.gather)
     t.first_blk = True
+    t.next_b = t.next_g = -1
     t.scale_log2 = P.scale * LOG2E
     t.kv_len = P.kv_len[b]
     t.q_len = P.q_len[b] if P.q_len != NULL else P.Lq
@@ -551,22 +555,57 @@ cdef struct CacheRows:
 cdef inline void _cache_seek(const Problem* P, const Tile* t, CacheRows* c,
                              Py_ssize_t j) noexcept nogil:
     # Point c at key j.
+    _cache_seek_at(P, t.b, t.g, c, j)
+
+
+cdef inline void _cache_seek_at(const Problem* P, Py_ssize_t b, Py_ssize_t g, CacheRows* c,
+                                Py_ssize_t j) noexcept nogil:
+    # Point c at key j of kv head g of batch element b.
     cdef Py_ssize_t page, i
     c.j = j
     if P.block_table == NULL:
         c.page_left = -1                         # no pages: rows are evenly spaced
-        c.k = P.k_boff[t.b] + t.g * P.k_sh + j * P.k_sj
-        c.v = P.v_boff[t.b] + t.g * P.v_sh + j * P.v_sj
-        c.ks = t.b * P.ks_pst + t.g * P.ks_sh + j * P.ks_sj
-        c.vs = t.b * P.vs_pst + t.g * P.vs_sh + j * P.vs_sj
+        c.k = P.k_boff[b] + g * P.k_sh + j * P.k_sj
+        c.v = P.v_boff[b] + g * P.v_sh + j * P.v_sj
+        c.ks = b * P.ks_pst + g * P.ks_sh + j * P.ks_sj
+        c.vs = b * P.vs_pst + g * P.vs_sh + j * P.vs_sj
         return
-    page = P.block_table[t.b * P.bt_stride + j // P.page]
+    page = P.block_table[b * P.bt_stride + j // P.page]
     i = j % P.page
     c.page_left = P.page - i
-    c.k = page * P.k_pst + t.g * P.k_sh + i * P.k_sj
-    c.v = page * P.v_pst + t.g * P.v_sh + i * P.v_sj
-    c.ks = page * P.ks_pst + t.g * P.ks_sh + i * P.ks_sj
-    c.vs = page * P.vs_pst + t.g * P.vs_sh + i * P.vs_sj
+    c.k = page * P.k_pst + g * P.k_sh + i * P.k_sj
+    c.v = page * P.v_pst + g * P.v_sh + i * P.v_sj
+    c.ks = page * P.ks_pst + g * P.ks_sh + i * P.ks_sj
+    c.vs = page * P.vs_pst + g * P.vs_sh + i * P.vs_sj
+
+
+cdef inline Py_ssize_t _next_tile_keys(const Problem* P, const Tile* t,
+                                       Py_ssize_t n) noexcept nogil:
+    # Keys of the next tile's first block to request now: when this is the tile's last
+    # block, up to n of them (its keys from 0: a hint, which a window may make useless but
+    # never wrong); else 0.
+    if t.next_b < 0 or t.j1 < t.tile_hi:
+        return 0
+    return min(n, FA_BK, P.kv_len[t.next_b])
+
+
+cdef void _row_runs(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t j, Py_ssize_t n,
+                    const char** kp, const char** vp) noexcept nogil:
+    # The K and V row pointers of keys j .. j + n - 1 of kv head g of batch element b, a
+    # run of evenly spaced rows (a page's, or all of them) at a time.
+    cdef CacheRows c
+    cdef Py_ssize_t u = 0, m, i, kr = P.k_sj * P.k_isz, vr = P.v_sj * P.v_isz
+    cdef const char* k
+    cdef const char* v
+    while u < n:
+        _cache_seek_at(P, b, g, &c, j + u)
+        m = n - u if c.page_left < 0 else min(n - u, c.page_left)
+        k = P.k + c.k * P.k_isz
+        v = P.v + c.v * P.v_isz
+        for i in range(m):
+            kp[u + i] = k + i * kr
+            vp[u + i] = v + i * vr
+        u += m
 
 
 cdef inline void _cache_next(const Problem* P, const Tile* t, CacheRows* c) noexcept nogil:
@@ -592,6 +631,17 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
     cdef floating* kdst = ws + w.kblk
     cdef floating* vdst = ws + w.vblk
     cdef CacheRows c, n
+    if t.spread_next:
+        # Row pointers only, a run at a time; the last block of a tile requests the next
+        # tile's first rows instead.
+        _row_runs(P, t.b, t.g, t.j0, t.nj, t.kptr, t.vptr)
+        t.npf = min(nxt, t.nj)
+        if t.npf:
+            _row_runs(P, t.b, t.g, t.j1, t.npf, t.kpf, t.vpf)
+        else:
+            t.npf = _next_tile_keys(P, t, t.nj)
+            _row_runs(P, t.next_b, t.next_g, 0, t.npf, t.kpf, t.vpf)
+        return
     _cache_seek(P, t, &c, t.j0)
     if nxt:
         _cache_seek(P, t, &n, t.j1)
@@ -624,6 +674,28 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
                             vdst + u * P.Dv)
         if u + 1 < t.nj:
             _cache_next(P, t, &c)
+    if not nxt:
+        _prefetch_next_tile(P, t)
+
+
+cdef void _prefetch_next_tile(const Problem* P, const Tile* t) noexcept nogil:
+    # The next tile's first rows requested into L2 (see _next_tile_keys).
+    cdef Py_ssize_t u, n = _next_tile_keys(P, t, FA_BK)
+    cdef CacheRows c
+    if n:
+        _cache_seek_at(P, t.next_b, t.next_g, &c, 0)
+    for u in range(n):
+        fa_prefetch_row(P.k + c.k * P.k_isz, _row_bytes(P.k_kind, P.D, P.k_isz),
+                        c.page_left == 1, 2)
+        fa_prefetch_row(P.v + c.v * P.v_isz, _row_bytes(P.v_kind, P.Dv, P.v_isz),
+                        c.page_left == 1, 2)
+        if u + 1 < n:
+            c.page_left -= 1
+            if c.page_left == 0:
+                _cache_seek_at(P, t.next_b, t.next_g, &c, u + 1)
+            else:
+                c.k += P.k_sj
+                c.v += P.v_sj
 
 
 cdef void _gather_quant(const Problem* P, Tile* t, const Workspace* w,
@@ -647,9 +719,14 @@ cdef void _gather_quant(const Problem* P, Tile* t, const Workspace* w,
         for b in range(nbk):
             ksc[b * FA_BK + u] = 0
     t.npf = max(0, min(FA_BK, t.tile_hi - t.j1))
+    cdef Py_ssize_t nb = t.b, ng = t.g, j1 = t.j1
+    if not t.npf:
+        # the tile's last block: the next tile's first rows instead
+        t.npf = _next_tile_keys(P, t, FA_BK)
+        nb, ng, j1 = t.next_b, t.next_g, 0
     u = 0
     while u < t.npf:
-        _cache_seek(P, t, &c, t.j1 + u)
+        _cache_seek_at(P, nb, ng, &c, j1 + u)
         n = t.npf - u if c.page_left < 0 else min(t.npf - u, c.page_left)
         fa_quant_next_rows(P.k_kind, P.k + c.k, P.k_sj, P.k_scale + c.ks, P.ks_sj, nbk,
                            P.v + c.v, P.v_sj, P.v_scale + c.vs, P.vs_sj, nbv, n,
@@ -1298,7 +1375,7 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
     # order, from the empty state: scores, finish, softmax step, P V.
     cdef Py_ssize_t c_lo = max(t.tile_lo, kc * FA_KCHUNK)
     cdef Py_ssize_t c_hi = min(t.tile_hi, kc * FA_KCHUNK + FA_KCHUNK), ib
-    _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad)
+    _reset_state(ws + w.m, ws + w.l, ws + w.acc, t.nlanes, t.dv_pad, _acc_rows(t))
     for ib in range(c_lo // FA_BK, (c_hi + FA_BK - 1) // FA_BK if c_lo < c_hi else 0):
         t.j0 = max(ib * FA_BK, t.tile_lo - t.tile_lo % _block_align(t))
         t.j1 = min(ib * FA_BK + FA_BK, t.tile_hi)
@@ -1338,13 +1415,24 @@ cdef inline Py_ssize_t _block_align(const Tile* t) noexcept nogil:
 
 
 cdef inline void _reset_state(floating* m, floating* l, floating* acc, Py_ssize_t nlanes,
-                              Py_ssize_t dv_pad) noexcept nogil:
-    # The empty softmax state: m = -inf, l = 0, acc = 0.
+                              Py_ssize_t dv_pad, Py_ssize_t acc_rows) noexcept nogil:
+    # The empty softmax state: m = -inf, l = 0 for every lane, acc = 0 for its first
+    # acc_rows rows (_acc_rows).
     cdef Py_ssize_t r
     for r in range(nlanes):
         m[r] = -INFINITY
         l[r] = 0
-    memset(acc, 0, nlanes * dv_pad * sizeof(floating))
+    memset(acc, 0, acc_rows * dv_pad * sizeof(floating))
+
+
+cdef inline Py_ssize_t _acc_rows(const Tile* t) noexcept nogil:
+    # The output rows a tile's kernels read: a decode tile's 4-row output tiles cover its
+    # rows rounded up to 4, and nothing reads the rest of its padding lanes' rows (a GQA
+    # group of 4 in 16 lanes of AVX-512 would otherwise clear four times its own bytes);
+    # prefill tiles all their lanes.
+    if t.decode:
+        return min(t.nlanes, _round_up(t.nrows, 4))
+    return t.nlanes
 
 
 cdef void _merge_chunk(const Tile* t, const Workspace* w, floating* ws, const floating* m,
@@ -1458,17 +1546,22 @@ cdef inline void _write_row_sink(const Problem* P, const Tile* t, floating* orow
 
 cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
                        Py_ssize_t chunk, floating* partial,
-                       floating* ws, Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
-    # One work item: rows [r0, r0 + nrows) of kv head g of batch element b.
+                       floating* ws, Py_ssize_t* lo, Py_ssize_t* hi,
+                       Py_ssize_t next_bg) noexcept nogil:
+    # One tile: rows [r0, r0 + nrows) of kv head g of batch element b.
     #   chunk < 0:  all key chunks the rows see, merged in key order, rows written out;
     #   chunk >= 0: only that chunk; its state goes to `partial` (flash-decoding).
+    # next_bg: b * Hkv + g of the tile its thread runs next (its first rows are requested
+    # during this tile's last block), or -1.
     cdef Workspace w
     cdef Tile t
     cdef Py_ssize_t kc, kc0 = 0, kc1 = 0
     _carve(&w, P, vec_lanes(ws))
     _setup(P, &t, b, g, r0, lo, hi, ws)
+    if next_bg >= 0:
+        t.next_b, t.next_g = next_bg // P.Hkv, next_bg % P.Hkv
     _setup_rows(P, &t, &w, ws)
-    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
+    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad, _acc_rows(&t))
     if t.tile_lo < t.tile_hi:
         kc0 = t.tile_lo // FA_KCHUNK
         kc1 = (t.tile_hi + FA_KCHUNK - 1) // FA_KCHUNK
@@ -1499,7 +1592,7 @@ cdef void _merge_partials(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize
     _carve(&w, P, VL)
     _setup(P, &t, b, g, r0, NULL, NULL, ws)
     _set_mask_shifts(P, &t, <const floating*> P.mask)
-    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad)
+    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad, _acc_rows(&t))
     for kc in range(nchunk):
         pc = partial + kc * pst
         _merge_chunk(&t, &w, ws, pc, pc + cap, pc + 2 * cap)

@@ -523,40 +523,53 @@ FA_INLINE void FA_FN(fa_pv_finish)(V c[4][8], T* acc, ptrdiff_t ldacc, const T* 
     }
 }
 
+#ifndef FA_PV_PF_ONCE
+#define FA_PV_PF_ONCE
+/* How many rows ahead fa_pv_ptr requests V rows into L1. */
+#define FA_PV_PTR_AHEAD 12
+/* The next block's V rows that fa_pv_ptr requests into L2, spread evenly over all its
+ * passes' key steps: rows[0 .. n), each of `bytes`, row `next` the next one due; a row
+ * is due every `steps` / n steps (err accumulates n per step). */
+typedef struct {
+    const char* const* rows;
+    ptrdiff_t n, next, err, steps, bytes;
+} fa_pv_pf;
+FA_INLINE void fa_pv_pf_step(fa_pv_pf* q)
+{
+    for (q->err += q->n; q->err >= q->steps && q->next < q->n; q->err -= q->steps)
+        fa_prefetch_lines(q->rows[q->next++], q->bytes, 2);
+}
+#endif
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
  * register file (up to 8 for one row, so that as many chains run at once; FA_PV4_NV for
- * four).  Row j + 4 is requested into L1 as row j is read, and row j of pf (npf rows
- * of pf_bytes, the next block's) into L2, every line of it; rows of pf past nj after
- * the loop. */
+ * four).  Row j + FA_PV_PTR_AHEAD is requested into L1 as row j is read (far enough ahead
+ * for a row in L2 to arrive), and the next block's rows into L2 as pf says. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                      const KV* const* vr, ptrdiff_t c0, T* acc,
                                      ptrdiff_t ldacc, const T* alpha, const int nr,
-                                     const int nv, const char* const* pf, ptrdiff_t npf,
-                                     ptrdiff_t pf_bytes)
+                                     const int nv, fa_pv_pf* pf)
 {
     V c[4][8];
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < nv; i++) c[r][i] = BCAST(0);
     for (ptrdiff_t j = 0; j < nj; j++) {
-        if (j < npf) fa_prefetch_lines(pf[j], pf_bytes, 2);
-        if (j + 4 < nj)
-            fa_prefetch_lines((const char*)(vr[j + 4] + c0), nv * VL * (ptrdiff_t)sizeof(KV), 3);
+        fa_pv_pf_step(pf);
+        if (j + FA_PV_PTR_AHEAD < nj)
+            fa_prefetch_lines((const char*)(vr[j + FA_PV_PTR_AHEAD] + c0),
+                              nv * VL * (ptrdiff_t)sizeof(KV), 3);
         V x[8];
         for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
         FA_FN(fa_pv_add_key)(c, p + j * ldp, x, nr, nv);
     }
     FA_FN(fa_pv_finish)(c, acc + c0, ldacc, alpha, nr, nv);
-    for (ptrdiff_t j = nj; j < npf; j++) fa_prefetch_lines(pf[j], pf_bytes, 2);
 }
 #define FA_PV_PTR_PASS(SUF, NR, NV) \
 FA_NOINLINE void FA_FN(fa_pv_ptr_##SUF)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, \
                                               const KV* const* vr, ptrdiff_t c0, T* acc, \
-                                              ptrdiff_t ldacc, const T* alpha, \
-                                              const char* const* pf, ptrdiff_t npf, \
-                                              ptrdiff_t pf_bytes) \
-{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV, pf, npf, pf_bytes); }
+                                              ptrdiff_t ldacc, const T* alpha, fa_pv_pf* pf) \
+{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV, pf); }
 FA_PV_PTR_PASS(r1_wide, 1, 8)
 FA_PV_PTR_PASS(r1_v4, 1, 4)
 FA_PV_PTR_PASS(r1_v2, 1, 2)
@@ -564,26 +577,34 @@ FA_PV_PTR_PASS(r1_v1, 1, 1)
 FA_PV_PTR_PASS(r4_wide, 4, FA_PV4_NV)
 FA_PV_PTR_PASS(r4_v1, 4, 1)
 #undef FA_PV_PTR_PASS
-/* pf: the next block's V rows (npf of them), requested into L2 by the first pass, a row
- * per key. */
+/* pf: the next block's V rows (npf of them), requested into L2 spread evenly over the
+ * key steps of all the passes: from caches larger than L3, the same requests issued a
+ * row per key by the first pass alone left the next block's loads waiting on memory. */
 FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const KV* const* vr,
                                   ptrdiff_t Dv, T* acc, ptrdiff_t ldacc, const T* alpha, int nr,
                                   const char* const* pf, ptrdiff_t npf)
 {
-    ptrdiff_t c0 = 0;
-#define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL, npf = 0) \
-        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, pf, npf, \
-                               Dv * (ptrdiff_t)sizeof(KV))
+    ptrdiff_t c0 = 0, passes = 0;
+    fa_pv_pf q = {pf, npf, 0, 0, 0, Dv * (ptrdiff_t)sizeof(KV)};
+#define FA_COUNT(NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL) passes++
+    if (nr == 1) { FA_COUNT(8); FA_COUNT(4); FA_COUNT(2); FA_COUNT(1); }
+    else { FA_COUNT(FA_PV4_NV); FA_COUNT(1); }
+#undef FA_COUNT
+    q.steps = passes * nj > npf ? passes * nj : npf;
+    c0 = 0;
+#define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL) \
+        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, &q)
     if (nr == 1) {
         FA_PASS(r1_wide, 8);
         FA_PASS(r1_v4, 4);
         FA_PASS(r1_v2, 2);
         FA_PASS(r1_v1, 1);
-        return;
+    } else {
+        FA_PASS(r4_wide, FA_PV4_NV);
+        FA_PASS(r4_v1, 1);
     }
-    FA_PASS(r4_wide, FA_PV4_NV);
-    FA_PASS(r4_v1, 1);
 #undef FA_PASS
+    while (q.next < q.n) fa_prefetch_lines(q.rows[q.next++], q.bytes, 2);
 }
 
 #undef FA_FN
