@@ -112,8 +112,11 @@ def worker(args):
     fa.set_num_threads(threads)
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
-    from fastattn._machine import isa as _dispatch
-    res = {"isa": _dispatch.ISA, "shapes": {}}
+    try:
+        from fastattn._machine.isa import ISA
+    except ImportError:                     # an older build (--old) keeps it elsewhere
+        from fastattn._dispatch import ISA
+    res = {"isa": ISA, "shapes": {}}
     big = torch.ones(512 << 18, dtype=torch.float32)
     roof_call = lambda: torch.sum(big)       # noqa: E731
     for shape_name in args.shapes:
