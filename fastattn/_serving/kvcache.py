@@ -493,8 +493,8 @@ def _pages_in_use(seqlens, table, page, Lnew):
     in_use = np.arange(n_used) < used[:, None]
     pages = np.where(in_use, table[:, :n_used], 0).astype(np.intp)
     if Lnew:
-        pos = seqlens[:, None] + np.arange(Lnew)
-        slots = np.take_along_axis(pages, pos // page, axis=1) * page + pos % page
+        first, row = _new_rows_at(seqlens, pages, page, Lnew)
+        slots = first * page + row
         if np.unique(slots).size != slots.size:
             raise ValueError("block_table gives two sequences the same page for their new "
                              "rows: each new row needs a cache row of its own")
@@ -645,11 +645,18 @@ def _stored_rows(c, new_rows):
 def _row_index(c):
     """Where new row ``i`` of sequence ``b`` goes: ``(first, row)`` index arrays
     ``(B, Lnew)`` into a cache's axes 0 and 2 (sequence or page, and row)."""
-    pos = c.seqlens[:, None] + np.arange(c.Lnew)
     if c.page is None:
+        pos = c.seqlens[:, None] + np.arange(c.Lnew)
         return np.broadcast_to(np.arange(c.B)[:, None], pos.shape), pos
-    page = np.take_along_axis(c.pages, pos // c.page, axis=1)
-    return page, pos % c.page
+    return _new_rows_at(c.seqlens, c.pages, c.page, c.Lnew)
+
+
+def _new_rows_at(seqlens, pages, page, Lnew):
+    """The paging rule for the new rows: row ``i`` of sequence ``b`` is key
+    ``seqlens[b] + i``, which lies in row ``key % page`` of page ``pages[b, key // page]``.
+    ``(first, row)``, index arrays ``(B, Lnew)``."""
+    pos = seqlens[:, None] + np.arange(Lnew)
+    return np.take_along_axis(pages, pos // page, axis=1), pos % page
 
 
 def _append(c, stored):
