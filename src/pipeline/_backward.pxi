@@ -548,7 +548,7 @@ cdef void _run_stage(BJob* J, int stage, Py_ssize_t n_items, int n_threads,
     # One pass's work items on the pool, no more threads than items.
     J.stage = stage
     if n_items > 0:
-        fa_pool_run(<int> min(<Py_ssize_t> n_threads, n_items), n_items,
+        fa_pool_run(_threads_for(n_threads, n_items), n_items,
                     _bjob_item_f if is_float else _bjob_item_d, J)
 
 
@@ -573,8 +573,7 @@ cdef int _run_backward(Problem* P, Grads* G, bint is_float, int n_threads) excep
     n_items[3] = P.nbatch * P.Hkv
     cdef Py_ssize_t rounds = (n_items[3] + n_threads - 1) // n_threads
     cdef bint per_head = 5 * rounds * n_threads <= 7 * n_items[3]
-    n_threads = <int> max(1, min(<Py_ssize_t> n_threads,
-                                 max(max(n_items[0], n_items[1]), n_items[2])))
+    n_threads = _threads_for(n_threads, max(max(n_items[0], n_items[1]), n_items[2]))
     cdef Workspace w
     _carve(&w, P, vl)
     cdef size_t ws_bytes = n_threads * w.elems * itemsize

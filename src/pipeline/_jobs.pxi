@@ -169,6 +169,12 @@ cdef void _return_block(char* mem, size_t nbytes) noexcept:
     _spare, _spare_bytes = mem, nbytes
 
 
+cdef inline int _threads_for(Py_ssize_t n_threads, Py_ssize_t n_items) noexcept nogil:
+    # "Not using less, not using more": a pass runs on no more threads than it has work
+    # items, and on one at least (the forward, the backward and each backward pass).
+    return <int> max(1, min(n_threads, n_items))
+
+
 cdef int _run(Problem* P, bint is_float, object threads) except -1:
     """Allocate per-thread workspaces, release the GIL and run the kernel.
 
@@ -189,8 +195,7 @@ cdef int _run(Problem* P, bint is_float, object threads) except -1:
         n_threads = threads()
     # Fewer work items than threads and several key chunks: split the keys (flash-decoding).
     cdef bint split = n_threads > 1 and n_items < n_threads and nchunk >= 2
-    # "Not using less, not using more": no idle threads on small problems.
-    n_threads = <int> max(1, min(<Py_ssize_t> n_threads, n_items * nchunk if split else n_items))
+    n_threads = _threads_for(n_threads, n_items * nchunk if split else n_items)
     cdef Py_ssize_t itemsize = sizeof(float) if is_float else sizeof(double)
     cdef Workspace w
     _carve(&w, P, vl)
