@@ -423,7 +423,7 @@ def _check_shapes(q, k, v, kv_axes):
     """q, k and v (or None) agree on their last three axes ``(heads, length, dim)``: one
     head dim D, k's heads and length for v, ``Hq`` a multiple of ``Hkv``.  ``kv_axes``
     spells k's and v's axes for the message."""
-    Hq, D = q.shape[-3], q.shape[-1]
+    D = q.shape[-1]
     Hkv, Lk, Dk = k.shape[-3:]
     if Dk != D:
         raise ValueError(f"q and k must have the same head dim D: q.shape={q.shape}, k.shape={k.shape}")
