@@ -167,17 +167,6 @@ def worker(args):
 
 # ----------------------------------------------------------------------------- driver
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
-
-
 def _loadavg():
     try:
         with open("/proc/loadavg") as f:
@@ -208,7 +197,9 @@ def main():
     if args.old:
         builds.insert(0, ("old", args.old))
     isas = args.isa or ["avx512", "avx2"]
-    print(f"CPU: {_cpu_name()}, {args.threads} threads; loadavg at start {_loadavg()}")
+    sys.path.insert(0, here)
+    from fastattn.cli.bench.machine import cpu_name   # the driver's; each worker imports its build
+    print(f"CPU: {cpu_name()}, {args.threads} threads; loadavg at start {_loadavg()}")
     for isa in isas:
         if isa in TORCH_ISA:
             print(f"  --isa {isa}: FASTATTN_ISA={isa}, torch restricted by "

@@ -50,40 +50,26 @@ import fastattn  # noqa: E402
 
 sys.path.insert(0, ROOT)
 from fastattn._machine.isa import ISA  # noqa: E402
-from fastattn.cli.bench import caches  # noqa: E402
 from fastattn.cli.bench.harness import OtherLoad  # noqa: E402
 from fastattn.cli.bench.machine import cpu_name, measure_read_bandwidth  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paged_caches import paged, store  # noqa: E402
 
 GRID = "1x4096,8x1024,64x64,64x256,64x1024,256x128"
 TYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0", "fp8", "fp8_e5m2")
 
 
-def store(name, k, v):
-    """k and v (B, Hkv, L, D) float32 stored as cache type ``name``: ``plan.run``'s
-    keywords (caches and scales)."""
-    if name in ("float32", "float16"):
-        return dict(k_cache=k.astype(name), v_cache=v.astype(name))
-    if name == "bfloat16":
-        import ml_dtypes
-        return dict(k_cache=k.astype(ml_dtypes.bfloat16), v_cache=v.astype(ml_dtypes.bfloat16))
-    return caches.store(fastattn, name, k, v)
-
-
-def paged(cache, table, page):
-    """The contiguous cache's arrays in a pool of pages ``(num_pages, Hkv, page, ...)``:
-    page ``table[b, i]`` holds rows ``i * page ...`` of sequence ``b`` (fp8's per-head
-    scales stay as they are)."""
-    B, n = table.shape
-    out = {}
-    for key, a in cache.items():
-        if a.ndim != 4:
-            out[key] = a
-            continue
-        pool = np.empty((B * n, a.shape[1], page) + a.shape[3:], a.dtype)
-        pool[table.ravel()] = a.reshape((B, a.shape[1], n, page) + a.shape[3:]).swapaxes(
-            1, 2).reshape((B * n, a.shape[1], page) + a.shape[3:])
-        out[key] = pool
-    return out
+def point_inputs(rng, B, L, Hq, Hkv, D, page):
+    """One grid point's decode step: ``L`` rounded up to whole pages, k and v ``(B, Hkv, L,
+    D)``, q ``(B, Hq, 1, D)``, every sequence's length, and a shuffled block table."""
+    L = -(-L // page) * page
+    k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
+    q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
+    seqlens = np.full(B, L, np.int32)
+    table = rng.permutation(B * (L // page)).astype(np.int32).reshape(B, L // page)
+    return L, k, v, q, seqlens, table
 
 
 def step_bytes(cache, B, L):
@@ -169,12 +155,7 @@ def main(argv=None):
           f" {'roof c':>7} {'roof p':>7} {'c/p':>6} {'same':>5} {'bg load':>8}")
     rows = []
     for B, L in points:
-        L = -(-L // page) * page
-        k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
-        v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
-        q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
-        seqlens = np.full(B, L, np.int32)
-        table = rng.permutation(B * (L // page)).astype(np.int32).reshape(B, L // page)
+        L, k, v, q, seqlens, table = point_inputs(rng, B, L, Hq, Hkv, D, page)
         plans = (fastattn.plan_kvcache(cache_seqlens=seqlens),
                  fastattn.plan_kvcache(cache_seqlens=seqlens, block_table=table))
         for name in names:
@@ -218,12 +199,7 @@ def against(args, names, points):
     print(f"{'B x keys':>10} {'cache':>9} {'old c/p':>8} {'new c/p':>8} {'new/old c':>10}"
           f" {'new/old p':>10} {'GB/s c':>7} {'GB/s p':>7} {'same':>5} {'bg load':>8}")
     for B, L in points:
-        L = -(-L // page) * page
-        k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
-        v = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
-        q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
-        seqlens = np.full(B, L, np.int32)
-        table = rng.permutation(B * (L // page)).astype(np.int32).reshape(B, L // page)
+        L, k, v, q, seqlens, table = point_inputs(rng, B, L, Hq, Hkv, D, page)
         for name in names:
             contiguous = store(name, k, v)
             pool = paged(contiguous, table, page)

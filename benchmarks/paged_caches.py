@@ -61,9 +61,8 @@ def paged(cache, table, page):
             out[key] = a
             continue
         pool = np.zeros((B * n, a.shape[1], page) + a.shape[3:], a.dtype)
-        for b in range(B):
-            for i in range(n):
-                pool[table[b, i]] = a[b, :, i * page:(i + 1) * page]
+        pool[table.ravel()] = a.reshape((B, a.shape[1], n, page) + a.shape[3:]).swapaxes(
+            1, 2).reshape((B * n, a.shape[1], page) + a.shape[3:])
         out[key] = pool
     return out
 
