@@ -356,3 +356,16 @@ def test_bfloat16_cache_refusal_names_its_own_range(rng):
     assert "bfloat16's range" in msg and "3.38953e+38" in msg and "3.40282e+38" in msg
     assert "store it as float32" in msg and "as bfloat16" not in msg
     assert all(before[n].tobytes() == caches[n].tobytes() for n in caches)
+
+
+def test_float32_cache_refusal_names_float32s_range(rng):
+    # A float64 value beyond float32 names float32's largest value and advises float64.
+    caches, _ = _caches(rng, np.float32, 1, 1, 8, 32, 32)
+    k = np.full((1, 1, 1, 32), 1e300)
+    before = _copy(caches)
+    with pytest.raises(ValueError) as e:
+        fastattn.attention_with_kvcache(np.zeros((1, 1, 1, 32), np.float32), caches["k_cache"],
+                                        caches["v_cache"], k, np.zeros_like(k), cache_seqlens=[2])
+    msg = str(e.value)
+    assert "float32's range" in msg and "3.40282e+38" in msg and "store it as float64" in msg
+    assert all(before[n].tobytes() == caches[n].tobytes() for n in caches)

@@ -198,10 +198,14 @@ def store_as(a, dtype, name):
     with np.errstate(invalid="ignore"):
         big = np.isinf(out.astype(np.float32)) & np.isfinite(a.astype(np.float64))
     if big.any():
-        # The largest finite value of each 16-bit format; float32 and wider never get here
-        # from a finite float32 value.
-        limit, wider = ((float(np.finfo(np.float16).max), "bfloat16 or float32")
-                        if dtype == np.float16 else ((2 - 2 ** -7) * 2.0 ** 127, "float32"))
+        # bfloat16's finfo is ml_dtypes' (installed wherever a bfloat16 dtype exists).
+        finfo = np.finfo
+        if is_bfloat16(dtype):
+            import ml_dtypes
+            finfo = ml_dtypes.finfo
+        limit = float(finfo(dtype).max)
+        wider = {"float16": "bfloat16 or float32", "bfloat16": "float32"}.get(dtype.name,
+                                                                             "float64")
         raise ValueError(
             f"{name} has values beyond {dtype.name}'s range (|x| <= {limit:.6g}), up to "
             f"{float(np.abs(a.astype(np.float64)[big]).max()):.6g}: store it as {wider} "
