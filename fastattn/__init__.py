@@ -76,8 +76,8 @@ from ._machine.version import __version__
 from ._calls.api import attention, attention_varlen, attention_weights, softmax
 from ._calls.backward import attention_backward, attention_varlen_backward
 from ._serving.kvcache import KVCachePlan, attention_with_kvcache, plan_kvcache
-from ._storage.quant import (dequantize_fp8, dequantize_q4_0, dequantize_q8_0, quantize_fp8,
-                     quantize_q4_0, quantize_q8_0)
+from ._storage.quant import (dequantize_fp8, dequantize_q4_0, dequantize_q8_0,
+                             quantize_fp8, quantize_q4_0, quantize_q8_0)
 from ._calls.merge import merge_attention
 from ._machine.threads import get_num_threads, num_threads, set_num_threads
 from ._calls.precision import float32_precision, get_float32_precision, set_float32_precision

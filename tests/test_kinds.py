@@ -1,6 +1,6 @@
-"""The storage kinds' table (src/kinds/fa_kinds.h, read by fastattn._storage.kinds) against the formats'
-own definitions: NumPy's and ml_dtypes' finfo, and gguf's block sizes for llama.cpp's q8_0
-and q4_0."""
+"""The storage kinds' table (src/kinds/fa_kinds.h, read by fastattn._storage.kinds)
+against the formats' own definitions: NumPy's and ml_dtypes' finfo, and gguf's block sizes
+for llama.cpp's q8_0 and q4_0."""
 import numpy as np
 import pytest
 

@@ -252,8 +252,8 @@ _CAUSAL = {False: "none", True: "bottom-right", "bottom-right": "bottom-right",
            "top-left": "top-left"}
 
 # The compiled kernel's code of each normalised ``causal`` and mask kind (FA_CAUSAL_* of
-# src/pipeline/fa_kernels.h; the mask kinds of src/pipeline/_tile_pipeline.pxi), which the kernel checks
-# against its own when it loads.  A :class:`Problem` carries its codes.
+# src/pipeline/fa_kernels.h; the Problem's mask kinds, src/pipeline/_tile_state.pxi), which
+# the kernel checks against its own when it loads.  A :class:`Problem` carries its codes.
 CAUSAL_CODES = {"none": 0, "bottom-right": 1, "top-left": 2}
 MASK_CODES = {None: 0, "bool": 1, "add": 2}
 

@@ -1,8 +1,9 @@
 """Between the validated front end and the compiled kernel: the arrays as the kernel reads them.
 
-:mod:`fastattn._calls.api`, :mod:`fastattn._calls.backward` and :mod:`fastattn.integrations.dask` hand
-the kernel a :class:`fastattn._calls.args.Problem` (the call's description, which the kernel
-reads by name: ``_fill_problem`` in src/calls/_problem.pxi) and the operands prepared here:
+:mod:`fastattn._calls.api`, :mod:`fastattn._calls.backward` and
+:mod:`fastattn.integrations.dask` hand the kernel a :class:`fastattn._calls.args.Problem`
+(the call's description, which the kernel reads by name: ``_fill_problem`` in
+src/calls/_problem.pxi) and the operands prepared here:
 
 - ``kernel_ready``: q, k, v (dout, out) in the compute dtype, or 16-bit read in place;
 - ``kernel_mask``: the mask as the kernel reads it;

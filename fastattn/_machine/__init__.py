@@ -1,1 +1,2 @@
-"""The machine: the kernel variant for this CPU, threads, the configuration report and the version."""
+"""The machine: the kernel variant for this CPU, threads, the configuration report and
+the version."""

@@ -4,9 +4,9 @@ appended in place.
 A server keeps the keys and values of many sequences in one cache: a ``(B, Hkv, Lmax, D)``
 array, or a pool of pages ``(num_pages, Hkv, page, D)`` that a ``block_table`` hands out
 to the sequences, in float32, float64, float16, bfloat16, or a quantised format
-(:mod:`fastattn._storage.quant`): llama.cpp's q8_0 (int8) and q4_0 (uint8, two values a byte) with
-a float16 scale per 32 values, or fp8 (``ml_dtypes``' float8_e4m3fn, float8_e5m2) with a
-float32 scale per tensor or kv head.  One call does what a decode or
+(:mod:`fastattn._storage.quant`): llama.cpp's q8_0 (int8) and q4_0 (uint8, two values a
+byte) with a float16 scale per 32 values, or fp8 (``ml_dtypes``' float8_e4m3fn,
+float8_e5m2) with a float32 scale per tensor or kv head.  One call does what a decode or
 prefill step needs: it checks everything, rotates the new keys (rotary embedding), writes
 them at the end of each sequence, and attends over each sequence's keys with the rules of
 :func:`fastattn.attention` (causal and window aligned bottom-right to the sequence's own
@@ -40,12 +40,12 @@ import numpy as np
 from .._calls import api as _api
 from .._calls import args as _args
 from .._calls import glue as _glue
-from .._storage import kinds as _kinds
 from .._calls import precision as _precision
-from .._machine import threads as _threads
 from .._calls.glue import kernel as _kernel
-from .._storage.quant import (BLOCK, cache_format, check_block_pair, check_fp8_scale, dequantize,
-                     quantize)
+from .._machine import threads as _threads
+from .._storage import kinds as _kinds
+from .._storage.quant import (BLOCK, cache_format, check_block_pair, check_fp8_scale,
+                              dequantize, quantize)
 
 __all__ = ["attention_with_kvcache", "plan_kvcache", "KVCachePlan"]
 

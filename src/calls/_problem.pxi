@@ -1,4 +1,4 @@
-# Describing a call to the kernel: the C Problem (_tile_pipeline.pxi) of one call.
+# Describing a call to the kernel: the C Problem (pipeline/_tile_state.pxi) of one call.
 #
 #   _fill_problem       THE filler: the Problem of a call the front end describes (a
 #                       fastattn._calls.args.Problem, or varlen_problem's namespace), on the
