@@ -1,7 +1,7 @@
 """Build fastattn's compiled kernels.
 
 The fused kernel (src/_kernel_impl.pxi and the .pxi files it includes, _kernel_decls.pxd,
-src/fa_*.h) is compiled once per instruction set,
+the headers of src/*/) is compiled once per instruction set,
 RapidFuzz-style: each src/_kernel_<isa>.pyx only includes the shared source, and its
 extension gets that ISA's flags.  fastattn/_machine/isa.py checks the running CPU and imports
 the best variant that loads, falling back to the portable baseline.  Nothing here reads the

@@ -1,7 +1,7 @@
 /*
  * fa_kinds.h -- the storage kinds of q, K, V and the output: one table, read by the
- * kernels, the compiled gates (src/calls/_plan.pxi) and Python (fastattn/_storage/kinds.py, through the
- * extension's storage_kinds()).  Adding a kind is a row here, its loads and stores
+ * kernels, the compiled gates (src/calls/_plan.pxi) and Python (fastattn/_storage/kinds.py,
+ * through the extension's storage_kinds()).  Adding a kind is a row here, its loads and stores
  * (fa_half.h, fa_quant.h), and the type number its arrays carry (src/calls/_problem.pxi).
  *
  * Columns:
