@@ -22,7 +22,9 @@ Shapes (heads first; q and the output float32, as a serving layer holds them):
   Hq 32, Hkv 8, D 128 (bound by its FLOPs: time ratios only).
 
 Kinds: float16, bfloat16, q8_0, q4_0, fp8 (float8_e4m3fn, a float32 scale per kv head),
-fp8-1 (float8_e4m3fn, one scalar scale) and e5m2 (float8_e5m2, per kv head).  Each call
+fp8-1 (float8_e4m3fn, one scalar scale) and e5m2 (float8_e5m2, per kv head); q8_0-i8 and
+q4_0-i8 are the same caches with ``set_int8_dot_products(True)`` (rows "n/a" where the build
+or the CPU has no int8 products).  Each call
 reads a different copy of the cache of the kind (enough copies for 160 MiB), so that K and
 V come from memory, not from the last-level cache.
 
@@ -42,7 +44,7 @@ SHAPES = {  # name: (B, Hq, Hkv, Lq, Lk, D, causal)
     "4k": (1, 32, 32, 1, 4096, 128, False),
     "prefill": (1, 32, 8, 256, 4096, 128, True),
 }
-KINDS = ["float16", "bfloat16", "q8_0", "q4_0", "fp8", "fp8-1", "e5m2"]
+KINDS = ["float16", "bfloat16", "q8_0", "q4_0", "fp8", "fp8-1", "e5m2", "q8_0-i8", "q4_0-i8"]
 TORCH_ISA = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "ONEDNN_MAX_CPU_ISA": "AVX2"},
@@ -117,6 +119,12 @@ def worker(args):
     except ImportError:                     # an older build (--old) keeps it elsewhere
         from fastattn._dispatch import ISA
     res = {"isa": ISA, "shapes": {}}
+    try:
+        from fastattn._calls.precision import int8_products
+        has_int8 = int8_products()[0]
+    except ImportError:                     # a build before the int8 products
+        has_int8 = False
+    kinds = [kind for kind in args.kinds if has_int8 or not kind.endswith("-i8")]
     big = torch.ones(512 << 18, dtype=torch.float32)
     roof_call = lambda: torch.sum(big)       # noqa: E731
     for shape_name in args.shapes:
@@ -127,18 +135,24 @@ def worker(args):
         out = np.empty((B, Hq, Lq, D), np.float32)
         seqlens = np.full(B, Lk)
         calls, nbytes = {}, {}
-        for kind in args.kinds:
-            cache = _store(fa, kind, k, v)
+        for kind in kinds:
+            int8 = kind.endswith("-i8")
+            cache = _store(fa, kind[:-3] if int8 else kind, k, v)
             nbytes[kind] = _nbytes(cache, B, Hkv, Lk)
             copies = [cache] + [{n: a.copy() for n, a in cache.items()}
                                 for _ in range(max(0, -(-COPIES_BYTES // nbytes[kind]) - 1))]
             state = {"i": 0}
 
-            def call(copies=copies, state=state):
+            def call(copies=copies, state=state, int8=int8):
                 c = copies[state["i"] % len(copies)]
                 state["i"] += 1
-                fa.attention_with_kvcache(q, **c, cache_seqlens=seqlens, causal=causal,
-                                          out=out)
+                old = fa.set_int8_dot_products(True) if int8 else None
+                try:
+                    fa.attention_with_kvcache(q, **c, cache_seqlens=seqlens, causal=causal,
+                                              out=out)
+                finally:
+                    if int8:
+                        fa.set_int8_dot_products(old)
             call()
             calls[kind] = call
         calls["roof"] = roof_call
@@ -155,13 +169,13 @@ def worker(args):
         med = {name: float(np.median(s)) for name, s in samples.items()}
         # per-round ratios to float16, then their median
         ratio = {kind: float(np.median(np.array(samples["float16"]) / np.array(samples[kind])))
-                 for kind in args.kinds if "float16" in samples}
+                 for kind in kinds if "float16" in samples}
         roof = big.numel() * 4 / min(samples["roof"]) / 1e9
         res["shapes"][shape_name] = {
             "roof_gbs": roof, "bg_load": min(1.0, other / (wall * os.cpu_count())),
             "kinds": {kind: {"s": med[kind], "gbs": nbytes[kind] / med[kind] / 1e9,
                              "share": nbytes[kind] / med[kind] / 1e9 / roof,
-                             "f16_ratio": ratio.get(kind)} for kind in args.kinds}}
+                             "f16_ratio": ratio.get(kind)} for kind in kinds}}
     json.dump(res, sys.stdout)
 
 
@@ -228,6 +242,9 @@ def main():
                   f" read roof {roof:.1f} GB/s (torch.sum, 512 MiB); bg load up to {100 * bg:.0f}%")
             print(f"  {'kind':<9} {'ms':>8} {'GB/s':>7} {'roof':>6} {'f16/this':>9}")
             for kind in args.kinds:
+                if any(kind not in x["kinds"] for x in per):
+                    print(f"  {kind:<9} {'n/a':>8}")
+                    continue
                 xs = [x["kinds"][kind] for x in per]
                 ms = 1e3 * np.median([x["s"] for x in xs])
                 gbs = np.median([x["gbs"] for x in xs])
@@ -244,6 +261,8 @@ def main():
             for shape in args.shapes:
                 cells = []
                 for kind in args.kinds:
+                    if f"{isa}/old/{shape}/{kind}" not in raw or f"{isa}/new/{shape}/{kind}" not in raw:
+                        continue
                     o, n = raw[f"{isa}/old/{shape}/{kind}"], raw[f"{isa}/new/{shape}/{kind}"]
                     cells.append(f"{kind} {o['ms'] / n['ms']:.2f}x")
                 print(f"  {isa} {shape}: " + ", ".join(cells))

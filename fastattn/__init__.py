@@ -80,7 +80,8 @@ from ._storage.quant import (dequantize_fp8, dequantize_q4_0, dequantize_q8_0,
                              quantize_fp8, quantize_q4_0, quantize_q8_0)
 from ._calls.merge import merge_attention
 from ._machine.threads import get_num_threads, num_threads, set_num_threads
-from ._calls.precision import float32_precision, get_float32_precision, set_float32_precision
+from ._calls.precision import (float32_precision, get_float32_precision, get_int8_dot_products,
+                               set_float32_precision, set_int8_dot_products)
 from ._machine.config import show_config
 from . import reference
 from .layers import KVCache, MultiHeadAttention, self_attention
@@ -93,6 +94,7 @@ __all__ = [
     "quantize_q4_0", "dequantize_q4_0", "quantize_fp8", "dequantize_fp8",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
+    "set_int8_dot_products", "get_int8_dot_products",
     "show_config", "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
     "sinusoidal_positions", "rope",

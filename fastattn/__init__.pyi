@@ -19,6 +19,7 @@ __all__ = [
     "quantize_q4_0", "dequantize_q4_0", "quantize_fp8", "dequantize_fp8",
     "set_num_threads", "get_num_threads", "num_threads",
     "set_float32_precision", "get_float32_precision", "float32_precision",
+    "set_int8_dot_products", "get_int8_dot_products",
     "show_config", "reference",
     "self_attention", "MultiHeadAttention", "KVCache",
     "sinusoidal_positions", "rope",
@@ -210,6 +211,8 @@ def num_threads(n: int) -> AbstractContextManager[int]: ...
 # -- precision of float32 calls -----------------------------------------------------------
 def set_float32_precision(precision: Literal["float32", "bfloat16"]) -> str: ...
 def get_float32_precision() -> str: ...
+def set_int8_dot_products(enabled: bool) -> bool: ...
+def get_int8_dot_products() -> bool: ...
 class float32_precision:
     precision: str
     previous: str | None

@@ -210,6 +210,20 @@ cdef extern from "fa_kernels.h" nogil:
                          const float* alpha)
 
 
+# Integer dot products over q8_0 and q4_0 keys (fa_int8dot.h): the avx512 and avx2 builds',
+# called only where fa_cpu_has_int8dot() (FA_HAVE_INT8DOT 0: a stub that is never called)
+cdef extern from "fa_kernels.h" nogil:
+    enum:
+        FA_HAVE_INT8DOT
+        FA_I8_KEYS
+        FA_I8_MAX_ROWS
+    int fa_cpu_has_int8dot()
+    void fa_int8_quant_row(const float* x, Py_ssize_t D, int8_t* qi, float* qd, int32_t* qs)
+    void fa_score_int8(int kind, int nr, const uint8_t** kr, const float* ksc,
+                       Py_ssize_t ldksc, int nk, const int8_t* qi, const float* qd,
+                       const int32_t* qs, Py_ssize_t D, float scale, float* s, Py_ssize_t lds,
+                       int nstore, const char** pf, int npf, const char** l1, int nl1)
+
 # AMX tiles (fa_amx.h): kernels on the hardware (FA_AMX_HW, where fa_amx_status() is
 # FA_AMX_OK) or on the
 # scalar model of the tile instructions (FA_AMX_MODEL); both in builds with FA_HAVE_BF16DOT

@@ -13,6 +13,11 @@ for bfloat16 there warns, once per process (:func:`fastattn.show_config` shows w
 The setting is process-wide (:func:`set_float32_precision`); :class:`float32_precision`
 overrides it for the calling thread within a ``with`` block.  The torch integrations
 follow this setting too, never torch's ``set_float32_matmul_precision``.
+
+Calls over q8_0 and q4_0 caches may take q.k in integers, opt-in
+(:func:`set_int8_dot_products`): q is quantised per block of 32 dims as llama.cpp does
+against its quantised K, and the CPU's int8 dot products (AVX512-VNNI, AVX-VNNI) multiply
+it with the stored keys.
 """
 import threading
 import warnings
@@ -20,9 +25,10 @@ import warnings
 import numpy as np
 
 from . import args as _args
-from .._machine.isa import kernel
+from .._machine.isa import ISA, kernel
 
-__all__ = ["set_float32_precision", "get_float32_precision", "float32_precision"]
+__all__ = ["set_float32_precision", "get_float32_precision", "float32_precision",
+           "set_int8_dot_products", "get_int8_dot_products"]
 
 PRECISIONS = ("float32", "bfloat16")
 _global = "float32"
@@ -182,3 +188,83 @@ def backward_inputs(q, k, v, cdt, D, Dv):
     if cdt != np.float32 or not rounds_float32(D, Dv):
         return q, k, v
     return tuple(a if _args.is_16bit(a.dtype) else bfloat16_values(a) for a in (q, k, v))
+
+
+# ---------------------------------------------------------------------------- int8 products
+
+_int8_setting = False
+_int8_warned = False
+# The int8 products each kernel variant takes (the base variant has none).
+_VNNI = {"avx512": "AVX512-VNNI", "avx2": "AVX-VNNI", "base": "VNNI"}
+
+
+def int8_products():
+    """Whether calls over q8_0 and q4_0 caches can take q.k in integers in this process:
+    ``(True, how)``, or ``(False, why not)``."""
+    if not kernel.INT8_DOT_BUILT:
+        return False, "this kernel variant has no int8 dot products"
+    if not kernel.INT8_DOT_CPU:
+        return False, f"this CPU has no {_VNNI[ISA]}"
+    return True, f"{_VNNI[ISA]} vpdpbusd"
+
+
+def quantised_products():
+    """What calls over q8_0 and q4_0 caches multiply q.k in now, in words."""
+    if not _int8_setting:
+        return "float32 (exact over the stored values, the default)"
+    runs, how = int8_products()
+    if runs:
+        return f"int8 (set_int8_dot_products: q quantised per block of 32 dims; {how})"
+    return f"float32: int8 products are asked for, but {how}"
+
+
+def set_int8_dot_products(enabled):
+    """Take q.k in int8 for calls over q8_0 and q4_0 caches (``True``), or exactly over
+    the stored values in float32 (``False``, the default).  Returns the previous setting.
+
+    With it on, each query row is quantised per block of 32 dims as llama.cpp quantises q
+    against its quantised K (``round(x * 127 / max|x|)``, the block's scale
+    ``max|x| / 127`` kept in float32), and each block's products with the stored keys are
+    summed exactly in int32 by the CPU's int8 dot products; the blocks' sums are then
+    scaled and added in float32.  Softmax and the weighted sum of V stay in float32.
+
+    Results differ from the default: q carries the rounding of an 8-bit quantisation (a
+    relative error of about 1/254 per value), which llama.cpp's q8_0 dot products carry
+    too.  They stay reproducible: threads, batch size, pages and a decode step against
+    the prefill over the same cache give the same bits.  Other caches, other head dims
+    (D and Dv must be multiples of 32), double-precision q and the backward pass are not
+    affected.
+
+    The products run where the CPU has them: AVX512-VNNI for the AVX-512 kernels,
+    AVX-VNNI for the AVX2 ones.  Elsewhere the setting changes nothing (calls stay exact)
+    and warns once per process; :func:`fastattn.show_config` shows what runs.  The setting
+    is process-wide.
+
+    Examples
+    --------
+    >>> old = fastattn.set_int8_dot_products(True)
+    >>> fastattn.get_int8_dot_products()
+    True
+    >>> fastattn.set_int8_dot_products(old)
+    True
+    """
+    global _int8_setting, _int8_warned
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    enabled = bool(enabled)
+    with _lock:
+        old, _int8_setting = _int8_setting, enabled
+        kernel.set_int8_dot(enabled)
+    runs, why = int8_products()
+    if enabled and not runs and not _int8_warned:
+        _int8_warned = True
+        warnings.warn(f"set_int8_dot_products(True) changes nothing here: {why}, so calls "
+                      "over q8_0 and q4_0 caches stay exact (fastattn.show_config() shows "
+                      "what runs)", RuntimeWarning, stacklevel=2)
+    return old
+
+
+def get_int8_dot_products():
+    """Whether :func:`set_int8_dot_products` is on (where the CPU has no int8 dot products
+    calls stay exact whatever it says; :func:`fastattn.show_config` shows what runs)."""
+    return _int8_setting

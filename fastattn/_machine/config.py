@@ -229,6 +229,7 @@ def _precision_facts(info):
                                      else "")
     info["float32_precision"] = _precision.get_float32_precision()
     info["float32_products"] = _precision.float32_products()
+    info["quantised_products"] = _precision.quantised_products()
 
 
 def _amx_fact(kernel):
@@ -276,6 +277,7 @@ def format_info(info):
         ("variants this CPU runs", info["available_variants"]),
         ("bfloat16 products", info.get("bf16_products", UNKNOWN)),
         ("float32 products", info.get("float32_products", UNKNOWN)),
+        ("q8_0/q4_0 products", info.get("quantised_products", UNKNOWN)),
         ("AMX tiles", info.get("amx_tiles", UNKNOWN)),
     ]
     rows += [(k.replace("_", " "), v) for k, v in info.get("build", {}).items()]

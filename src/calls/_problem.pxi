@@ -56,6 +56,35 @@ def set_bf16_dot(bint on):
     return old
 
 
+# Integer products for the scores over q8_0 and q4_0 caches (fa_int8dot.h): off unless
+# asked for (fastattn.set_int8_dot_products), and only where this build has them and the
+# CPU runs them.
+INT8_DOT_BUILT = bool(FA_HAVE_INT8DOT)
+INT8_DOT_CPU = bool(fa_cpu_has_int8dot())
+cdef bint _int8_dot = False
+
+
+def int8_dot():
+    """Whether calls over q8_0 and q4_0 caches take q.k in integers."""
+    return _int8_dot
+
+
+def set_int8_dot(bint on):
+    """Turn the integer products on or off (on only where built and supported); returns
+    the previous setting."""
+    global _int8_dot
+    old = _int8_dot
+    _int8_dot = on and INT8_DOT_BUILT and INT8_DOT_CPU
+    return old
+
+
+cdef inline bint _int8_dot_takes(const Problem* P) noexcept nogil:
+    # A forward call over q8_0 or q4_0 K and V of the same kind, whole blocks of dims.
+    return (_int8_dot and not P.backward and P.v_kind == P.k_kind
+            and (P.k_kind == FA_STORE_Q8_0 or P.k_kind == FA_STORE_Q4_0)
+            and P.D % 32 == 0 and P.Dv % 32 == 0)
+
+
 # ... and on AMX tiles (fa_amx.h), for head dims that are multiples of 32.  The hardware
 # path has not yet been measured on an AMX CPU, so it runs only when asked for
 # (FASTATTN_AMX=1) until then; FASTATTN_AMX=model runs the same kernels on the scalar
@@ -333,6 +362,7 @@ cdef Py_ssize_t* _fill_layout(Problem* P, cnp.ndarray q, cnp.ndarray k, cnp.ndar
     P.bf16_dot = (P.q_kind == FA_STORE_BF16 and P.k_kind == FA_STORE_BF16
                   and P.v_kind == FA_STORE_BF16 and _bf16_dot_takes(P.D, P.Dv))
     P.amx = _amx if P.bf16_dot and P.D % 32 == 0 and P.Dv % 32 == 0 else 0
+    P.int8_dot = False           # the forward's _run decides (_int8_dot_takes)
     return offs
 
 

@@ -182,6 +182,7 @@ cdef int _run(Problem* P, bint is_float, object threads) except -1:
     more than one work item to share (a single tile of rows and keys runs on one thread).
     """
     global _clock_ns
+    P.int8_dot = _int8_dot_takes(P)
     cdef Py_ssize_t n_rblk = (P.group * P.Lq + FA_BQ - 1) // FA_BQ
     cdef Py_ssize_t n_items = P.nbatch * P.Hkv * n_rblk
     if n_items == 0:

@@ -137,6 +137,9 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
     cdef bint pf_v = ((not t.pv_next_v or t.first_blk) and not t.widen_v or t.defer_v
                       or t.spread_next)
     cdef int nk
+    if floating is float and t.int8_dot:
+        _scores_int8(P, t, w, ws)
+        return
     if floating is float and t.quant_in_place:
         _scores_quant(P, t, w, ws)
         return
@@ -216,6 +219,48 @@ cdef void _scores_quant(const Problem* P, Tile* t, const Workspace* w,
             npf = nl1 = 0
         jb += KC
     t.first_blk = False
+
+
+cdef void _scores_int8(const Problem* P, Tile* t, const Workspace* w,
+                       float* ws) noexcept nogil:
+    # S^T of a tile over q8_0 or q4_0 K read in place with integer products
+    # (fa_score_int8, on the rows _quantise_q wrote): FA_I8_KEYS keys at a time as the
+    # lanes (zero rows pad the last call), against the rows in passes of up to
+    # FA_I8_MAX_ROWS (rows past nrows read quantised zeros and are not stored).  Requests
+    # as _scores_quant's.
+    cdef const char* zrow = <const char*> (ws + w.zrow)
+    cdef Py_ssize_t jb = 0, u, r, nr, D = P.D, nb = P.D // 32
+    cdef const int8_t* qi = <const int8_t*> (ws + w.qi)
+    cdef const float* qd = ws + w.qi + FA_BQ * D // 4
+    cdef const int32_t* qs = <const int32_t*> (qd + FA_BQ * nb)
+    cdef int nk, npf, nl1
+    while jb < t.nj:
+        nk = <int> min(FA_I8_KEYS, t.nj - jb)
+        for u in range(FA_I8_KEYS):
+            t.krows[u] = t.kptr[jb + u] if u < nk else zrow
+        npf = <int> max(0, min(nk, t.npf - jb))
+        nl1 = <int> max(0, min(FA_I8_KEYS, t.nj - jb - FA_I8_KEYS))
+        r = 0
+        while r < t.nrows:
+            nr = _int8_pass(t.nrows - r)
+            fa_score_int8(P.k_kind, <int> nr, <const uint8_t**> t.krows, ws + w.kblk + jb,
+                          FA_BK, nk, qi + r * D, qd + r * nb, qs + r * nb, D,
+                          <float> t.scale_log2, ws + w.s + jb * FA_BQ + r, FA_BQ,
+                          <int> (t.nrows - r), t.kpf + jb, npf, t.kptr + jb + FA_I8_KEYS, nl1)
+            r += nr
+            npf = nl1 = 0
+        jb += FA_I8_KEYS
+    t.first_blk = False
+
+
+cdef inline Py_ssize_t _int8_pass(Py_ssize_t left) noexcept nogil:
+    # Rows per integer score pass: FA_I8_MAX_ROWS or 4 cover several rows at once (the
+    # extra rows read quantised zeros), 2 and 1 exactly.
+    if left > 4 and FA_I8_MAX_ROWS >= 8:
+        return 8
+    if left > 2:
+        return 4
+    return left
 
 
 # ---------------------------------------------------------------------------- finish scores

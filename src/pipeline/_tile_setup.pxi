@@ -74,8 +74,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.dv_main = (P.Dv // t.NL) * t.NL
     t.dv_tail = P.Dv - t.dv_main
     # bfloat16 products have one kernel per stage, so that a decode row keeps the bits of
-    # its prefill row.
-    t.decode = t.nrows <= FA_DECODE_ROWS and not P.bf16_dot
+    # its prefill row; so do integer products, with the decode kernels.
+    t.int8_dot = floating is float and P.int8_dot
+    t.decode = (t.nrows <= FA_DECODE_ROWS or t.int8_dot) and not P.bf16_dot
     t.bf16_dot = floating is float and P.bf16_dot
     t.amx = P.amx if floating is float else 0
     # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
@@ -139,6 +140,18 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.lo, t.hi = lo, hi
 
 
+cdef inline void _quantise_q(const Problem* P, const Workspace* w, float* ws, Py_ssize_t r,
+                             const float* x, bint padding) noexcept nogil:
+    # Query row r of the tile quantised for the integer products (a padding row: zeros),
+    # where _scores_int8 reads it.
+    cdef Py_ssize_t nb = P.D // 32
+    if padding:
+        x = NULL
+    fa_int8_quant_row(x, P.D, <int8_t*> (ws + w.qi) + r * P.D,
+                      ws + w.qi + FA_BQ * P.D // 4 + r * nb,
+                      <int32_t*> (ws + w.qi + FA_BQ * P.D // 4 + FA_BQ * nb) + r * nb)
+
+
 cdef inline float _fp8_scale(int kind, const float* fscale, Py_ssize_t i) noexcept nogil:
     # The scale a kernel multiplies an fp8 level by (see fa_quant.h); 0 for other kinds.
     if kind == FA_STORE_E4M3:
@@ -190,6 +203,10 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
                     if qrows[u] != zrow:
                         widen_rows(P.q_kind, qrows[u], D, 1, D, ws + w.qw + u * D, D, NULL, 0)
                         qrows[u] = <const char*> (ws + w.qw + u * D)
+            if floating is float and t.int8_dot:
+                for u in range(t.VL):
+                    _quantise_q(P, w, ws, c + u, <const float*> qrows[u], qrows[u] == zrow)
+                continue
             pack_qt(qrows, D, qt + c, ldqt)
     # 4-row score passes over 16-bit K (_keyrows_pass: rows c .. c+3 with more than 2 of
     # them left) take a whole call of keys in one kernel (fa_score_gqa4).

@@ -55,6 +55,10 @@ cdef struct Problem:
     # ... on AMX tiles (fa_amx.h): 0, or the backend FA_AMX_HW / FA_AMX_MODEL.  Key blocks
     # then start at multiples of 32 keys, the chunks of the output tiles.
     int amx
+    # q.k in integers over q8_0 or q4_0 K and V of the same kind (fa_int8dot.h; set by
+    # _run from the opt-in): every tile of float compute then runs the decode kernels,
+    # q quantised per block as the tile is set up.
+    bint int8_dot
     # Serving caches.  Pages: key j of batch element b is row j % page of page
     # block_table[b * bt_stride + j // page], pages k_pst (v_pst) elements apart (k_boff,
     # v_boff unused); NULL: rows of batch element b from k_boff[b] as usual.  K or V in
@@ -74,7 +78,7 @@ cdef struct Problem:
 
 cdef struct Workspace:
     # Element offsets of a thread's workspace arrays (see _carve); elems: its size.
-    Py_ssize_t qt, qw, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
+    Py_ssize_t qt, qw, qi, s, acc, m, l, alpha, ACC, M, L, fa, fb, vtail, nslope, diag, zrow
     Py_ssize_t kblk, vblk, orow, pp, pr, kst, elems
     # The backward pass's (see _carve_backward); slope is -1 without a softcap.
     Py_ssize_t slope, dp, dot, dorows, qrows, pt, dkacc, dvacc, dqacc, kpad, lse2, delta, psum
@@ -96,6 +100,7 @@ cdef struct Tile:
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint quant_in_place           # decode over quantised K and V read where stored (fa_quant.h)
+    bint int8_dot                 # ... with q.k in integers (Problem.int8_dot)
     bint copy_rows                # decode over paged float rows: K copied as stored
     bint k_in_place               # (16-bit K: read through row pointers instead)
     bint v_in_place               # and V read through row pointers (fa_pv_ptr)
@@ -171,6 +176,9 @@ cdef void _carve(Workspace* w, const Problem* P, Py_ssize_t VL) noexcept nogil:
     w.qw = o                                    # VL query rows widened, to pack into Q^T
     if P.q_kind != FA_STORE_NATIVE:
         o += VL * D
+    w.qi = o                                    # q rows quantised (fa_int8_quant_row):
+    if P.int8_dot:                              # bytes, then scales and sums per block
+        o += FA_BQ * D // 4 + 2 * FA_BQ * (D // 32)
     w.s = o; o += (FA_BK + FA_MR_K) * FA_BQ     # S^T (a score micro-tile may run past nj)
     w.acc = o; o += FA_BQ * dv_pad              # the chunk's output rows
     w.m = o; o += FA_BQ

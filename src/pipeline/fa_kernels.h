@@ -737,6 +737,7 @@ static inline int fa_cpu_supports(const char* isa)
 #include "fa_quant.h"
 #include "fa_by_kind.h"
 #include "fa_bf16dot.h"
+#include "fa_int8dot.h"
 #include "fa_amx.h"
 
 #endif /* FA_KERNELS_H */
