@@ -7,7 +7,8 @@ the same bits, or refuse with the same error class and leave every cache as it w
 case here draws one random call -- ``attention``, ``attention_varlen``,
 ``attention_weights``, ``attention_backward``, ``attention_with_kvcache``, a plan and its
 runs, or a torch operator -- over every storage kind, paging, appends, rotary and the score
-modifiers, with every array argument drawn as a view (negative, zero and non-unit strides,
+modifiers (in a third of the cases with the int8 products over q8_0 and q4_0 caches
+turned on, where the CPU has them), with every array argument drawn as a view (negative, zero and non-unit strides,
 Fortran order, transposed layouts, sliced batches, broadcast inputs, read-only arrays), and
 now and then a bad value.  It runs the call three times:
 
@@ -37,6 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fastattn                                   # noqa: E402
 from fastattn._calls import api as _api  # noqa: E402
 from fastattn._serving import kvcache as _kvcache_attn  # noqa: E402
+from fastattn._calls.precision import int8_products  # noqa: E402
+
+INT8 = int8_products()[0]          # whether the int8 products run here
 
 try:
     import ml_dtypes
@@ -526,7 +530,20 @@ def caches_of(kw, names):
 
 def run_case(seed, i, with_torch, verbose=False):
     name, call, kw, written = draw(seed, i, with_torch)
+    # drawn apart from the call, so that a case's call is the same whether or not the
+    # CPU has int8 products
+    int8 = np.random.default_rng([seed, i, 1]).random() < 1 / 3
+    old = fastattn.set_int8_dot_products(int8) if INT8 else False
+    try:
+        return _run_case(name, call, kw, written, verbose)
+    finally:
+        if INT8:
+            fastattn.set_int8_dot_products(old)
+
+
+def _run_case(name, call, kw, written, verbose):
     if verbose:
+        print(f"  int8 products: {fastattn.get_int8_dot_products()}")
         for n, x in kw.items():
             desc = f"{x.dtype}{tuple(x.shape)} strides {getattr(x, 'strides', None) or x.stride()}" \
                 if hasattr(x, "shape") and hasattr(x, "dtype") else repr(x)[:120]

@@ -43,6 +43,7 @@ if [ ${#pytest_args[@]} -eq 0 ]; then
                  tests/test_backward.py
                  tests/test_bf16_products.py tests/test_kvcache.py tests/test_plan.py
                  tests/test_cache_formats.py tests/test_amx.py tests/test_paths_fuzz.py
+                 tests/test_int8_dot.py
                  -k "not every_isa_variant and not peak_memory and not two_threads_overlap and not no_leak and not no_float32_copy and not memory_is_not_quadratic and not flash_attn_kvcache_cases and not read_in_place")
 fi
 
