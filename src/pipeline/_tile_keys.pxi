@@ -185,6 +185,11 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
                 memcpy(<char*> kdst + u * P.D * P.k_isz, t.kptr[u], P.D * P.k_isz)
             if not t.defer_v and not t.v_in_place:
                 memcpy(<char*> vdst + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
+        elif floating is float and t.int8_dot:
+            _key_scales(P, c.ks, <float*> kdst, u)
+            if not t.defer_v:
+                _gather_row(t.vptr[u], P.v_kind, P.v_scale + c.vs, t.vfs, P.Dv,
+                            vdst + u * P.Dv)
         elif not t.bf16_dot:
             _gather_row(t.kptr[u], P.k_kind, P.k_scale + c.ks, t.kfs, P.D, kdst + u * P.D)
             if not t.defer_v:
@@ -192,8 +197,20 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
                             vdst + u * P.Dv)
         if u + 1 < t.nj:
             _cache_next(P, t, &c)
+    if floating is float and t.int8_dot:
+        for u in range(t.nj, _round_up(t.nj, FA_I8_KEYS)):   # padding keys: zero scales
+            _key_scales(P, -1, <float*> kdst, u)
     if not nxt:
         _prefetch_next_tile(P, t)
+
+
+cdef inline void _key_scales(const Problem* P, Py_ssize_t ks, float* ksc,
+                             Py_ssize_t u) noexcept nogil:
+    # Key u's block scales in float32 where the integer score kernel reads them,
+    # transposed as fa_quant_rows lays them out (ksc[b * FA_BK + u]); ks < 0: zeros.
+    cdef Py_ssize_t b
+    for b in range(P.D // 32):
+        ksc[b * FA_BK + u] = fa_f16_to_f32(P.k_scale[ks + b]) if ks >= 0 else 0
 
 
 cdef void _prefetch_next_tile(const Problem* P, const Tile* t) noexcept nogil:

@@ -22,6 +22,8 @@ cdef void _reduce_chunk(const Problem* P, Tile* t, const Workspace* w, floating*
             _scores_amx(P, t, w, ws)
         elif floating is float and t.bf16_dot and t.nrows <= FA_DECODE_ROWS:
             _scores_bf16_keys(P, t, w, ws)
+        elif floating is float and t.int8_dot:
+            _scores_int8(P, t, w, ws)
         else:
             _scores_prefill(P, t, w, ws)
         _finish_scores(P, t, w, ws)

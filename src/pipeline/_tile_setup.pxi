@@ -74,9 +74,10 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.dv_main = (P.Dv // t.NL) * t.NL
     t.dv_tail = P.Dv - t.dv_main
     # bfloat16 products have one kernel per stage, so that a decode row keeps the bits of
-    # its prefill row; so do integer products, with the decode kernels.
+    # its prefill row; so do integer products (their score kernel, with keys as lanes, in
+    # decode and prefill tiles alike).
     t.int8_dot = floating is float and P.int8_dot
-    t.decode = (t.nrows <= FA_DECODE_ROWS or t.int8_dot) and not P.bf16_dot
+    t.decode = t.nrows <= FA_DECODE_ROWS and not P.bf16_dot
     t.bf16_dot = floating is float and P.bf16_dot
     t.amx = P.amx if floating is float else 0
     # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
@@ -115,7 +116,8 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # _gather requests them as it copies, the faster order for that path.
     t.spread_next = t.k_in_place and t.v_in_place
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
-        t.decode and floating is float and not quant or t.quant_in_place or t.bf16_dot)
+        t.decode and floating is float and not quant or t.quant_in_place or t.bf16_dot
+        or t.int8_dot)
     t.widen_v = (P.v_kind != FA_STORE_NATIVE or t.gather) and not (floating is float and (
         t.decode and not quant or t.quant_in_place or t.bf16_dot
         or (P.v_kind == FA_STORE_F16 and FA_HAVE_F16C and not t.gather)))
@@ -230,8 +232,8 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     for ic in range(t.nlanes // t.VL):
         _keys_seen(t, ic * t.VL, min(ic * t.VL + t.VL, t.nrows), &t.vec_lo[ic], &t.vec_hi[ic])
     _group_intervals(t)
-    if t.decode:
-        # Decode score kernels store real rows only: the padding lanes of S^T hold finite
+    if t.decode or t.int8_dot:
+        # Decode score kernels (and the integer ones) store real rows only: the padding lanes of S^T hold finite
         # values from here on (0, then the softmax's p), so no stale NaN or denormal reaches
         # the exp.  Only the keys a block can hold for this tile.
         # The two-keys-per-vector softmax step and the 4-row output tile read lanes 0-3 only.
