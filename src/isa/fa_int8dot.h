@@ -147,10 +147,12 @@ FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
     }
 }
 
-FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, int32_t q)
-{ return _mm512_dpbusd_epi32(acc, k, _mm512_set1_epi32(q)); }
+/* acc += the products of k's bytes (unsigned) with the 4 bytes of q at p (signed) */
+FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
+{ return _mm512_dpbusd_epi32(acc, k, _mm512_broadcastd_epi32(_mm_loadu_si32(p))); }
 FA_I8_INLINE fa_i8v fa_i8_zero(void) { return _mm512_setzero_si512(); }
 FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x) { return _mm512_sub_epi32(a, _mm512_set1_epi32(x)); }
+FA_I8_INLINE fa_i8v fa_i8_add(fa_i8v a, fa_i8v b) { return _mm512_add_epi32(a, b); }
 FA_I8_INLINE fa_i8f fa_i8_fzero(void) { return _mm512_setzero_ps(); }
 FA_I8_INLINE fa_i8f fa_i8_fload(const float* p) { return _mm512_loadu_ps(p); }
 FA_I8_INLINE fa_i8f fa_i8_fma(fa_i8v isum, fa_i8f m, fa_i8f acc)
@@ -212,10 +214,11 @@ FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
     }
 }
 
-FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, int32_t q)
-{ return _mm256_dpbusd_avx_epi32(acc, k, _mm256_set1_epi32(q)); }
+FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
+{ return _mm256_dpbusd_avx_epi32(acc, k, _mm256_broadcastd_epi32(_mm_loadu_si32(p))); }
 FA_I8_INLINE fa_i8v fa_i8_zero(void) { return _mm256_setzero_si256(); }
 FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x) { return _mm256_sub_epi32(a, _mm256_set1_epi32(x)); }
+FA_I8_INLINE fa_i8v fa_i8_add(fa_i8v a, fa_i8v b) { return _mm256_add_epi32(a, b); }
 FA_I8_INLINE fa_i8f fa_i8_fzero(void) { return _mm256_setzero_ps(); }
 FA_I8_INLINE fa_i8f fa_i8_fload(const float* p) { return _mm256_loadu_ps(p); }
 FA_I8_INLINE fa_i8f fa_i8_fma(fa_i8v isum, fa_i8f m, fa_i8f acc)
@@ -246,6 +249,9 @@ FA_I8_INLINE void fa_score_int8_body(const int kind, const uint8_t* const* kr, c
     const ptrdiff_t nb = D / 32, row_bytes = fa_quant_row_bytes(kind, D);
     const ptrdiff_t l2_rows = (npf + nb - 1) / nb, l1_rows = (nl1 + nb - 1) / nb;
     const int excess = kind == FA_STORE_Q8_0 ? 7 : 3;   /* log2 of 128, 8 */
+    /* one or two rows: two sums per row, the even and the odd dims' (an exact split), so
+     * that the products' latency overlaps */
+    const int nsum = nr >= 4 ? 1 : 2;
     fa_i8f acc[FA_I8_MAX_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = fa_i8_fzero();
     for (ptrdiff_t b = 0; b < nb; b++) {
@@ -256,14 +262,16 @@ FA_I8_INLINE void fa_score_int8_body(const int kind, const uint8_t* const* kr, c
         fa_i8v t[8];
         if (kind == FA_STORE_Q8_0) fa_i8_keys_q8_0(kr, b, t);
         else fa_i8_keys_q4_0(kr, b, t);
+        fa_i8v isum[FA_I8_MAX_ROWS][2];
+        for (int r = 0; r < nr; r++) isum[r][0] = isum[r][1] = fa_i8_zero();
+        for (int j = 0; j < 8; j++)
+            for (int r = 0; r < nr; r++)
+                isum[r][j % nsum] = fa_i8_dot(isum[r][j % nsum], t[j], qi + r * D + 32 * b + 4 * j);
         const fa_i8f dk = fa_i8_fload(ksc + b * ldksc);
         for (int r = 0; r < nr; r++) {
-            int32_t q[8];
-            memcpy(q, qi + r * D + 32 * b, 32);
-            fa_i8v isum = fa_i8_zero();
-            for (int j = 0; j < 8; j++) isum = fa_i8_dot(isum, t[j], q[j]);
-            isum = fa_i8_sub(isum, qs[r * nb + b] * (1 << excess));
-            acc[r] = fa_i8_fma(isum, fa_i8_scaled(dk, qd[r * nb + b]), acc[r]);
+            fa_i8v sum = nsum == 2 ? fa_i8_add(isum[r][0], isum[r][1]) : isum[r][0];
+            sum = fa_i8_sub(sum, qs[r * nb + b] * (1 << excess));
+            acc[r] = fa_i8_fma(sum, fa_i8_scaled(dk, qd[r * nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < nr && r < nstore; r++) {
