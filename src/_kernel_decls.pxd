@@ -141,6 +141,7 @@ cdef extern from "fa_kernels.h" nogil:
                           Py_ssize_t n, float* y)
     void fa_dequant_row_d(int kind, const uint8_t* x, const uint16_t* bscale, float fscale,
                           Py_ssize_t n, double* y)
+    void fa_pack_qt4_f(const float* const* rows, Py_ssize_t D, float* qt, Py_ssize_t ldqt)
     void fa_score_quant(int kind, int nr, const uint8_t** kr, const float* ksc,
                         Py_ssize_t ldksc, int nk, const float* qt, Py_ssize_t ldqt, Py_ssize_t D,
                         float scale, float* s, Py_ssize_t lds, int nstore, const char** pf,

@@ -88,6 +88,13 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # instead of D -- the decode score kernels read a line per dimension, beside 32 K rows
     # and the prefetched V rows in L1.
     t.ldqt = t.nlanes if t.decode else FA_BQ
+    # A decode tile of at most 4 rows (a GQA group of 4, a single row) has kernels that
+    # read Q^T's lanes 0-3 only: those are packed alone, 8 lanes apart (the constant
+    # stride of the 16-bit score kernel, fa_keys32.h).
+    t.qt4 = (floating is float and t.decode and t.nrows <= 4 and not P.bf16_dot
+             and not P.int8_dot)
+    if t.qt4:
+        t.ldqt = 8
     # 16-bit K and V are widened in registers by the decode kernels of float compute (as
     # they load them), and so is float16 V by the prefill's P.V tiles on F16C builds,
     # where vcvtph2ps fits beside the FMAs.  Otherwise they are widened a block at a time
@@ -208,6 +215,9 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             if floating is float and t.int8_dot:
                 for u in range(t.VL):
                     _quantise_q(P, w, ws, c + u, <const float*> qrows[u], qrows[u] == zrow)
+                continue
+            if floating is float and t.qt4:
+                fa_pack_qt4_f(<const float* const*> qrows, D, qt, ldqt)
                 continue
             pack_qt(qrows, D, qt + c, ldqt)
     # 4-row score passes over 16-bit K (_keyrows_pass: rows c .. c+3 with more than 2 of

@@ -116,6 +116,7 @@ cdef struct Tile:
     bint same_keys                # every row sees exactly [tile_lo, tile_hi), not empty
     bint gqa4                     # 4-row score passes over 16-bit K: fa_score_gqa4
     bint softmax_pairs            # the softmax step of <= 4 rows: fa_softmax_pairs_f
+    bint qt4                      # Q^T of 4 lanes only, ldqt 8 (fa_pack_qt4_f)
     # fp8 K and V: kv head g's scales, times FA_E4M3_UNIT for e4m3 (fa_quant.h); else 0.
     float kfs, vfs
     # K and V rows of kv head g in their storage type: key j at kb + j * k_row bytes.

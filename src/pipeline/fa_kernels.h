@@ -734,6 +734,46 @@ static inline int fa_cpu_supports(const char* isa)
 #endif
 }
 
+/* Q^T of the 4 query rows of a decode tile of at most 4 rows (float compute):
+ * qt[d * ldqt + t] = rows[t][d] for t < 4, the only lanes its kernels read (the others are
+ * left as they are).  A 4-wide transpose per 4 dims, where fa_pack_qt_f would transpose
+ * a whole vector of rows, most of them padding. */
+static void fa_pack_qt4_f(const float* const* rows, ptrdiff_t D, float* qt, ptrdiff_t ldqt)
+{
+    ptrdiff_t d = 0;
+#if FA_VBYTES == 64
+#define FA_QT4_LANE(u, l, d0) \
+    _mm_storeu_ps(qt + (d0 + 4 * l) * ldqt, _mm512_extractf32x4_ps(u[0], l)); \
+    _mm_storeu_ps(qt + (d0 + 4 * l + 1) * ldqt, _mm512_extractf32x4_ps(u[1], l)); \
+    _mm_storeu_ps(qt + (d0 + 4 * l + 2) * ldqt, _mm512_extractf32x4_ps(u[2], l)); \
+    _mm_storeu_ps(qt + (d0 + 4 * l + 3) * ldqt, _mm512_extractf32x4_ps(u[3], l));
+    for (; d + 16 <= D; d += 16) {
+        const __m512 a = _mm512_loadu_ps(rows[0] + d), b = _mm512_loadu_ps(rows[1] + d);
+        const __m512 c = _mm512_loadu_ps(rows[2] + d), e = _mm512_loadu_ps(rows[3] + d);
+        const __m512 t0 = _mm512_unpacklo_ps(a, b), t1 = _mm512_unpackhi_ps(a, b);
+        const __m512 t2 = _mm512_unpacklo_ps(c, e), t3 = _mm512_unpackhi_ps(c, e);
+        /* u[i], 128-bit lane l: dim 4l + i of the 4 rows */
+        const __m512 u[4] = {_mm512_shuffle_ps(t0, t2, 0x44), _mm512_shuffle_ps(t0, t2, 0xEE),
+                             _mm512_shuffle_ps(t1, t3, 0x44), _mm512_shuffle_ps(t1, t3, 0xEE)};
+        FA_QT4_LANE(u, 0, d) FA_QT4_LANE(u, 1, d) FA_QT4_LANE(u, 2, d) FA_QT4_LANE(u, 3, d)
+    }
+#undef FA_QT4_LANE
+#endif
+#if defined(__SSE__)
+    for (; d + 4 <= D; d += 4) {
+        __m128 a = _mm_loadu_ps(rows[0] + d), b = _mm_loadu_ps(rows[1] + d);
+        __m128 c = _mm_loadu_ps(rows[2] + d), e = _mm_loadu_ps(rows[3] + d);
+        _MM_TRANSPOSE4_PS(a, b, c, e);
+        _mm_storeu_ps(qt + d * ldqt, a);
+        _mm_storeu_ps(qt + (d + 1) * ldqt, b);
+        _mm_storeu_ps(qt + (d + 2) * ldqt, c);
+        _mm_storeu_ps(qt + (d + 3) * ldqt, e);
+    }
+#endif
+    for (; d < D; d++)
+        for (int t = 0; t < 4; t++) qt[d * ldqt + t] = rows[t][d];
+}
+
 #include "fa_quant.h"
 #include "fa_by_kind.h"
 #include "fa_bf16dot.h"
