@@ -20,6 +20,8 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     if next_bg >= 0:
         t.next_b, t.next_g = next_bg // P.Hkv, next_bg % P.Hkv
     _setup_rows(P, &t, &w, ws)
+    if t.decode and t.next_b >= 0:
+        _prefetch_next_q(P, &t)
     _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad, _acc_rows(&t))
     if t.tile_lo < t.tile_hi:
         kc0 = t.tile_lo // FA_KCHUNK

@@ -149,6 +149,18 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.lo, t.hi = lo, hi
 
 
+cdef void _prefetch_next_q(const Problem* P, const Tile* t) noexcept nogil:
+    # The query rows of the decode tile this thread runs next (its first FA_DECODE_ROWS),
+    # requested into L2 now: a step of many short sequences reads a few rows of q per
+    # tile, which would otherwise come from memory as the tile starts.
+    cdef Py_ssize_t R, h, n, length = _row_len(P, t.next_b)
+    n = min(P.group * length, FA_DECODE_ROWS)
+    for R in range(n):
+        h = t.next_g * P.group + R // length
+        fa_prefetch_l2(P.q + (P.q_boff[t.next_b] + h * P.q_sh + (R % length) * P.q_si)
+                       * P.q_isz, P.D * P.q_isz)
+
+
 cdef inline void _quantise_q(const Problem* P, const Workspace* w, float* ws, Py_ssize_t r,
                              const float* x, bint padding) noexcept nogil:
     # Query row r of the tile quantised for the integer products (a padding row: zeros),
