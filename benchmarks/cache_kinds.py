@@ -45,14 +45,6 @@ SHAPES = {  # name: (B, Hq, Hkv, Lq, Lk, D, causal)
     "prefill": (1, 32, 8, 256, 4096, 128, True),
 }
 KINDS = ["float16", "bfloat16", "q8_0", "q4_0", "fp8", "fp8-1", "e5m2", "q8_0-i8", "q4_0-i8"]
-TORCH_ISA = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
-               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-    "base": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-             "ONEDNN_MAX_CPU_ISA": "SSE41"},
-}
 COPIES_BYTES = 160 << 20
 
 
@@ -212,7 +204,8 @@ def main():
         builds.insert(0, ("old", args.old))
     isas = args.isa or ["avx512", "avx2"]
     sys.path.insert(0, here)
-    from fastattn.cli.bench.machine import cpu_name   # the driver's; each worker imports its build
+    # the driver's; each worker imports its build
+    from fastattn.cli.bench.machine import TORCH_ISA, cpu_name
     print(f"CPU: {cpu_name()}, {args.threads} threads; loadavg at start {_loadavg()}")
     for isa in isas:
         if isa in TORCH_ISA:

@@ -414,3 +414,21 @@ def test_bench_backward_alternates_batches_after_a_pause_and_a_wake_up_call(monk
     for s in samples:
         assert len(set(s)) == 1 and len(s) == calls[s[0]] + 1
     assert result["check"]["vs_torch_max_rel"] == 0.0 and result["check"]["ok"] is True
+
+
+def test_bench_isa_runs_both_sides_on_one_instruction_set(tmp_path):
+    # a variant every x86-64 CPU runs (and the portable one elsewhere)
+    from fastattn._machine.isa import available_variants
+    isa = "avx2" if "avx2" in available_variants() else "base"
+    json_path = tmp_path / "isa.json"
+    proc = run_cli("bench", "--quick", "--repeat", "1", "--shapes", "tiny", "--isa", isa,
+                   "--json", str(json_path))
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith(f"--isa {isa}: FASTATTN_ISA={isa} ATEN_CPU_CAPABILITY=")
+    assert "ONEDNN_MAX_CPU_ISA=" in first
+    machine = json.loads(json_path.read_text())["machine"]
+    assert machine["isa"] == isa
+    assert machine["env"]["FASTATTN_ISA"] == isa
+    assert machine["env"]["MKL_ENABLE_INSTRUCTIONS"] == \
+        fastattn.cli.bench.machine.TORCH_ISA[isa]["MKL_ENABLE_INSTRUCTIONS"]

@@ -54,6 +54,7 @@ def _run(argv):
     if args.command is None:
         parser.print_help(sys.stderr)
         return USAGE
+    args.argv = argv                 # the command line as given (bench --isa reruns it)
     return COMMANDS[args.command].run(args)
 
 

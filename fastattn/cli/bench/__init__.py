@@ -27,6 +27,7 @@ import sys
 
 from ..common import COMMON_STATUSES, ENVIRONMENT, FAILED, GONE, USAGE, pyplot
 from .backward import ORACLE_MAX_SCORES, QUICK_ORACLE_MAX_SCORES
+from .machine import TORCH_ISA, isa_environment
 from .shapes import BACKWARD_SHAPES, BACKWARD_SHAPES_BY_NAME, QUICK_SKIP_REFERENCE, SHAPES, \
     SHAPES_BY_NAME, parse_shapes
 
@@ -68,7 +69,37 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads for fastattn, torch and BLAS (default: fastattn's "
                              "default, which honours OMP_NUM_THREADS)")
+    parser.add_argument("--isa", choices=sorted(TORCH_ISA),
+                        help="both sides on one instruction set: fastattn's kernels of that "
+                             "name (FASTATTN_ISA) and torch held to it (ATEN_CPU_CAPABILITY, "
+                             "MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), in a fresh "
+                             "process; the first line says so")
     return parser
+
+
+def _rerun_on_isa(args, stdout, stderr):
+    """The run in a child process whose environment holds both sides to ``args.isa``;
+    its exit status.  Its output is passed through as it comes."""
+    import os
+    import subprocess
+    env = isa_environment(args.isa)
+    print(f"--isa {args.isa}: " + " ".join(f"{k}={v}" for k, v in env.items())
+          + " (fastattn's kernels, and torch held to the same instruction set)", file=stdout)
+    argv, given = [], list(args.argv)
+    while given:
+        a = given.pop(0)
+        if a == "--isa":
+            given.pop(0)
+        elif not a.startswith("--isa="):
+            argv.append(a)
+    child = subprocess.Popen([sys.executable, "-m", "fastattn", *argv],
+                             env=dict(os.environ, **env), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        stdout.write(line)
+        stdout.flush()
+    stderr.write(child.stderr.read())
+    return child.wait()
 
 
 def _runnable_shapes(args, stderr):
@@ -100,6 +131,8 @@ def run(args, stdout=None, stderr=None):
     shapes = _runnable_shapes(args, stderr)
     if shapes is None:
         return USAGE
+    if getattr(args, "isa", None):
+        return _rerun_on_isa(args, stdout, stderr)
     plt = None
     if args.plot and not (args.variants or args.contention or args.backward):
         plt = pyplot("bench", stderr)

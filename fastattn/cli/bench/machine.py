@@ -79,9 +79,27 @@ def cpu_name():
     return cpu
 
 
+#: How torch is held to one instruction set, beside FASTATTN_ISA (``bench --isa``):
+#: ATen's kernels, MKL's and oneDNN's, each through its own variable, read at import.
+TORCH_ISA = {
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "base": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+             "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
+
+
+def isa_environment(isa):
+    """The variables that run fastattn's ``isa`` kernels and hold torch to the same
+    instruction set."""
+    return {"FASTATTN_ISA": isa, **TORCH_ISA[isa]}
+
+
 ENV_NAMES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
              "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS",
-             "FASTATTN_BF16_DOT", "FASTATTN_AMX")
+             "FASTATTN_BF16_DOT", "FASTATTN_AMX", "FASTATTN_ISA", *TORCH_ISA["avx2"])
 
 
 def machine_info(fa, torch):
