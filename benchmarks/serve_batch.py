@@ -3,7 +3,7 @@ contiguous float32 caches.
 
     python benchmarks/serve_batch.py [--seqs 8] [--min-len 256] [--max-len 1024] [--steps 16]
         [--heads 32] [--kv-heads 8] [--d 128] [--page 16] [--threads 2] [--plot FILE.png]
-        [--layers N]
+        [--layers N] [--int8]
 
 A server's batch holds sequences of different lengths.  Contiguous caches give every
 sequence the longest one's rows, ``B x max(lengths)``, in float32 here; a pool of pages
@@ -26,6 +26,8 @@ the compiled module clocks while a benchmark asks it to (``kernel_clock``).
 Both modes also give the bytes of K and V (and their scales) a step reads, as GB/s and as a
 share of the read roof, measured first in the same run: a float32 matrix-vector product
 streaming 512 MiB with all BLAS threads (as ``python -m fastattn bench`` does).
+
+``--int8`` turns on :func:`fastattn.set_int8_dot_products` for the q8_0 pools.
 
 The defaults are small, so that a run takes seconds; the figures of a real comparison
 come from longer sequences on a quiet machine (name the CPU with them).
@@ -121,7 +123,13 @@ def main(argv=None):
     ap.add_argument("--plot", metavar="FILE.png")
     ap.add_argument("--layers", type=int, default=0,
                     help="decode a step of this many layers through one plan per step")
+    ap.add_argument("--int8", action="store_true",
+                    help="with set_int8_dot_products(True): q.k over the q8_0 pool in int8")
     args = ap.parse_args(argv)
+    if args.int8:
+        fastattn.set_int8_dot_products(True)
+        from fastattn._calls.precision import quantised_products
+        print(f"q8_0 products: {quantised_products()}")
     if args.layers:
         if args.threads:
             fastattn.set_num_threads(args.threads)
