@@ -758,6 +758,20 @@ static void fa_pack_qt4_f(const float* const* rows, ptrdiff_t D, float* qt, ptrd
         FA_QT4_LANE(u, 0, d) FA_QT4_LANE(u, 1, d) FA_QT4_LANE(u, 2, d) FA_QT4_LANE(u, 3, d)
     }
 #undef FA_QT4_LANE
+#elif defined(__AVX__)
+    for (; d + 8 <= D; d += 8) {
+        const __m256 a = _mm256_loadu_ps(rows[0] + d), b = _mm256_loadu_ps(rows[1] + d);
+        const __m256 c = _mm256_loadu_ps(rows[2] + d), e = _mm256_loadu_ps(rows[3] + d);
+        const __m256 t0 = _mm256_unpacklo_ps(a, b), t1 = _mm256_unpackhi_ps(a, b);
+        const __m256 t2 = _mm256_unpacklo_ps(c, e), t3 = _mm256_unpackhi_ps(c, e);
+        /* u[i], 128-bit lane l: dim 4l + i of the 4 rows */
+        const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+        for (int i = 0; i < 4; i++) {
+            _mm_storeu_ps(qt + (d + i) * ldqt, _mm256_castps256_ps128(u[i]));
+            _mm_storeu_ps(qt + (d + 4 + i) * ldqt, _mm256_extractf128_ps(u[i], 1));
+        }
+    }
 #endif
 #if defined(__SSE__)
     for (; d + 4 <= D; d += 4) {
