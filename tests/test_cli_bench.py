@@ -432,3 +432,17 @@ def test_bench_isa_runs_both_sides_on_one_instruction_set(tmp_path):
     assert machine["env"]["FASTATTN_ISA"] == isa
     assert machine["env"]["MKL_ENABLE_INSTRUCTIONS"] == \
         fastattn.cli.bench.machine.TORCH_ISA[isa]["MKL_ENABLE_INSTRUCTIONS"]
+
+
+def test_variants_torch_softcap_is_the_same_function():
+    # The softcap row's torch call must compute what fastattn's softcap does: checked
+    # against the float64 reference on a small case.
+    torch = pytest.importorskip("torch")
+    from fastattn import reference
+    from fastattn.cli.bench import variants
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 17, 8)).astype(np.float32) * 4 for _ in range(3))
+    got = variants._softcap_torch_call(torch, q, k, v, 5.0)().numpy()
+    want = reference.attention(q.astype(np.float64), k.astype(np.float64),
+                               v.astype(np.float64), softcap=5.0)
+    np.testing.assert_allclose(got, want, atol=2e-5)

@@ -12,7 +12,8 @@ Rows (float32, batch 1):
                  (each prompt's rows j <= i, keys j < len), padding rows computed too
 For each row: the variant's time, the plain call's time and their ratio; torch's
 scaled_dot_product_attention given the equivalent float mask where it can express the
-variant (ALiBi; the padded batch of the varlen row), and fastattn's speed-up over it.
+variant (ALiBi; the padded batch of the varlen row), torch's eager ops for the softcap
+(as transformers' eager attention computes Gemma 2's), and fastattn's speed-up over it.
 The calls of a row are timed as the shapes table's are (the bench's harness: warm-up,
 alternating batches of about 0.2 s, each after a pause and a wake-up call); the figure
 is the median of --repeat batches.
@@ -45,11 +46,26 @@ def _alibi_mask(slopes, L):
     return np.where(j <= i, bias, -np.inf).astype(np.float32)[None]
 
 
+def _softcap_torch_call(torch, q, k, v, cap):
+    """Softcapped attention as a torch user writes it (SDPA has no softcap; transformers'
+    eager attention for Gemma 2 does this)."""
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    scale = q.shape[-1] ** -0.5
+
+    def call():
+        s = torch.matmul(tq, tk.transpose(-1, -2)) * scale
+        s = torch.tanh(s / cap) * cap
+        return torch.matmul(torch.softmax(s, dim=-1), tv)
+    return call
+
+
 def _softcap_alibi_rows(fa, torch, rng, repeat):
     q, k, v = (rng.standard_normal((1, 12, 1024, 64)).astype(np.float32) for _ in range(3))
-    rows = [("softcap", _time({
-        "variant": lambda: fa.attention(q, k, v, softcap=30.0),
-        "plain": lambda: fa.attention(q, k, v)}, repeat), None)]
+    calls = {"variant": lambda: fa.attention(q, k, v, softcap=30.0),
+             "plain": lambda: fa.attention(q, k, v)}
+    if torch is not None:
+        calls["torch"] = _softcap_torch_call(torch, q, k, v, 30.0)
+    rows = [("softcap", _time(calls, repeat), "eager: matmul, tanh, softmax, matmul")]
     slopes = 2.0 ** -np.arange(1, 13)
     calls = {"variant": lambda: fa.attention(q, k, v, causal=True, alibi_slopes=slopes),
              "plain": lambda: fa.attention(q, k, v, causal=True)}
