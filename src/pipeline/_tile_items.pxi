@@ -12,7 +12,7 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     #   chunk >= 0: only that chunk; its state goes to `partial` (flash-decoding).
     # next_bg: b * Hkv + g of the tile its thread runs next (its first rows are requested
     # during this tile's last block), or -1.
-    cdef Workspace w
+    cdef Workspace w, direct
     cdef Tile t
     cdef Py_ssize_t kc, kc0 = 0, kc1 = 0
     _carve(&w, P, vec_lanes(ws))
@@ -22,19 +22,27 @@ cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t 
     _setup_rows(P, &t, &w, ws)
     if t.decode and t.next_b >= 0:
         _prefetch_next_q(P, &t)
-    _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad, _acc_rows(&t))
     if t.tile_lo < t.tile_hi:
         kc0 = t.tile_lo // FA_KCHUNK
         kc1 = (t.tile_hi + FA_KCHUNK - 1) // FA_KCHUNK
     if chunk >= 0:
         kc0, kc1 = chunk, chunk + 1
     fa_amx_begin(t.amx)
-    for kc in range(kc0, kc1):
-        _reduce_chunk(P, &t, &w, ws, kc)
-        if chunk >= 0:
-            _store_partial(P, &t, &w, ws, partial)
-        else:
-            _merge_chunk(&t, &w, ws, ws + w.m, ws + w.l, ws + w.acc)
+    if chunk < 0 and kc1 - kc0 == 1:
+        # One key chunk (a short sequence): reduced straight into the running state, which
+        # merging it into the empty state would copy exactly (_merge_chunk's factors are
+        # then 0 and 1).
+        direct = w
+        direct.m, direct.l, direct.acc = w.M, w.L, w.ACC
+        _reduce_chunk(P, &t, &direct, ws, kc0)
+    else:
+        _reset_state(ws + w.M, ws + w.L, ws + w.ACC, t.nlanes, t.dv_pad, _acc_rows(&t))
+        for kc in range(kc0, kc1):
+            _reduce_chunk(P, &t, &w, ws, kc)
+            if chunk >= 0:
+                _store_partial(P, &t, &w, ws, partial)
+            else:
+                _merge_chunk(&t, &w, ws, ws + w.m, ws + w.l, ws + w.acc)
     fa_amx_end(t.amx)
     if chunk < 0:
         _write_rows(P, &t, &w, ws)
