@@ -192,14 +192,15 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
     cdef floating* s = ws + w.s
     cdef const char* zrow = <const char*> (ws + w.zrow)
     cdef const char** qrows = t.krows       # one vector's query rows, then packed
-    cdef Py_ssize_t r, h, i, ic, j, nj, u, c, ldqt = t.ldqt, D = P.D
+    cdef Py_ssize_t r, h, i, ic, j, nj, u, c, lane, ldqt = t.ldqt, D = P.D
     cdef bint real
     memset(ws + w.zrow, 0, max(D, P.Dv) * sizeof(floating))
     _set_mask_shifts(P, t, <const floating*> P.mask)
     t.tile_lo = t.kv_len
     t.tile_hi = 0
     for r in range(t.nlanes):
-        qrows[r % t.VL] = zrow
+        lane = r & (t.VL - 1)      # r % VL (VL a power of two), without a division
+        qrows[lane] = zrow
         t.lo[r] = 0
         t.hi[r] = 0
         if r < t.nrows:
@@ -211,8 +212,8 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
             if t.lo[r] < t.hi[r]:
                 t.tile_lo = min(t.tile_lo, t.lo[r])
                 t.tile_hi = max(t.tile_hi, t.hi[r])
-            qrows[r % t.VL] = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
-        if r % t.VL == t.VL - 1:
+            qrows[lane] = P.q + (P.q_boff[t.b] + h * P.q_sh + i * P.q_si) * P.q_isz
+        if lane == t.VL - 1:
             c = r + 1 - t.VL
             if t.bf16_dot:
                 # pairs of bfloat16 dimensions as they are stored (zrow: zeros)
