@@ -46,6 +46,7 @@ cdef struct Job:
     void* partial               # flash-decoding chunk states (floating), or NULL
     Py_ssize_t pst, nchunk, n_rblk
     Py_ssize_t per, n_tiles     # tiles per work item (_tiles_per_item), tiles in all
+    Py_ssize_t ahead            # how many tiles ahead a tile requests rows (_tiles_ahead)
 
 
 cdef inline void _job_item(const Job* J, floating* workspace, Py_ssize_t w,
@@ -70,7 +71,7 @@ cdef inline void _job_item(const Job* J, floating* workspace, Py_ssize_t w,
             bg = tile // J.n_rblk
             _attend_tile(P, bg // P.Hkv, bg % P.Hkv, rb * FA_BQ, -1, NULL,
                          workspace + tid * J.ws_elems, idx, idx + FA_BQ,
-                         bg + 1 if tile + 1 < last else -1)
+                         bg + J.ahead if tile + J.ahead < last else -1)
 
 
 cdef void _job_item_f(void* ctx, Py_ssize_t w, int tid) noexcept nogil:
@@ -96,7 +97,7 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
     J.pst = 0
     J.nchunk = nchunk
     J.n_rblk = n_rblk
-    J.per = 1
+    J.per = J.ahead = 1
     J.n_tiles = n_items
     if partial != NULL:
         # Flash-decoding (fewer work items than threads, several key chunks): every
@@ -112,6 +113,7 @@ cdef void _forward(const Problem* P, floating* workspace, Py_ssize_t ws_elems,
                             nchunk, workspace)
         return
     J.per = _tiles_per_item(P, n_items, n_rblk, n_threads)
+    J.ahead = _tiles_ahead(P)
     fa_pool_run(n_threads, (n_items + J.per - 1) // J.per,
                 _job_item_f if floating is float else _job_item_d, &J)
 
@@ -124,6 +126,13 @@ cdef enum:
     # Work items per thread at least, so that the dynamic claiming still balances the
     # threads.
     ITEMS_PER_THREAD = 8
+
+
+cdef inline Py_ssize_t _tiles_ahead(const Problem* P) noexcept nogil:
+    # Whose rows a tile of a run requests as it ends: the next tile's; the one after it
+    # where a tile is a single block of keys, too short for its requests to be answered
+    # before the next one starts.
+    return 2 if P.Lk <= FA_BK else 1
 
 
 cdef inline Py_ssize_t _tiles_per_item(const Problem* P, Py_ssize_t n_tiles, Py_ssize_t n_rblk,
