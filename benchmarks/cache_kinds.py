@@ -254,9 +254,10 @@ def main():
             for shape in args.shapes:
                 cells = []
                 for kind in args.kinds:
-                    if f"{isa}/old/{shape}/{kind}" not in raw or f"{isa}/new/{shape}/{kind}" not in raw:
+                    o = raw.get(f"{isa}/old/{shape}/{kind}")
+                    n = raw.get(f"{isa}/new/{shape}/{kind}")
+                    if o is None or n is None:      # a kind one of the builds lacks
                         continue
-                    o, n = raw[f"{isa}/old/{shape}/{kind}"], raw[f"{isa}/new/{shape}/{kind}"]
                     cells.append(f"{kind} {o['ms'] / n['ms']:.2f}x")
                 print(f"  {isa} {shape}: " + ", ".join(cells))
     if args.json:

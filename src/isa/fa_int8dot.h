@@ -151,7 +151,8 @@ FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
 FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
 { return _mm512_dpbusd_epi32(acc, k, _mm512_broadcastd_epi32(_mm_loadu_si32(p))); }
 FA_I8_INLINE fa_i8v fa_i8_zero(void) { return _mm512_setzero_si512(); }
-FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x) { return _mm512_sub_epi32(a, _mm512_set1_epi32(x)); }
+FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x)
+{ return _mm512_sub_epi32(a, _mm512_set1_epi32(x)); }
 FA_I8_INLINE fa_i8v fa_i8_add(fa_i8v a, fa_i8v b) { return _mm512_add_epi32(a, b); }
 FA_I8_INLINE fa_i8f fa_i8_fzero(void) { return _mm512_setzero_ps(); }
 FA_I8_INLINE fa_i8f fa_i8_fload(const float* p) { return _mm512_loadu_ps(p); }
@@ -217,7 +218,8 @@ FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
 FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
 { return _mm256_dpbusd_avx_epi32(acc, k, _mm256_broadcastd_epi32(_mm_loadu_si32(p))); }
 FA_I8_INLINE fa_i8v fa_i8_zero(void) { return _mm256_setzero_si256(); }
-FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x) { return _mm256_sub_epi32(a, _mm256_set1_epi32(x)); }
+FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x)
+{ return _mm256_sub_epi32(a, _mm256_set1_epi32(x)); }
 FA_I8_INLINE fa_i8v fa_i8_add(fa_i8v a, fa_i8v b) { return _mm256_add_epi32(a, b); }
 FA_I8_INLINE fa_i8f fa_i8_fzero(void) { return _mm256_setzero_ps(); }
 FA_I8_INLINE fa_i8f fa_i8_fload(const float* p) { return _mm256_loadu_ps(p); }
@@ -292,7 +294,10 @@ FA_I8_NOINLINE void fa_score_int8_##NAME##_r##NR(FA_SCORE_INT8_ARGS) \
 #define FA_SCORE_INT8_KIND(NAME, KIND) FA_SCORE_INT8_NR(NAME, KIND, 1) \
     FA_SCORE_INT8_NR(NAME, KIND, 2) FA_SCORE_INT8_NR(NAME, KIND, 4) FA_SCORE_INT8_NR(NAME, KIND, 8)
 #define FA_I8_CALL8(NAME) \
-    if (nr == 8) { fa_score_int8_##NAME##_r8(FA_SCORE_INT8_PASS, nstore, pf, npf, l1, nl1); return; }
+    if (nr == 8) { \
+        fa_score_int8_##NAME##_r8(FA_SCORE_INT8_PASS, nstore, pf, npf, l1, nl1); \
+        return; \
+    }
 #else
 #define FA_SCORE_INT8_KIND(NAME, KIND) FA_SCORE_INT8_NR(NAME, KIND, 1) \
     FA_SCORE_INT8_NR(NAME, KIND, 2) FA_SCORE_INT8_NR(NAME, KIND, 4)

@@ -256,9 +256,9 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
         _keys_seen(t, ic * t.VL, min(ic * t.VL + t.VL, t.nrows), &t.vec_lo[ic], &t.vec_hi[ic])
     _group_intervals(t)
     if t.decode or t.int8_dot:
-        # Decode score kernels (and the integer ones) store real rows only: the padding lanes of S^T hold finite
-        # values from here on (0, then the softmax's p), so no stale NaN or denormal reaches
-        # the exp.  Only the keys a block can hold for this tile.
+        # Decode score kernels (and the integer ones) store real rows only: the padding
+        # lanes of S^T hold finite values from here on (0, then the softmax's p), so no
+        # stale NaN or denormal reaches the exp.  Only the keys a block can hold for this tile.
         # The two-keys-per-vector softmax step and the 4-row output tile read lanes 0-3 only.
         nj = min(FA_BK, t.tile_hi - t.tile_lo) if t.tile_lo < t.tile_hi else 0
         for r in range(t.nrows, 4 if t.softmax_pairs else t.nlanes):
