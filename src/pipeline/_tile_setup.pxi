@@ -5,8 +5,13 @@
 
 cdef inline void _row_position(const Problem* P, const Tile* t, Py_ssize_t r, Py_ssize_t* h,
                                Py_ssize_t* i) noexcept nogil:
-    # Query head and position of row r of the tile.
+    # Query head and position of row r of the tile.  One position per head (a decode
+    # step) without a division: the rows of every tile go through here.
     cdef Py_ssize_t R = t.r0 + r
+    if t.row_len == 1:
+        h[0] = t.g * P.group + R
+        i[0] = 0
+        return
     h[0] = t.g * P.group + R // t.row_len
     i[0] = R % t.row_len
 
@@ -153,12 +158,14 @@ cdef void _prefetch_next_q(const Problem* P, const Tile* t) noexcept nogil:
     # The query rows of the decode tile this thread runs next (its first FA_DECODE_ROWS),
     # requested into L2 now: a step of many short sequences reads a few rows of q per
     # tile, which would otherwise come from memory as the tile starts.
-    cdef Py_ssize_t R, h, n, length = _row_len(P, t.next_b)
+    cdef Py_ssize_t R, h, i, n, length = _row_len(P, t.next_b)
     n = min(P.group * length, FA_DECODE_ROWS)
     for R in range(n):
-        h = t.next_g * P.group + R // length
-        fa_prefetch_l2(P.q + (P.q_boff[t.next_b] + h * P.q_sh + (R % length) * P.q_si)
-                       * P.q_isz, P.D * P.q_isz)
+        h, i = R, 0
+        if length != 1:
+            h, i = R // length, R % length
+        fa_prefetch_l2(P.q + (P.q_boff[t.next_b] + (t.next_g * P.group + h) * P.q_sh
+                              + i * P.q_si) * P.q_isz, P.D * P.q_isz)
 
 
 cdef inline void _quantise_q(const Problem* P, const Workspace* w, float* ws, Py_ssize_t r,
