@@ -49,6 +49,7 @@ cdef struct Job:
     Py_ssize_t ahead            # how many tiles ahead a tile requests rows (_tiles_ahead)
 
 
+@cython.cdivision(True)   # every operand here is >= 0: C's division is Python's
 cdef inline void _job_item(const Job* J, floating* workspace, Py_ssize_t w,
                            int tid) noexcept nogil:
     cdef const Problem* P = J.P

@@ -3,6 +3,7 @@
 
 # ---------------------------------------------------------------------------- work items
 
+@cython.cdivision(True)   # next_bg >= 0
 cdef void _attend_tile(const Problem* P, Py_ssize_t b, Py_ssize_t g, Py_ssize_t r0,
                        Py_ssize_t chunk, floating* partial,
                        floating* ws, Py_ssize_t* lo, Py_ssize_t* hi,

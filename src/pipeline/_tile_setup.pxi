@@ -3,6 +3,7 @@
 
 # ---------------------------------------------------------------------------- setup
 
+@cython.cdivision(True)   # rows and lengths are >= 0
 cdef inline void _row_position(const Problem* P, const Tile* t, Py_ssize_t r, Py_ssize_t* h,
                                Py_ssize_t* i) noexcept nogil:
     # Query head and position of row r of the tile.  One position per head (a decode
@@ -154,6 +155,7 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.lo, t.hi = lo, hi
 
 
+@cython.cdivision(True)
 cdef void _prefetch_next_q(const Problem* P, const Tile* t) noexcept nogil:
     # The query rows of the decode tile this thread runs next (its first FA_DECODE_ROWS),
     # requested into L2 now: a step of many short sequences reads a few rows of q per
