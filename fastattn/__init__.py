@@ -46,7 +46,7 @@ The package, a folder per concern:
                    (every argument rule and the ``Problem`` of a call), ``glue.py`` (the
                    arrays as the kernel reads them), ``backward.py``, ``merge.py``
                    (``merge_attention``), ``precision.py`` (bfloat16 products and the
-                   float32 opt-in).
+                   float32 opt-in; the int8 products' opt-in).
 - ``_storage/``    storage kinds: ``kinds.py`` (the table the C kernels share,
                    src/kinds/fa_kinds.h) and ``quant.py`` (q8_0, q4_0, fp8).
 - ``_serving/``    ``kvcache.py``: ``attention_with_kvcache`` and ``plan_kvcache`` (paged and
