@@ -130,12 +130,13 @@ FA_I8_INLINE void fa_i8_keys_q8_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
 FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v t[8])
 {
     __m512i z[4];
+#define FA_I8_ROW(u) _mm_loadu_si128((const __m128i*)(kr[u] + 16 * b))
     for (int i = 0; i < 4; i++) {  /* keys i, i + 4, i + 8, i + 12 in the 128-bit lanes */
-        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(kr[i] + 16 * b)));
-        for (int l = 1; l < 4; l++)
-            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i*)(kr[i + 4 * l] + 16 * b)), l);
-        z[i] = x;
+        const __m512i x = _mm512_castsi128_si512(FA_I8_ROW(i));
+        z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+            x, FA_I8_ROW(i + 4), 1), FA_I8_ROW(i + 8), 2), FA_I8_ROW(i + 12), 3);
     }
+#undef FA_I8_ROW
     const __m512i l01 = _mm512_unpacklo_epi32(z[0], z[1]), h01 = _mm512_unpackhi_epi32(z[0], z[1]);
     const __m512i l23 = _mm512_unpacklo_epi32(z[2], z[3]), h23 = _mm512_unpackhi_epi32(z[2], z[3]);
     const __m512i p[4] = {_mm512_unpacklo_epi64(l01, l23), _mm512_unpackhi_epi64(l01, l23),
