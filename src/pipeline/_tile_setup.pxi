@@ -3,18 +3,24 @@
 
 # ---------------------------------------------------------------------------- setup
 
-@cython.cdivision(True)   # rows and lengths are >= 0
 cdef inline void _row_position(const Problem* P, const Tile* t, Py_ssize_t r, Py_ssize_t* h,
                                Py_ssize_t* i) noexcept nogil:
-    # Query head and position of row r of the tile.  One position per head (a decode
-    # step) without a division: the rows of every tile go through here.
-    cdef Py_ssize_t R = t.r0 + r
-    if t.row_len == 1:
-        h[0] = t.g * P.group + R
+    # Query head and position of row r of the tile.
+    _head_position(P, t.g, t.r0 + r, t.row_len, h, i)
+
+
+@cython.cdivision(True)   # rows and lengths are >= 0
+cdef inline void _head_position(const Problem* P, Py_ssize_t g, Py_ssize_t R,
+                                Py_ssize_t row_len, Py_ssize_t* h, Py_ssize_t* i) noexcept nogil:
+    # Query head and position of row R of kv head g's rows (head * row_len + position).
+    # One position per head (a decode step) without a division: every tile's rows go
+    # through here.
+    if row_len == 1:
+        h[0] = g * P.group + R
         i[0] = 0
         return
-    h[0] = t.g * P.group + R // t.row_len
-    i[0] = R % t.row_len
+    h[0] = g * P.group + R // row_len
+    i[0] = R % row_len
 
 
 cdef inline Py_ssize_t _row_len(const Problem* P, Py_ssize_t b) noexcept nogil:
@@ -155,19 +161,15 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.lo, t.hi = lo, hi
 
 
-@cython.cdivision(True)
 cdef void _prefetch_next_q(const Problem* P, const Tile* t) noexcept nogil:
     # The query rows of the decode tile this thread runs next (its first FA_DECODE_ROWS),
     # requested into L2 now: a step of many short sequences reads a few rows of q per
     # tile, which would otherwise come from memory as the tile starts.
-    cdef Py_ssize_t R, h, i, n, length = _row_len(P, t.next_b)
-    n = min(P.group * length, FA_DECODE_ROWS)
-    for R in range(n):
-        h, i = R, 0
-        if length != 1:
-            h, i = R // length, R % length
-        fa_prefetch_l2(P.q + (P.q_boff[t.next_b] + (t.next_g * P.group + h) * P.q_sh
-                              + i * P.q_si) * P.q_isz, P.D * P.q_isz)
+    cdef Py_ssize_t R, h, i, length = _row_len(P, t.next_b)
+    for R in range(min(P.group * length, FA_DECODE_ROWS)):
+        _head_position(P, t.next_g, R, length, &h, &i)
+        fa_prefetch_l2(P.q + (P.q_boff[t.next_b] + h * P.q_sh + i * P.q_si) * P.q_isz,
+                       P.D * P.q_isz)
 
 
 cdef inline void _quantise_q(const Problem* P, const Workspace* w, float* ws, Py_ssize_t r,
