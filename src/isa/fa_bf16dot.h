@@ -38,11 +38,7 @@
 static inline int fa_cpu_has_bf16dot(void)
 {
 #if FA_HAVE_BF16DOT
-    unsigned int eax, ebx, ecx, edx;
-    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(0), "c"(0));
-    if (eax < 7) return 0;
-    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
-    return (eax >> 5) & 1;
+    return fa_cpuid_bit(7, 1, 0, 5);
 #else
     return 0;
 #endif

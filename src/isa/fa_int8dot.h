@@ -42,17 +42,10 @@
  * build.  The modules' own dispatch has checked that the OS saves the vector state. */
 static inline int fa_cpu_has_int8dot(void)
 {
-#if FA_HAVE_INT8DOT
-    unsigned int eax, ebx, ecx, edx;
-    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(0), "c"(0));
-    if (eax < 7) return 0;
-#if FA_VBYTES == 64
-    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-    return (ecx >> 11) & 1;
-#else
-    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
-    return (eax >> 4) & 1;
-#endif
+#if FA_HAVE_INT8DOT && FA_VBYTES == 64
+    return fa_cpuid_bit(7, 0, 2, 11);
+#elif FA_HAVE_INT8DOT
+    return fa_cpuid_bit(7, 1, 0, 4);
 #else
     return 0;
 #endif

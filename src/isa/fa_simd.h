@@ -28,6 +28,20 @@
 #error "fastattn's kernels need GCC or Clang vector extensions"
 #endif
 
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+/* Bit `bit` of register `reg` (0 EAX, 1 EBX, 2 ECX, 3 EDX) of CPUID leaf `leaf`, subleaf
+ * `sub`: what the running CPU says, not the build host; 0 where it has no such leaf. */
+static inline int fa_cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit)
+{
+    unsigned r[4];
+    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(0), "c"(0));
+    if (r[0] < leaf) return 0;
+    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                     : "a"(leaf), "c"(sub));
+    return (r[reg] >> bit) & 1;
+}
+#endif
+
 #if defined(__AVX512F__)
 #define FA_VBYTES 64
 #else

@@ -704,12 +704,7 @@ static void fa_narrow_array_f(int kind, const float* x, uint16_t* y, ptrdiff_t n
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 /* F16C from CPUID leaf 1 (ECX bit 29): clang before 16 does not know "f16c" as a feature
  * name of __builtin_cpu_supports.  The AVX state it needs is the one the avx2 probe checks. */
-static inline int fa_cpu_has_f16c(void)
-{
-    unsigned eax, ebx, ecx, edx;
-    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
-    return (ecx >> 29) & 1;
-}
+static inline int fa_cpu_has_f16c(void) { return fa_cpuid_bit(1, 0, 2, 29); }
 #endif
 
 /* CPU probe for import-time dispatch (answers for the machine running, not the build host). */
