@@ -85,12 +85,11 @@ cdef inline bint _int8_dot_takes(const Problem* P) noexcept nogil:
             and P.D % 32 == 0 and P.Dv % 32 == 0)
 
 
-# ... and on AMX tiles (fa_amx.h), for head dims that are multiples of 32.  The hardware
-# path has not yet been measured on an AMX CPU, so it runs only when asked for
-# (FASTATTN_AMX=1) until then; FASTATTN_AMX=model runs the same kernels on the scalar
-# model of the tile instructions, on any CPU with bfloat16 products.
+# ... and on AMX tiles (fa_amx.h), for head dims that are multiples of 32, wherever the
+# CPU and OS allow them (FASTATTN_AMX=0 turns them off); FASTATTN_AMX=model runs the same
+# kernels on the scalar model of the tile instructions, on any CPU with bfloat16 products.
 AMX_BUILT = bool(FA_HAVE_AMX)
-AMX_VERIFIED = False            # the hardware path has run its tests on an AMX CPU
+AMX_VERIFIED = True             # the hardware path has run its tests on an AMX CPU
 AMX_MODES = {"off": 0, "hw": FA_AMX_HW, "model": FA_AMX_MODEL}
 cdef int _amx = 0
 
