@@ -566,8 +566,9 @@ static void fa_score_quant(int kind, int nr, FA_SCORE_QUANT_ARGS)
  * element the sequence of fa_pv_tile_f,
  *   acc[r, c] = acc[r, c] * alpha[r] + sum_j p[j*ldp + r] * v_j[c]
  * the block's sum from zero in order of j, then one FMA.  Each V vector is dequantised
- * once for all nr rows.  Row j + FA_PV_QUANT_AHEAD is requested into L1 as row j is read,
- * and pf[j] (the next block's rows, j < npf, pf_bytes each) into L2.
+ * once for all nr rows.  The first pass (c0 0) requests row j + FA_PV_QUANT_AHEAD whole
+ * into L1 as row j is read, and pf[j] (the next block's rows, j < npf, pf_bytes each, the
+ * bytes of a whole row) into L2.
  */
 #define FA_PV_QUANT_AHEAD 4
 FA_INLINE void fa_pv_quant_cols(const int kind, const float* p, ptrdiff_t ldp, ptrdiff_t nj,
@@ -579,14 +580,12 @@ FA_INLINE void fa_pv_quant_cols(const int kind, const float* p, ptrdiff_t ldp, p
     fa_vf c[4][8];
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < nv; i++) c[r][i] = fa_bcast_f(0);
-    /* the bytes of columns c0 .. c0 + nv VL (q4_0: whole 16-byte blocks) */
-    const ptrdiff_t col = kind == FA_STORE_Q4_0 ? fa_q4_0_byte(c0) : c0;
-    const ptrdiff_t col_bytes = kind == FA_STORE_Q4_0 ? (nv * FA_VL_F + 31) / 32 * 16
-                                                      : nv * FA_VL_F;
+    /* the first pass requests whole rows into L1; the later ones find them there */
+    const ptrdiff_t l1_bytes = c0 ? 0 : pf_bytes;
     for (ptrdiff_t j = 0; j < nj; j++) {
         const float* d = vsc + j * nbv + c0 / 32;
-        if (j + FA_PV_QUANT_AHEAD < nj)
-            fa_prefetch_lines((const char*)(vr[j + FA_PV_QUANT_AHEAD] + col), col_bytes, 3);
+        if (l1_bytes && j + FA_PV_QUANT_AHEAD < nj)
+            fa_prefetch_lines((const char*)vr[j + FA_PV_QUANT_AHEAD], l1_bytes, 3);
         if (j < npf) fa_quant_prefetch_row(pf, j, npf, pf_bytes, 2);
         fa_vf xv[8];
         fa_quant_vloads(kind, vr[j], c0, nv, xv);

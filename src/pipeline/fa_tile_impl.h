@@ -544,21 +544,21 @@ FA_INLINE void fa_pv_pf_step(fa_pv_pf* q)
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
  * register file (up to 8 for one row, so that as many chains run at once; FA_PV4_NV for
- * four).  Row j + FA_PV_PTR_AHEAD is requested into L1 as row j is read (far enough ahead
- * for a row in L2 to arrive), and the next block's rows into L2 as pf says. */
+ * four).  The first pass requests row j + FA_PV_PTR_AHEAD whole into L1 as row j is read
+ * (far enough ahead for a row in L2 to arrive; l1_bytes, 0 in the later passes, which
+ * find the block's rows there), and the next block's rows go into L2 as pf says. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                      const KV* const* vr, ptrdiff_t c0, T* acc,
                                      ptrdiff_t ldacc, const T* alpha, const int nr,
-                                     const int nv, fa_pv_pf* pf)
+                                     const int nv, fa_pv_pf* pf, ptrdiff_t l1_bytes)
 {
     V c[4][8];
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < nv; i++) c[r][i] = BCAST(0);
     for (ptrdiff_t j = 0; j < nj; j++) {
         fa_pv_pf_step(pf);
-        if (j + FA_PV_PTR_AHEAD < nj)
-            fa_prefetch_lines((const char*)(vr[j + FA_PV_PTR_AHEAD] + c0),
-                              nv * VL * (ptrdiff_t)sizeof(KV), 3);
+        if (l1_bytes && j + FA_PV_PTR_AHEAD < nj)
+            fa_prefetch_lines((const char*)vr[j + FA_PV_PTR_AHEAD], l1_bytes, 3);
         V x[8];
         for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
         FA_FN(fa_pv_add_key)(c, p + j * ldp, x, nr, nv);
@@ -568,8 +568,9 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
 #define FA_PV_PTR_PASS(SUF, NR, NV) \
 FA_NOINLINE void FA_FN(fa_pv_ptr_##SUF)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, \
                                               const KV* const* vr, ptrdiff_t c0, T* acc, \
-                                              ptrdiff_t ldacc, const T* alpha, fa_pv_pf* pf) \
-{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV, pf); }
+                                              ptrdiff_t ldacc, const T* alpha, fa_pv_pf* pf, \
+                                              ptrdiff_t l1_bytes) \
+{ FA_FN(fa_pv_ptr_cols)(p, ldp, nj, vr, c0, acc, ldacc, alpha, NR, NV, pf, l1_bytes); }
 FA_PV_PTR_PASS(r1_wide, 1, 8)
 FA_PV_PTR_PASS(r1_v4, 1, 4)
 FA_PV_PTR_PASS(r1_v2, 1, 2)
@@ -593,7 +594,7 @@ FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const
     q.steps = passes * nj > npf ? passes * nj : npf;
     c0 = 0;
 #define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL) \
-        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, &q)
+        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, &q, c0 ? 0 : q.bytes)
     if (nr == 1) {
         FA_PASS(r1_wide, 8);
         FA_PASS(r1_v4, 4);
