@@ -11,7 +11,7 @@ agree with each other too).  The configurations cover prefill and decode tiles, 
 both causal alignments, windows, bool and float masks, kv_lengths, Dv != D, head dims that
 are not a multiple of the vector width, flash-decoding key chunks and both dtypes.
 Then every storage type of K and V: float16 and bfloat16 inputs (prefill and decode
-tiles), and KV caches of float32, float16, bfloat16 and q8_0, contiguous and paged, in
+tiles), and KV caches of float32, float16, bfloat16, q8_0 and q4_0, contiguous and paged, in
 decode steps (1, 4 and 8 rows per kv head) and short prefills.  Last, softcap, ALiBi and
 sinks, alone and together, in the forward, on packed sequences and in the backward (dq, dk,
 dv and dsinks).
@@ -89,7 +89,7 @@ def _storage_configs():
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for shape, var in itertools.product(shapes, variants):
             yield "input", shape, var, dtype
-    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, "q8_0"):
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, "q8_0", "q4_0"):
         for shape, var in itertools.product(shapes, variants[:2]):
             for paged in (False, True):
                 yield ("paged" if paged else "cache"), shape, var, dtype
@@ -116,9 +116,10 @@ def _run_cache(paged, q, k, v, dtype, var, rng):
     """attention_with_kvcache over a cache holding k, v (2 sequences of Lk and Lk // 3 keys)."""
     B, Hkv, Lk, _ = k.shape
     scales = {}
-    if dtype == "q8_0":
-        k, ks = fastattn.quantize_q8_0(k)
-        v, vs = fastattn.quantize_q8_0(v)
+    if dtype in ("q8_0", "q4_0"):
+        quantize = getattr(fastattn, f"quantize_{dtype}")
+        k, ks = quantize(k)
+        v, vs = quantize(v)
         scales = dict(k_scale=ks, v_scale=vs)
     else:
         k, v = k.astype(dtype), v.astype(dtype)

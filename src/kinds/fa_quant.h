@@ -560,6 +560,31 @@ static void fa_score_quant(int kind, int nr, FA_SCORE_QUANT_ARGS)
 #undef FA_SCORE_QUANT_PASS
 #undef FA_SCORE_QUANT_ARGS
 
+/* The values (level times the block's scale d[b]) of nv vectors of a row's columns from
+ * c0.  q4_0 with AVX-512: a block's 16 possible values, (i - 8) d, are one vector of
+ * products, and each value is looked up by its nibble (the permutation reads the low 4
+ * bits of a lane): the same products as widening every level, at a quarter of the
+ * instructions. */
+FA_INLINE void fa_quant_values(const int kind, const uint8_t* row, ptrdiff_t c0, const int nv,
+                               const float* d, fa_vf* x)
+{
+#if FA_VBYTES == 64
+    if (kind == FA_STORE_Q4_0 && nv % 2 == 0 && c0 % 32 == 0) {
+        const __m512 levels = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1,
+                                             0, 1, 2, 3, 4, 5, 6, 7);
+        for (int b = 0; b < nv / 2; b++) {
+            const __m512i idx = _mm512_cvtepu8_epi32(fa_quant_raw(kind, row, c0 + 32 * b));
+            const __m512 table = _mm512_mul_ps(levels, _mm512_set1_ps(d[b]));
+            x[2 * b] = (fa_vf)_mm512_permutexvar_ps(idx, table);
+            x[2 * b + 1] = (fa_vf)_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+        }
+        return;
+    }
+#endif
+    fa_quant_vloads(kind, row, c0, nv, x);
+    for (int i = 0; i < nv; i++) x[i] *= fa_bcast_f(d[i * FA_VL_F / 32]);
+}
+
 /*
  * The output of nr query rows (1 or 4) over nv vectors of value columns from column c0,
  * V stored as `kind` in rows vr[j] with float32 scales vsc[j * nbv + c / 32]: per
@@ -588,8 +613,7 @@ FA_INLINE void fa_pv_quant_cols(const int kind, const float* p, ptrdiff_t ldp, p
             fa_prefetch_lines((const char*)vr[j + FA_PV_QUANT_AHEAD], l1_bytes, 3);
         if (j < npf) fa_quant_prefetch_row(pf, j, npf, pf_bytes, 2);
         fa_vf xv[8];
-        fa_quant_vloads(kind, vr[j], c0, nv, xv);
-        for (int i = 0; i < nv; i++) xv[i] *= fa_bcast_f(d[i * FA_VL_F / 32]);
+        fa_quant_values(kind, vr[j], c0, nv, d, xv);
         fa_pv_add_key_f(c, p + j * ldp, xv, nr, nv);
     }
     fa_pv_finish_f(c, acc + c0, ldacc, alpha, nr, nv);
