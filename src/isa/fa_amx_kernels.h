@@ -3,8 +3,8 @@
  * FA_TILE_LOAD/STORE/ZERO/DP (fa_amx.h includes this file twice: on the model, on the
  * hardware), called between fa_amx_begin and fa_amx_end (FA_TILE_CONFIG checks that on
  * the model).  Eight tiles of 16 x 64 bytes: 0-3 sums (2 x 2), 4-5 A, 6-7 B.  A second
- * group of rows or keys with nothing in it repeats the first, whose sums are not stored,
- * so that no tile reads past the data.  The chains are fa_amx.h's canonical ones.
+ * group of rows or keys with nothing in it is left out of the step, so that no tile
+ * reads past the data.  The chains are fa_amx.h's canonical ones.
  */
 
 /*
@@ -12,32 +12,40 @@
  * over nchunks chunks of 32 along the sum.  A_i: 16 rows of bfloat16 at a_i, sa_i bytes
  * apart, the next chunk astep bytes on; B_j: 16 pair rows at b_j, sb bytes apart, the
  * next chunk bstep bytes on.  The loads go between the products, as the tiles free up.
+ * Without two_a (two_b) the second group of rows (columns) is left out: cb[2] and cb[3]
+ * (cb[1] and cb[3]) are not written, which spares a decode row's tile the products and
+ * stores of a group that would repeat the first.
  */
 FA_AMX_STEP void FA_AMX_NAME(fa_amx_2x2)(const char* a0, ptrdiff_t sa0, const char* a1,
                                          ptrdiff_t sa1, ptrdiff_t astep, const char* b0,
                                          const char* b1, ptrdiff_t sb, ptrdiff_t bstep,
-                                         ptrdiff_t nchunks, float cb[4][16 * 16])
+                                         ptrdiff_t nchunks, const int two_a, const int two_b,
+                                         float cb[4][16 * 16])
 {
     FA_TILE_STATE;
     FA_TILE_CONFIG();
     FA_TILE_ZERO(0);
-    FA_TILE_ZERO(1);
-    FA_TILE_ZERO(2);
-    FA_TILE_ZERO(3);
+    if (two_b) FA_TILE_ZERO(1);
+    if (two_a) FA_TILE_ZERO(2);
+    if (two_a && two_b) FA_TILE_ZERO(3);
     for (ptrdiff_t kc = 0; kc < nchunks; kc++) {
         FA_TILE_LOAD(4, a0 + kc * astep, sa0);
         FA_TILE_LOAD(6, b0 + kc * bstep, sb);
         FA_TILE_DP(0, 4, 6);
-        FA_TILE_LOAD(7, b1 + kc * bstep, sb);
-        FA_TILE_DP(1, 4, 7);
-        FA_TILE_LOAD(5, a1 + kc * astep, sa1);
-        FA_TILE_DP(2, 5, 6);
-        FA_TILE_DP(3, 5, 7);
+        if (two_b) {
+            FA_TILE_LOAD(7, b1 + kc * bstep, sb);
+            FA_TILE_DP(1, 4, 7);
+        }
+        if (two_a) {
+            FA_TILE_LOAD(5, a1 + kc * astep, sa1);
+            FA_TILE_DP(2, 5, 6);
+            if (two_b) FA_TILE_DP(3, 5, 7);
+        }
     }
     FA_TILE_STORE(0, cb[0], 64);
-    FA_TILE_STORE(1, cb[1], 64);
-    FA_TILE_STORE(2, cb[2], 64);
-    FA_TILE_STORE(3, cb[3], 64);
+    if (two_b) FA_TILE_STORE(1, cb[1], 64);
+    if (two_a) FA_TILE_STORE(2, cb[2], 64);
+    if (two_a && two_b) FA_TILE_STORE(3, cb[3], 64);
 }
 
 /*
@@ -79,7 +87,7 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t n
             FA_AMX_NAME(fa_amx_2x2)((const char*) base[0], stride[0],
                                     (const char*) base[1], stride[1], 64,
                                     (const char*) (qt + r0), (const char*) (qt + r1),
-                                    4 * ldqt, 64 * ldqt, D / 32, cb);
+                                    4 * ldqt, 64 * ldqt, D / 32, nk[1] > 0, r1 != r0, cb);
             for (int g = 0; g < 2; g++)
                 for (int h = 0; h < (r1 != r0 ? 2 : 1); h++)
                     for (ptrdiff_t u = 0; u < nk[g]; u++) {
@@ -94,8 +102,8 @@ FA_AMX_FN void FA_AMX_NAME(fa_amx_scores)(const uint16_t* const* kr, ptrdiff_t n
 /*
  * The 2 x 2 sum tiles of rows [m0, m0 + 32) and columns [n0, n0 + 32) of A . B, A rows of
  * bfloat16 (a[m*lda + k]) and B in pairs of rows (b[kp*ldb + n]), over nchunks chunks of
- * 32 along k; the second group of rows repeats the first at the end of the M rows.
- * Returns the rows of the second group (m1) in *m1.
+ * 32 along k; at the end of the M rows the second group of rows is left out (m1 = m0:
+ * cb[2] and cb[3] unwritten).  Returns the rows of the second group (m1) in *m1.
  */
 FA_AMX_STEP void FA_AMX_NAME(fa_amx_rows_2x2)(const uint16_t* a, ptrdiff_t lda,
                                               ptrdiff_t M, ptrdiff_t m0, ptrdiff_t nchunks,
@@ -107,7 +115,7 @@ FA_AMX_STEP void FA_AMX_NAME(fa_amx_rows_2x2)(const uint16_t* a, ptrdiff_t lda,
     FA_AMX_NAME(fa_amx_2x2)((const char*) (a + m0 * lda), 2 * lda,
                             (const char*) (a + *m1 * lda), 2 * lda, 64,
                             (const char*) (b + n0), (const char*) (b + n0 + 16), 4 * ldb,
-                            64 * ldb, nchunks, cb);
+                            64 * ldb, nchunks, *m1 != m0, 1, cb);
 }
 
 /*
