@@ -39,7 +39,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
         if not t.gather:
             _row_pointers(t.kptr, t.kb + t.j0 * t.k_row, t.k_row, t.nj)
             _row_pointers(t.vptr, t.vb + t.j0 * t.v_row, t.v_row, t.nj)
-        if floating is float and not P.backward:
+        if floating is float and not P.backward and not t.v_pairs_rows:
             fa_pack_v_pairs(<const uint16_t* const*> t.vptr, t.nj, P.Dv, <uint32_t*> (ws + w.vblk))
             if t.amx:
                 _zero_pairs_to(<uint32_t*> (ws + w.vblk), t.nj, _round_up(t.nj, 32), P.Dv)

@@ -92,6 +92,9 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.decode = t.nrows <= FA_DECODE_ROWS and not P.bf16_dot
     t.bf16_dot = floating is float and P.bf16_dot
     t.amx = P.amx if floating is float else 0
+    # A single row of bfloat16 products (a decode row) takes V's pairs straight from the
+    # rows instead of packing the block first, which it would read once (same bits).
+    t.v_pairs_rows = t.bf16_dot and not t.amx and t.nrows == 1 and not P.backward
     # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
     # step takes two keys per 8-lane vector (fa_softmax_pairs_f), the same bits.
     t.softmax_pairs = floating is float and FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
