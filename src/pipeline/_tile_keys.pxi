@@ -31,7 +31,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
     if t.widen_k:
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
     elif t.copy_rows:
-        t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * P.k_isz, P.D
+        t.kblk, t.kblk_row, t.kblk_sj = NULL, 0, 0      # K read through kptr (k_in_place)
         t.kblk_kind = P.k_kind
     if t.bf16_dot:
         # K read through row pointers; V in pairs of keys, the layout of the bfloat16
@@ -181,8 +181,6 @@ cdef void _gather(const Problem* P, Tile* t, const Workspace* w, floating* ws) n
             if u + 1 < nxt:   # (never past the last key: its page may be the table's last)
                 _cache_next(P, t, &n)
         if t.copy_rows:
-            if not t.k_in_place:
-                memcpy(<char*> kdst + u * P.D * P.k_isz, t.kptr[u], P.D * P.k_isz)
             if not t.defer_v and not t.v_in_place:
                 memcpy(<char*> vdst + u * P.Dv * P.v_isz, t.vptr[u], P.Dv * P.v_isz)
         elif floating is float and t.int8_dot:

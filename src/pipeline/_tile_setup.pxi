@@ -121,20 +121,20 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     # time, except where the kernels read them through the block's row pointers: the
     # bfloat16 products', and quantised K and V in decode tiles of float compute,
     # dequantised in registers (whole blocks of 32 dims).  Decode tiles of float compute
-    # copy paged float rows as they are stored, for the decode kernels to widen in
-    # registers as they do in place.
+    # take paged float rows as they are stored (copy_rows), for the decode kernels to
+    # widen in registers as they do in place.
     t.gather = _gathers(P)
     cdef bint quant = FA_QUANTISED(P.k_kind)
     t.quant_in_place = (floating is float and t.decode and quant and P.v_kind == P.k_kind
                         and P.D % 32 == 0 and P.Dv % 32 == 0)
     t.copy_rows = floating is float and t.decode and t.gather and not quant
-    # ... 16-bit K rows then read where they are by the score kernels, which transpose or
-    # widen them anyway; V read through row pointers, whole vectors of columns (else
-    # copied too)
-    t.k_in_place = t.copy_rows and (P.k_kind == FA_STORE_F16 or P.k_kind == FA_STORE_BF16)
+    # ... K rows then read where they are by the score kernels, which load them row by row
+    # to transpose (or widen) them anyway; V read through row pointers, whole vectors of
+    # columns (else copied too)
+    t.k_in_place = t.copy_rows
     t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
     # With both read in place, the kernels request the next block's rows as they go (K:
-    # the score kernel, V: the output kernel), spread over their steps; when K is copied,
+    # the score kernel, V: the output kernel), spread over their steps; when V is copied,
     # _gather requests them as it copies, the faster order for that path.
     t.spread_next = t.k_in_place and t.v_in_place
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
