@@ -563,7 +563,7 @@ static void fa_score_quant(int kind, int nr, FA_SCORE_QUANT_ARGS)
 /* The values (level times the block's scale d[b]) of nv vectors of a row's columns from
  * c0.  q4_0 with AVX-512: a block's 16 possible values, (i - 8) d, are one vector of
  * products, and each value is looked up by its nibble (the permutation reads the low 4
- * bits of a lane): the same products as widening every level, at a quarter of the
+ * bits of a lane): the same products as widening every level, at half the
  * instructions. */
 FA_INLINE void fa_quant_values(const int kind, const uint8_t* row, ptrdiff_t c0, const int nv,
                                const float* d, fa_vf* x)
