@@ -209,9 +209,9 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_pv_tile1_bdp(const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
                          const uint32_t* vp, Py_ssize_t ldv, float* acc, Py_ssize_t ldacc,
                          const float* alpha)
-    void fa_pv_row_rows_bdp(const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
-                            const uint16_t* const* rows, Py_ssize_t nj, Py_ssize_t Dv,
-                            float* acc, const float* alpha)
+    void fa_pv_rows_bdp(int nr, const uint32_t* pp, Py_ssize_t ldp, Py_ssize_t npairs,
+                        const uint16_t* const* rows, Py_ssize_t nj, Py_ssize_t Dv,
+                        float* acc, Py_ssize_t ldacc, const float* alpha)
 
 
 # Integer dot products over q8_0 and q4_0 keys (fa_int8dot.h): the avx512 and avx2 builds',

@@ -252,43 +252,68 @@ FA_BDP_PV_TILE(fa_pv_tile1_bdp, 1)
 #undef FA_BDP_PV_TILE
 
 /*
- * The output of a single row over npairs pairs of keys whose V rows are read where they
- * lie (rows[2jp] and rows[2jp + 1], a key at or past nj as 0): fa_pack_v_pairs and
- * fa_pv_tile1_bdp in one pass, the same pairs and products in the same order, for a
- * decode row, which would read each packed pair once.
- *   acc[c] = acc[c] * alpha + sum over pairs jp of pp[jp*ldp] . (V[2jp][c], V[2jp+1][c])
- * for c < Dv (a multiple of 32), 128 columns a pass.
+ * The output of nr (1 to 4) rows that see the same keys, over npairs pairs of keys whose
+ * V rows are read where they lie (rows[2jp] and rows[2jp + 1], a key at or past nj as 0):
+ * fa_pack_v_pairs and fa_pv_tile1_bdp for each row in one pass, the same pairs and
+ * products in the same order, each pair of rows paired once for all the rows.
+ *   acc[r*ldacc + c] = acc * alpha[r] + sum over pairs jp of pp[jp*ldp + r] . V pair jp
+ * for c < Dv (a multiple of 32), QP chunks of 32 columns a pass (the rows' sums of a pass
+ * fill half the register file).
  */
-FA_BDP_NOINLINE void fa_pv_row_rows_bdp(const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,
-                                        const uint16_t* const* rows, ptrdiff_t nj,
-                                        ptrdiff_t Dv, float* acc, const float* alpha)
+#define FA_BDP_PV_ROWS(NAME, NR, QP)                                                       \
+FA_BDP_NOINLINE void NAME(const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,             \
+                          const uint16_t* const* rows, ptrdiff_t nj, ptrdiff_t Dv,         \
+                          float* acc, ptrdiff_t ldacc, const float* alpha)                 \
+{                                                                                          \
+    const __m512i lo = _mm512_set_epi16(                                                   \
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,                      \
+        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);                           \
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));                        \
+    for (ptrdiff_t c0 = 0; c0 < Dv; c0 += 32 * QP) {                                       \
+        const int nq = (Dv - c0) / 32 < QP ? (int) ((Dv - c0) / 32) : QP;                  \
+        __m512 c[NR][2 * QP];                                                              \
+        for (int r = 0; r < NR; r++)                                                       \
+            for (int i = 0; i < 2 * nq; i++) c[r][i] = _mm512_setzero_ps();                \
+        for (ptrdiff_t jp = 0; jp < npairs; jp++) {                                        \
+            __m512i b[NR];                                                                 \
+            for (int r = 0; r < NR; r++) b[r] = _mm512_set1_epi32((int) pp[jp * ldp + r]); \
+            const uint16_t* v0 = rows[2 * jp] + c0;                                        \
+            const uint16_t* v1 = 2 * jp + 1 < nj ? rows[2 * jp + 1] + c0 : NULL;           \
+            for (int i = 0; i < nq; i++) {                                                 \
+                const __m512i x = _mm512_loadu_si512((const void*) (v0 + 32 * i));         \
+                const __m512i y = v1 ? _mm512_loadu_si512((const void*) (v1 + 32 * i))     \
+                                     : _mm512_setzero_si512();                             \
+                const __m512i pl = _mm512_permutex2var_epi16(x, lo, y);                    \
+                const __m512i ph = _mm512_permutex2var_epi16(x, hi, y);                    \
+                for (int r = 0; r < NR; r++) {                                             \
+                    c[r][2 * i] = fa_bdp(c[r][2 * i], b[r], pl);                           \
+                    c[r][2 * i + 1] = fa_bdp(c[r][2 * i + 1], b[r], ph);                   \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < NR; r++)                                                       \
+            for (int i = 0; i < 2 * nq; i++) {                                             \
+                float* o = acc + r * ldacc + c0 + 16 * i;                                  \
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o),                    \
+                                                    _mm512_set1_ps(alpha[r]), c[r][i]));   \
+            }                                                                              \
+    }                                                                                      \
+}
+FA_BDP_PV_ROWS(fa_pv_rows1_bdp, 1, 4)
+FA_BDP_PV_ROWS(fa_pv_rows2_bdp, 2, 2)
+FA_BDP_PV_ROWS(fa_pv_rows3_bdp, 3, 2)
+FA_BDP_PV_ROWS(fa_pv_rows4_bdp, 4, 2)
+#undef FA_BDP_PV_ROWS
+
+/* fa_pv_rows<nr>_bdp for nr of 1 to 4 rows. */
+static inline void fa_pv_rows_bdp(int nr, const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,
+                                  const uint16_t* const* rows, ptrdiff_t nj, ptrdiff_t Dv,
+                                  float* acc, ptrdiff_t ldacc, const float* alpha)
 {
-    const __m512i lo = _mm512_set_epi16(
-        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (ptrdiff_t c0 = 0; c0 < Dv; c0 += 128) {
-        const int nq = Dv - c0 >= 128 ? 4 : (int) ((Dv - c0) / 32);
-        __m512 c[8];
-        for (int i = 0; i < 2 * nq; i++) c[i] = _mm512_setzero_ps();
-        for (ptrdiff_t jp = 0; jp < npairs; jp++) {
-            const __m512i b = _mm512_set1_epi32((int) pp[jp * ldp]);
-            const uint16_t* v0 = rows[2 * jp] + c0;
-            const uint16_t* v1 = 2 * jp + 1 < nj ? rows[2 * jp + 1] + c0 : NULL;
-            for (int i = 0; i < nq; i++) {
-                const __m512i x = _mm512_loadu_si512((const void*) (v0 + 32 * i));
-                const __m512i y = v1 ? _mm512_loadu_si512((const void*) (v1 + 32 * i))
-                                     : _mm512_setzero_si512();
-                c[2 * i] = fa_bdp(c[2 * i], b, _mm512_permutex2var_epi16(x, lo, y));
-                c[2 * i + 1] = fa_bdp(c[2 * i + 1], b, _mm512_permutex2var_epi16(x, hi, y));
-            }
-        }
-        for (int i = 0; i < 2 * nq; i++) {
-            float* o = acc + c0 + 16 * i;
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(*alpha),
-                                                c[i]));
-        }
-    }
+    if (nr == 1) fa_pv_rows1_bdp(pp, ldp, npairs, rows, nj, Dv, acc, ldacc, alpha);
+    else if (nr == 2) fa_pv_rows2_bdp(pp, ldp, npairs, rows, nj, Dv, acc, ldacc, alpha);
+    else if (nr == 3) fa_pv_rows3_bdp(pp, ldp, npairs, rows, nj, Dv, acc, ldacc, alpha);
+    else fa_pv_rows4_bdp(pp, ldp, npairs, rows, nj, Dv, acc, ldacc, alpha);
 }
 
 #else  /* no AVX512-BF16 code in this build: the pipeline never calls these */
@@ -319,10 +344,11 @@ FA_BDP_STUB fa_pv_tile_bdp(const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,
                            const float* alpha)
 { (void)pp; (void)ldp; (void)npairs; (void)vp; (void)ldv; (void)acc; (void)ldacc; (void)alpha; }
 #define fa_pv_tile1_bdp fa_pv_tile_bdp
-FA_BDP_STUB fa_pv_row_rows_bdp(const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,
-                               const uint16_t* const* rows, ptrdiff_t nj, ptrdiff_t Dv,
-                               float* acc, const float* alpha)
-{ (void)pp; (void)ldp; (void)npairs; (void)rows; (void)nj; (void)Dv; (void)acc; (void)alpha; }
+static inline __attribute__((unused)) void fa_pv_rows_bdp(
+    int nr, const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs, const uint16_t* const* rows,
+    ptrdiff_t nj, ptrdiff_t Dv, float* acc, ptrdiff_t ldacc, const float* alpha)
+{ (void)nr; (void)pp; (void)ldp; (void)npairs; (void)rows; (void)nj; (void)Dv; (void)acc;
+  (void)ldacc; (void)alpha; }
 #undef FA_BDP_STUB
 
 #endif /* FA_HAVE_BF16DOT */

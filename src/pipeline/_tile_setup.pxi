@@ -92,9 +92,6 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.decode = t.nrows <= FA_DECODE_ROWS and not P.bf16_dot
     t.bf16_dot = floating is float and P.bf16_dot
     t.amx = P.amx if floating is float else 0
-    # A single row of bfloat16 products (a decode row) takes V's pairs straight from the
-    # rows instead of packing the block first, which it would read once (same bits).
-    t.v_pairs_rows = t.bf16_dot and not t.amx and t.nrows == 1 and not P.backward
     # A decode tile of at most 4 rows fills at most half a vector of 8 lanes: its softmax
     # step takes two keys per 8-lane vector (fa_softmax_pairs_f), the same bits.
     t.softmax_pairs = floating is float and FA_HAVE_SOFTMAX_PAIRS and t.decode and t.nrows <= 4
@@ -262,6 +259,11 @@ cdef void _setup_rows(const Problem* P, Tile* t, const Workspace* w,
         if t.lo[r] != t.tile_lo or t.hi[r] != t.tile_hi:
             t.same_keys = False
             break
+    # A decode tile of bfloat16 products (one row, or up to 4 that see the same keys) takes
+    # V's pairs straight from the rows instead of packing the block first, which its rows
+    # would read once (same bits).
+    t.v_pairs_rows = (t.bf16_dot and not t.amx and not P.backward
+                      and (t.nrows == 1 or t.nrows <= 4 and t.same_keys))
     # Rows a 4-row output tile may cover past the last vector see nothing too.
     for r in range(t.nrows, min(FA_BQ, max(t.nlanes, _round_up(t.nrows, 4)))):
         t.lo[r] = 0

@@ -98,19 +98,20 @@ cdef void _pv_prefill(const Tile* t, const Workspace* w, floating* ws) noexcept 
 cdef void _pv_bf16(const Tile* t, const Workspace* w, float* ws) noexcept nogil:
     # P rounded to bfloat16 in pairs of keys, then rows in 6-row output tiles and single
     # rows, each over the pairs of keys any of its rows sees (the others add exact zeros);
-    # a tile of one row pairs V's rows as it reads them (v_pairs_rows).
+    # a decode tile (up to 4 rows that see the same keys) pairs V's rows as it reads them
+    # (v_pairs_rows).
     cdef uint32_t* pp = <uint32_t*> (ws + w.pp)
     cdef const uint32_t* vp = <const uint32_t*> t.vblk
     cdef Py_ssize_t rg = 0, nr, ja, z, a, npairs, c, Dv = t.dv_main
     fa_pack_p_pairs(ws + w.s, FA_BQ, t.nj, t.nlanes, pp, FA_BQ)
     if t.v_pairs_rows:
-        _keys_seen(t, 0, 1, &ja, &z)
+        _keys_seen(t, 0, t.nrows, &ja, &z)
         ja = min(max(t.j0, ja), t.j1)
         z = min(max(ja, z), t.j1)
         a = (ja - t.j0) // 2
-        fa_pv_row_rows_bdp(pp + a * FA_BQ, FA_BQ, (z - t.j0 + 1) // 2 - a,
-                           <const uint16_t* const*> (t.vptr + 2 * a), t.nj - 2 * a, Dv,
-                           ws + w.acc, ws + w.alpha)
+        fa_pv_rows_bdp(<int> t.nrows, pp + a * FA_BQ, FA_BQ, (z - t.j0 + 1) // 2 - a,
+                       <const uint16_t* const*> (t.vptr + 2 * a), t.nj - 2 * a, Dv,
+                       ws + w.acc, t.dv_pad, ws + w.alpha)
         return
     while rg < t.nrows:
         nr = FA_MR_PV if rg < t.n6 else 1

@@ -97,7 +97,7 @@ cdef struct Tile:
     bint decode                   # few rows: keys are the lanes of the score kernels
     bint bf16_dot                 # products in bfloat16 pairs (Problem.bf16_dot)
     int amx                       # on AMX tiles (Problem.amx)
-    bint v_pairs_rows             # a single row's pairs of V read from the rows (fa_pv_row_rows_bdp)
+    bint v_pairs_rows             # decode rows' pairs of V read from the rows (fa_pv_rows_bdp)
     bint gather                   # K and V rows addressed one by one (_gathers)
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint quant_in_place           # decode over quantised K and V read where stored (fa_quant.h)
