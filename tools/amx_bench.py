@@ -7,8 +7,8 @@ multiply-adds a second for the share of the AMX peak each row reaches.
 
 Each row's variants alternate within a round, the median of the rounds is kept, and
 every output is checked against torch's before it is timed.  Without AMX (the CPU, the
-OS, or FASTATTN_AMX unset or 0 on a build that has not been verified) the tile variant is
-left out.  tools/amx_device_check.sh runs this on the device machine's Xeon.
+OS, or FASTATTN_AMX=0) the tile variant is left out.  tools/amx_device_check.sh runs this
+on an AMX Xeon.
 """
 import argparse
 import json

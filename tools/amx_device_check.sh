@@ -8,8 +8,8 @@
 #
 # It needs python3 with NumPy, Cython, setuptools, pytest, torch and ml_dtypes, and a C
 # compiler; it installs only the wheels tools/amx_device_wheels.sh put in .whl/ (carry
-# .whl), and only under /tmp.  FASTATTN_AMX=1 turns the tile path on for every test and
-# the bench (the build's default keeps it off until it has been verified).
+# .whl), and only under /tmp.  FASTATTN_AMX=1 holds the tile path on for every test and
+# the bench (it is the default where the CPU has AMX; the variable makes that explicit).
 set -u -o pipefail
 OUT=${OUT:-/tmp/amx-check}
 PY=${PYTHON:-python3}
