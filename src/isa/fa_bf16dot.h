@@ -195,6 +195,17 @@ FA_BDP_NOINLINE void fa_pack_p_pairs(const float* s, ptrdiff_t lds, ptrdiff_t nj
     }
 }
 
+/* 32 columns of two bfloat16 rows x and y as pairs (x[c], y[c]): columns 0-15 in *lo,
+ * 16-31 in *hi. */
+FA_BDP_INLINE void fa_v_pairs(__m512i x, __m512i y, __m512i* lo, __m512i* hi)
+{
+    const __m512i ilo = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    *lo = _mm512_permutex2var_epi16(x, ilo, y);
+    *hi = _mm512_permutex2var_epi16(x, _mm512_add_epi16(ilo, _mm512_set1_epi16(16)), y);
+}
+
 /*
  * V in pairs of keys for the block's nj keys (bfloat16 rows, Dv a multiple of 32):
  * vp[jp*Dv + c] = rows[2jp][c] | rows[2jp+1][c] << 16, a key nj (odd nj) as 0.
@@ -202,10 +213,6 @@ FA_BDP_NOINLINE void fa_pack_p_pairs(const float* s, ptrdiff_t lds, ptrdiff_t nj
 FA_BDP_NOINLINE void fa_pack_v_pairs(const uint16_t* const* rows, ptrdiff_t nj, ptrdiff_t Dv,
                                      uint32_t* vp)
 {
-    const __m512i lo = _mm512_set_epi16(
-        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (ptrdiff_t jp = 0; jp < (nj + 1) / 2; jp++) {
         const uint16_t* v0 = rows[2 * jp];
         const int odd = 2 * jp + 1 < nj;
@@ -214,8 +221,10 @@ FA_BDP_NOINLINE void fa_pack_v_pairs(const uint16_t* const* rows, ptrdiff_t nj, 
             const __m512i a = _mm512_loadu_si512((const void*) (v0 + c));
             const __m512i b = odd ? _mm512_loadu_si512((const void*) (rows[2 * jp + 1] + c))
                                   : _mm512_setzero_si512();
-            _mm512_storeu_si512((void*) (dst + c), _mm512_permutex2var_epi16(a, lo, b));
-            _mm512_storeu_si512((void*) (dst + c + 16), _mm512_permutex2var_epi16(a, hi, b));
+            __m512i lo, hi;
+            fa_v_pairs(a, b, &lo, &hi);
+            _mm512_storeu_si512((void*) (dst + c), lo);
+            _mm512_storeu_si512((void*) (dst + c + 16), hi);
         }
     }
 }
@@ -265,10 +274,6 @@ FA_BDP_NOINLINE void NAME(const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,  
                           const uint16_t* const* rows, ptrdiff_t nj, ptrdiff_t Dv,         \
                           float* acc, ptrdiff_t ldacc, const float* alpha)                 \
 {                                                                                          \
-    const __m512i lo = _mm512_set_epi16(                                                   \
-        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,                      \
-        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);                           \
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));                        \
     for (ptrdiff_t c0 = 0; c0 < Dv; c0 += 32 * QP) {                                       \
         const int nq = (Dv - c0) / 32 < QP ? (int) ((Dv - c0) / 32) : QP;                  \
         __m512 c[NR][2 * QP];                                                              \
@@ -283,8 +288,8 @@ FA_BDP_NOINLINE void NAME(const uint32_t* pp, ptrdiff_t ldp, ptrdiff_t npairs,  
                 const __m512i x = _mm512_loadu_si512((const void*) (v0 + 32 * i));         \
                 const __m512i y = v1 ? _mm512_loadu_si512((const void*) (v1 + 32 * i))     \
                                      : _mm512_setzero_si512();                             \
-                const __m512i pl = _mm512_permutex2var_epi16(x, lo, y);                    \
-                const __m512i ph = _mm512_permutex2var_epi16(x, hi, y);                    \
+                __m512i pl, ph;                                                            \
+                fa_v_pairs(x, y, &pl, &ph);                                                \
                 for (int r = 0; r < NR; r++) {                                             \
                     c[r][2 * i] = fa_bdp(c[r][2 * i], b[r], pl);                           \
                     c[r][2 * i + 1] = fa_bdp(c[r][2 * i + 1], b[r], ph);                   \

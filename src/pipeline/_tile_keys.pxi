@@ -31,7 +31,7 @@ cdef void _load_block(const Problem* P, Tile* t, const Workspace* w,
     if t.widen_k:
         t.kblk, t.kblk_row, t.kblk_sj = <const char*> (ws + w.kblk), P.D * sizeof(floating), P.D
     elif t.copy_rows:
-        t.kblk, t.kblk_row, t.kblk_sj = NULL, 0, 0      # K read through kptr (k_in_place)
+        t.kblk, t.kblk_row, t.kblk_sj = NULL, 0, 0      # K read through kptr (copy_rows)
         t.kblk_kind = P.k_kind
     if t.bf16_dot:
         # K read through row pointers; V in pairs of keys, the layout of the bfloat16

@@ -149,7 +149,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
         for u in range(KC):
             if jb + u >= nj:
                 t.krows[u] = zrow
-            elif t.k_in_place:
+            elif t.copy_rows:
                 t.krows[u] = t.kptr[jb + u]
             else:
                 t.krows[u] = t.kblk + (jb + u) * t.kblk_row
@@ -162,7 +162,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
             else:
                 t.vrows[u] = t.vblk + (jb + u) * t.vblk_row
         # A whole call of keys is evenly spaced rows of K: say so (kernels may use it).
-        ldk = t.kblk_sj if nk == KC and t.kblk_sj != 0 and not t.k_in_place else 0
+        ldk = t.kblk_sj if nk == KC else 0
         # > 0 also turns on the next K rows stream
         if t.spread_next:
             pf_bytes = P.D * P.k_isz + 63      # every line of a row, however it is aligned
@@ -172,7 +172,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
         while r < nrows:
             nr = _keyrows_pass(t, nrows - r)
             if floating is float:
-                if nr == 4 and (ldk != 0 or t.k_in_place) and t.gqa4:
+                if nr == 4 and (ldk != 0 or t.copy_rows) and t.gqa4:
                     # a second 4-row pass follows (more than 2 rows after these 4): one
                     # call takes both, widening the keys once
                     npass = 2 if nrows - r > 6 else 1

@@ -125,15 +125,14 @@ cdef void _setup(const Problem* P, Tile* t, Py_ssize_t b, Py_ssize_t g, Py_ssize
     t.quant_in_place = (floating is float and t.decode and quant and P.v_kind == P.k_kind
                         and P.D % 32 == 0 and P.Dv % 32 == 0)
     t.copy_rows = floating is float and t.decode and t.gather and not quant
-    # ... K rows then read where they are by the score kernels, which load them row by row
-    # to transpose (or widen) them anyway; V read through row pointers, whole vectors of
-    # columns (else copied too)
-    t.k_in_place = t.copy_rows
+    # ... K rows then read where they are (kptr) by the score kernels, which load them
+    # row by row to transpose (or widen) them anyway; V read through row pointers, whole
+    # vectors of columns (else copied)
     t.v_in_place = t.copy_rows and P.Dv % (2 * t.VL) == 0
     # With both read in place, the kernels request the next block's rows as they go (K:
     # the score kernel, V: the output kernel), spread over their steps; when V is copied,
     # _gather requests them as it copies, the faster order for that path.
-    t.spread_next = t.k_in_place and t.v_in_place
+    t.spread_next = t.v_in_place
     t.widen_k = (P.k_kind != FA_STORE_NATIVE or t.gather) and not (
         t.decode and floating is float and not quant or t.quant_in_place or t.bf16_dot
         or t.int8_dot)

@@ -102,8 +102,7 @@ cdef struct Tile:
     bint defer_v                  # gathered V widened after the softmax (_gather_v)
     bint quant_in_place           # decode over quantised K and V read where stored (fa_quant.h)
     bint int8_dot                 # ... with q.k in integers (Problem.int8_dot)
-    bint copy_rows                # decode over paged float rows, as stored:
-    bint k_in_place               # K read through row pointers (always, with copy_rows)
+    bint copy_rows                # decode over paged float rows as stored: K through kptr,
     bint v_in_place               # and V read through row pointers (fa_pv_ptr)
     bint spread_next              # the kernels request the next block's rows (kpf, vpf)
     bint pv_next_v, first_blk     # decode prefetch split (see _pv_decode)
