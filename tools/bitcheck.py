@@ -11,8 +11,9 @@ agree with each other too).  The configurations cover prefill and decode tiles, 
 both causal alignments, windows, bool and float masks, kv_lengths, Dv != D, head dims that
 are not a multiple of the vector width, flash-decoding key chunks and both dtypes.
 Then every storage type of K and V: float16 and bfloat16 inputs (prefill and decode
-tiles), and KV caches of float32, float16, bfloat16, q8_0 and q4_0, contiguous and paged, in
-decode steps (1, 4 and 8 rows per kv head) and short prefills.  Last, softcap, ALiBi and
+tiles), and KV caches of float32, float16, bfloat16, q8_0, q4_0 and fp8 (e4m3fn and e5m2, a
+scale per kv head), contiguous and paged, in decode steps (1, 4 and 8 rows per kv head) and
+short prefills.  Last, softcap, ALiBi and
 sinks, alone and together, in the forward, on packed sequences and in the backward (dq, dk,
 dv and dsinks).
 
@@ -89,7 +90,8 @@ def _storage_configs():
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for shape, var in itertools.product(shapes, variants):
             yield "input", shape, var, dtype
-    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, "q8_0", "q4_0"):
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, "q8_0", "q4_0", "float8_e4m3fn",
+                  "float8_e5m2"):
         for shape, var in itertools.product(shapes, variants[:2]):
             for paged in (False, True):
                 yield ("paged" if paged else "cache"), shape, var, dtype
@@ -121,6 +123,11 @@ def _run_cache(paged, q, k, v, dtype, var, rng):
         k, ks = quantize(k)
         v, vs = quantize(v)
         scales = dict(k_scale=ks, v_scale=vs)
+    elif dtype in ("float8_e4m3fn", "float8_e5m2"):      # a scale per kv head, vLLM's
+        top = 448.0 if dtype == "float8_e4m3fn" else 57344.0
+        ks, vs = ((np.abs(a).max(axis=(0, 2, 3)) / top).astype(np.float32) for a in (k, v))
+        k, v = fastattn.quantize_fp8(k, ks, dtype), fastattn.quantize_fp8(v, vs, dtype)
+        scales = dict(k_scale=ks, v_scale=vs)
     else:
         k, v = k.astype(dtype), v.astype(dtype)
     kw = dict(cache_seqlens=[Lk, Lk // 3], return_lse=True, **var)
@@ -138,7 +145,7 @@ def _run_cache(paged, q, k, v, dtype, var, rng):
         out = np.empty((B * npg,) + pages.shape[2:], a.dtype)
         out[table.reshape(-1)] = pages.reshape((B * npg,) + pages.shape[2:])
         return out
-    scales = {name: pool(s) for name, s in scales.items()}
+    scales = {name: pool(s) if s.ndim == 4 else s for name, s in scales.items()}
     return fastattn.attention_with_kvcache(q, pool(k), pool(v), block_table=table, **kw,
                                            **scales)
 
