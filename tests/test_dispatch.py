@@ -173,6 +173,36 @@ def check_half_storage(rng, isa):
             assert got16.dtype == dt and got16.tobytes() == want16.astype(dt).tobytes()
 
 
+def check_fp8_caches(rng, isa):
+    # fp8 caches (a scale per kv head) read in place give the bits of attention over their
+    # values (ml_dtypes' cast times the scale), on decode tiles of 1 and 4 rows and a
+    # short prefill; NaN bytes (e4m3fn's S.1111.111, e5m2's) give NaN where those values
+    # do, and e5m2's infinities what the float32 infinities give.
+    try:
+        import ml_dtypes
+    except ImportError:
+        return
+    for name, nans in (("float8_e4m3fn", (0x7F, 0xFF)), ("float8_e5m2", (0x7E, 0xFD, 0x7C))):
+        for Hq, Lq, with_nan in ((4, 1, False), (16, 1, False), (8, 5, False), (16, 1, True)):
+            Hkv, L, D = 4, 300, 64
+            k, v = (rng.standard_normal((1, Hkv, L, D)).astype(np.float32) for _ in range(2))
+            q = rng.standard_normal((1, Hq, Lq, D)).astype(np.float32)
+            top = float(ml_dtypes.finfo(getattr(ml_dtypes, name)).max)
+            ks, vs = ((np.abs(a).max(axis=(0, 2, 3)) / top).astype(np.float32) for a in (k, v))
+            kc, vc = fastattn.quantize_fp8(k, ks, name), fastattn.quantize_fp8(v, vs, name)
+            if with_nan:   # one special byte in a K row and a few in V rows, apart
+                kc.view(np.uint8)[0, 1, 40, 7] = nans[0]
+                for j, byte in enumerate(nans):
+                    vc.view(np.uint8)[0, 2, 100 + 30 * j, 3 + 20 * j] = byte
+            values = [c.astype(np.float32) * s[:, None, None] for c, s in ((kc, ks), (vc, vs))]
+            got = fastattn.attention_with_kvcache(q, kc, vc, k_scale=ks, v_scale=vs,
+                                                  cache_seqlens=[L], causal=True)
+            want = fastattn.attention(q, *values, causal=True)
+            assert (np.isnan(got) == np.isnan(want)).all(), (name, Hq, Lq)
+            assert (got[~np.isnan(got)] == want[~np.isnan(want)]).all(), (name, Hq, Lq)
+            assert np.isnan(got).any() == with_nan
+
+
 def check_lse_and_empty_rows(rng, isa):
     # kv_lengths 0, and 7 keys under a causal mask for 50 rows, leave rows empty: their
     # output is zeros and their lse -inf.
