@@ -149,12 +149,23 @@ FA_INLINE fa_vf fa_quant_widen(const int kind, __m128i b, const int nan)
     return fa_half_lanes_f(h);
 }
 
-#if FA_VBYTES == 32
-/* The AVX2 build's two vectors of fp8 levels from 16 bytes (the low 8, then the high 8):
- * all 16 widened to float16 bits at once, then each half converted; per value the bits
- * of fa_quant_widen, at about two thirds of its instructions on 8 lanes. */
+/* Two vectors of fp8 levels from 2 VL bytes (the low VL, then the high VL): all of them
+ * widened to float16 bits at once, then each half converted; per value the bits of
+ * fa_quant_widen, at fewer instructions. */
+#if FA_VBYTES == 64
+typedef __m256i fa_fp8x2;
+typedef uint16_t fa_vh2 __attribute__((vector_size(64)));
+FA_INLINE void fa_fp8_widen2(const int kind, fa_fp8x2 b, const int nan, fa_vf* x)
+{
+    fa_vh2 h;
+    FA_FP8_HALF_LANES(h, kind, (fa_vh2)_mm512_cvtepi8_epi16(b), nan);
+    x[0] = (fa_vf)_mm512_cvtph_ps(_mm512_castsi512_si256((__m512i)h));
+    x[1] = (fa_vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64((__m512i)h, 1));
+}
+#else
+typedef __m128i fa_fp8x2;
 typedef uint16_t fa_vh2 __attribute__((vector_size(32)));
-FA_INLINE void fa_fp8_widen2(const int kind, __m128i b, const int nan, fa_vf* x)
+FA_INLINE void fa_fp8_widen2(const int kind, fa_fp8x2 b, const int nan, fa_vf* x)
 {
     fa_vh2 h;
     FA_FP8_HALF_LANES(h, kind, (fa_vh2)_mm256_cvtepi8_epi16(b), nan);
@@ -306,9 +317,16 @@ FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h,
     const __m512i b0 = _mm512_permutexvar_epi32(idx, _mm512_unpacklo_epi16(lo, hi));
     const __m512i b1 = _mm512_permutexvar_epi32(idx, _mm512_unpackhi_epi16(lo, hi));
 #define FA_LANES(NAN) \
-    for (int i = 0; i < 4; i++) { \
-        t[i] = fa_quant_lane(kind, b0, i, NAN); \
-        t[4 + i] = fa_quant_lane(kind, b1, i, NAN); \
+    if (kind == FA_STORE_E4M3 || kind == FA_STORE_E5M2) { \
+        fa_fp8_widen2(kind, _mm512_castsi512_si256(b0), NAN, t); \
+        fa_fp8_widen2(kind, _mm512_extracti64x4_epi64(b0, 1), NAN, t + 2); \
+        fa_fp8_widen2(kind, _mm512_castsi512_si256(b1), NAN, t + 4); \
+        fa_fp8_widen2(kind, _mm512_extracti64x4_epi64(b1, 1), NAN, t + 6); \
+    } else { \
+        for (int i = 0; i < 4; i++) { \
+            t[i] = fa_quant_lane(kind, b0, i, NAN); \
+            t[4 + i] = fa_quant_lane(kind, b1, i, NAN); \
+        } \
     }
     if (kind == FA_STORE_E4M3 && u->nan) {
         FA_LANES(1)
