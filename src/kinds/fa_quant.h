@@ -341,20 +341,27 @@ FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h,
  * in c[i] dims 2i and 2i + 1, each a qword of the 8 keys' bytes, which is then widened. */
 typedef struct { __m128i c[4]; int nan; } fa_quant_blk;
 
+/* The byte and word unpacks of the 8 x 8 transpose: a[i] interleaves the 8 bytes of rows
+ * 2i and 2i + 1; c[i] gets dims 2i and 2i + 1 of the 8 keys. */
+FA_INLINE void fa_bytes8x8_transpose(const __m128i* a, __m128i* c)
+{
+    const __m128i b0 = _mm_unpacklo_epi16(a[0], a[1]);     /* dims 0-3, keys 0-3 */
+    const __m128i b1 = _mm_unpackhi_epi16(a[0], a[1]);     /* dims 4-7, keys 0-3 */
+    const __m128i b2 = _mm_unpacklo_epi16(a[2], a[3]);     /* dims 0-3, keys 4-7 */
+    const __m128i b3 = _mm_unpackhi_epi16(a[2], a[3]);     /* dims 4-7, keys 4-7 */
+    c[0] = _mm_unpacklo_epi32(b0, b2);
+    c[1] = _mm_unpackhi_epi32(b0, b2);
+    c[2] = _mm_unpacklo_epi32(b1, b3);
+    c[3] = _mm_unpackhi_epi32(b1, b3);
+}
+
 FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
                              fa_quant_blk* u)
 {
-    __m128i x[8], a[4], b[4];
+    __m128i x[8], a[4];
     for (int r = 0; r < 8; r++) x[r] = fa_quant_bytes(kind, kr[r], d0);
     for (int i = 0; i < 4; i++) a[i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
-    b[0] = _mm_unpacklo_epi16(a[0], a[1]);     /* dims 0-3, keys 0-3 */
-    b[1] = _mm_unpackhi_epi16(a[0], a[1]);     /* dims 4-7, keys 0-3 */
-    b[2] = _mm_unpacklo_epi16(a[2], a[3]);     /* dims 0-3, keys 4-7 */
-    b[3] = _mm_unpackhi_epi16(a[2], a[3]);     /* dims 4-7, keys 4-7 */
-    u->c[0] = _mm_unpacklo_epi32(b[0], b[2]);
-    u->c[1] = _mm_unpackhi_epi32(b[0], b[2]);
-    u->c[2] = _mm_unpacklo_epi32(b[1], b[3]);
-    u->c[3] = _mm_unpackhi_epi32(b[1], b[3]);
+    fa_bytes8x8_transpose(a, u->c);
     u->nan = 0;
     if (kind == FA_STORE_E4M3) {   /* any e4m3fn NaN in the block (see fa_quant_widen) */
         __m128i any = _mm_setzero_si128();
@@ -381,6 +388,28 @@ FA_INLINE void fa_quant_half(const int kind, const fa_quant_blk* u, const int h,
         FA_DIMS(0)
     }
 #undef FA_DIMS
+}
+
+/* A q4_0 block of 32 dims of the 8 keys at once: each row's 16 bytes transposed once
+ * (bytes 0-7, then 8-15), their nibbles unpacked after the transpose; u[s] is what
+ * fa_quant_load gives for dims d0 + 8 s (s < 4; low nibbles are dims 0-15, high ones
+ * 16-31), at half its loads and transposes over the four. */
+#define FA_HAVE_Q4_0_LOAD32 1
+FA_INLINE void fa_q4_0_load32(const uint8_t* const* kr, ptrdiff_t d0, fa_quant_blk u[4])
+{
+    __m128i x[8], lo[4], hi[4], c[2][4];
+    for (int r = 0; r < 8; r++)
+        x[r] = _mm_loadu_si128((const __m128i*)(kr[r] + fa_q4_0_byte(d0)));
+    for (int i = 0; i < 4; i++) {
+        lo[i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
+        hi[i] = _mm_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+    }
+    fa_bytes8x8_transpose(lo, c[0]);
+    fa_bytes8x8_transpose(hi, c[1]);
+    for (int s = 0; s < 4; s++) {
+        for (int i = 0; i < 4; i++) u[s].c[i] = fa_q4_0_unpack(c[s % 2][i], s >= 2);
+        u[s].nan = 0;
+    }
 }
 #else
 /* Each row widened into a small buffer, then the float transpose, all at load. */
@@ -540,6 +569,9 @@ FA_INLINE void fa_score_quant_body(const int kind, const uint8_t* const* kr, con
 {
     fa_vf a[2][8];
     float part[2][8][FA_VL_F];   /* the sums of the chunks before the current one */
+#ifdef FA_HAVE_Q4_0_LOAD32
+    fa_quant_blk q4[2][4];       /* q4_0: the current block's 32 dims (fa_q4_0_load32) */
+#endif
     for (int g = 0; g < ng; g++)
         for (int r = 0; r < nr; r++) a[g][r] = fa_bcast_f(0);
     /* rows to request per step of VL dims */
@@ -561,6 +593,12 @@ FA_INLINE void fa_score_quant_body(const int kind, const uint8_t* const* kr, con
         fa_quant_blk u[2];
         fa_vf d[2];
         for (int g = 0; g < ng; g++) {
+#ifdef FA_HAVE_Q4_0_LOAD32
+            if (kind == FA_STORE_Q4_0) {   /* a block's 32 dims at its first step */
+                if (d0 % 32 == 0) fa_q4_0_load32(kr + g * FA_VL_F, d0, q4[g]);
+                u[g] = q4[g][d0 % 32 / FA_VL_F];
+            } else
+#endif
             fa_quant_load(kind, kr + g * FA_VL_F, d0, &u[g]);
             d[g] = fa_load_f(ksc + (d0 / 32) * ldksc + g * FA_VL_F);
         }
