@@ -272,17 +272,33 @@ static void fa_dequant_row_d(int kind, const uint8_t* __restrict x,
  * is widened. */
 typedef struct { __m512i x[4]; int nan; } fa_quant_blk;
 
-FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
-                             fa_quant_blk* u)
+/* The stored bytes of the 16 rows at d0, rows t, t + 4, t + 8, t + 12 in the 128-bit
+ * lanes of z[t]; then the byte unpacks of the transpose into u. */
+FA_INLINE void fa_quant_raw16(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
+                              __m512i* z)
 {
-    __m512i z[4];
-    for (int r = 0; r < 4; r++) {   /* (q4_0's nibbles unpacked 64 at a time) */
+    for (int r = 0; r < 4; r++) {
         __m512i x = _mm512_castsi128_si512(fa_quant_raw(kind, kr[r], d0));
         x = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[4 + r], d0), 1);
         x = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[8 + r], d0), 2);
         z[r] = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[12 + r], d0), 3);
-        if (kind == FA_STORE_Q4_0) z[r] = fa_q4_0_unpack64(z[r], d0 & 16);
     }
+}
+FA_INLINE void fa_quant_unpack16(const __m512i* z, fa_quant_blk* u)
+{
+    u->x[0] = _mm512_unpacklo_epi8(z[0], z[1]);
+    u->x[1] = _mm512_unpacklo_epi8(z[2], z[3]);
+    u->x[2] = _mm512_unpackhi_epi8(z[0], z[1]);
+    u->x[3] = _mm512_unpackhi_epi8(z[2], z[3]);
+}
+
+FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
+                             fa_quant_blk* u)
+{
+    __m512i z[4];
+    fa_quant_raw16(kind, kr, d0, z);
+    if (kind == FA_STORE_Q4_0)   /* (q4_0's nibbles unpacked 64 at a time) */
+        for (int r = 0; r < 4; r++) z[r] = fa_q4_0_unpack64(z[r], d0 & 16);
     u->nan = 0;
     if (kind == FA_STORE_E4M3) {   /* any e4m3fn NaN in the block (see fa_quant_widen) */
         const __m512i sign = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8((char)0xFF);
@@ -290,10 +306,21 @@ FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t
         for (int r = 0; r < 4; r++) m |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(z[r], sign), ones);
         u->nan = m != 0;
     }
-    u->x[0] = _mm512_unpacklo_epi8(z[0], z[1]);
-    u->x[1] = _mm512_unpacklo_epi8(z[2], z[3]);
-    u->x[2] = _mm512_unpackhi_epi8(z[0], z[1]);
-    u->x[3] = _mm512_unpackhi_epi8(z[2], z[3]);
+    fa_quant_unpack16(z, u);
+}
+
+/* A q4_0 block of 32 dims of the 16 keys at once: the rows' 16 bytes loaded once, u[s]
+ * what fa_quant_load gives for dims d0 + 16 s (low nibbles, then high ones). */
+#define FA_HAVE_Q4_0_LOAD32 1
+FA_INLINE void fa_q4_0_load32(const uint8_t* const* kr, ptrdiff_t d0, fa_quant_blk u[2])
+{
+    __m512i z[4], n[4];
+    fa_quant_raw16(FA_STORE_Q4_0, kr, d0, z);
+    for (int s = 0; s < 2; s++) {
+        for (int r = 0; r < 4; r++) n[r] = fa_q4_0_unpack64(z[r], s);
+        fa_quant_unpack16(n, &u[s]);
+        u[s].nan = 0;
+    }
 }
 
 FA_INLINE fa_vf fa_quant_lane(const int kind, __m512i b, const int lane, const int nan)
