@@ -195,22 +195,35 @@ FA_INLINE void fa_quant_vloads(const int kind, const uint8_t* row, ptrdiff_t d0,
                                fa_vf* x)
 {
 #if defined(__AVX2__) && defined(__F16C__)
-    /* With 8 lanes an fp8 row's 16 bytes are read at once, two vectors (fa_fp8_widen2). */
-    const int pairs = FA_VBYTES == 32 && (kind == FA_STORE_E4M3 || kind == FA_STORE_E5M2)
-                      && nv % 2 == 0;
+    /* With 8 lanes two vectors' bytes are read at once: an fp8 row's 16 (widened together,
+     * fa_fp8_widen2), a q4_0 block's 16 (their nibbles unpacked together). */
+    const int fp8 = kind == FA_STORE_E4M3 || kind == FA_STORE_E5M2;
+    const int pairs = FA_VBYTES == 32 && (fp8 || kind == FA_STORE_Q4_0) && nv % 2 == 0
+                      && d0 % 16 == 0;
     const int nload = pairs ? nv / 2 : nv;
     __m128i b[8], any = _mm_setzero_si128();
     for (int i = 0; i < nload; i++) {
-        b[i] = pairs ? _mm_loadu_si128((const __m128i*)(row + d0 + 16 * i))
-                     : fa_quant_bytes(kind, row, d0 + i * FA_VL_F);
+        const ptrdiff_t d = d0 + 16 * i;
+        if (!pairs)
+            b[i] = fa_quant_bytes(kind, row, d0 + i * FA_VL_F);
+        else if (fp8)
+            b[i] = _mm_loadu_si128((const __m128i*)(row + d));
+        else
+            b[i] = fa_q4_0_unpack(_mm_loadu_si128((const __m128i*)(row + fa_q4_0_byte(d))),
+                                  d & 16);
         if (kind == FA_STORE_E4M3) any = _mm_or_si128(any, fa_e4m3_nan_bytes(b[i]));
     }
     /* (the bytes past VL of a vector's load are zeros, never NaNs) */
     const int nan = kind == FA_STORE_E4M3 && _mm_movemask_epi8(any) != 0;
     for (int i = 0; i < nload; i++) {
 #if FA_VBYTES == 32
-        if (pairs) {
+        if (pairs && fp8) {
             fa_fp8_widen2(kind, b[i], nan, x + 2 * i);
+            continue;
+        }
+        if (pairs) {
+            x[2 * i] = fa_quant_widen(kind, b[i], 0);
+            x[2 * i + 1] = fa_quant_widen(kind, _mm_unpackhi_epi64(b[i], b[i]), 0);
             continue;
         }
 #endif
