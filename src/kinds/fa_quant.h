@@ -285,8 +285,8 @@ static void fa_dequant_row_d(int kind, const uint8_t* __restrict x,
  * is widened. */
 typedef struct { __m512i x[4]; int nan; } fa_quant_blk;
 
-/* The stored bytes of the 16 rows at d0, rows t, t + 4, t + 8, t + 12 in the 128-bit
- * lanes of z[t]; then the byte unpacks of the transpose into u. */
+/* The stored bytes of the 16 rows at d0: rows t, t + 4, t + 8, t + 12 in the 128-bit
+ * lanes of z[t]. */
 FA_INLINE void fa_quant_raw16(const int kind, const uint8_t* const* kr, ptrdiff_t d0,
                               __m512i* z)
 {
@@ -297,6 +297,7 @@ FA_INLINE void fa_quant_raw16(const int kind, const uint8_t* const* kr, ptrdiff_
         z[r] = _mm512_inserti32x4(x, fa_quant_raw(kind, kr[12 + r], d0), 3);
     }
 }
+/* The byte unpacks of the transpose, z (as fa_quant_raw16 lays them out) into u. */
 FA_INLINE void fa_quant_unpack16(const __m512i* z, fa_quant_blk* u)
 {
     u->x[0] = _mm512_unpacklo_epi8(z[0], z[1]);
