@@ -154,25 +154,25 @@ FA_INLINE fa_vf fa_quant_widen(const int kind, __m128i b, const int nan)
  * fa_quant_widen, at fewer instructions. */
 #if FA_VBYTES == 64
 typedef __m256i fa_fp8x2;
-typedef uint16_t fa_vh2 __attribute__((vector_size(64)));
-FA_INLINE void fa_fp8_widen2(const int kind, fa_fp8x2 b, const int nan, fa_vf* x)
-{
-    fa_vh2 h;
-    FA_FP8_HALF_LANES(h, kind, (fa_vh2)_mm512_cvtepi8_epi16(b), nan);
-    x[0] = (fa_vf)_mm512_cvtph_ps(_mm512_castsi512_si256((__m512i)h));
-    x[1] = (fa_vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64((__m512i)h, 1));
-}
+typedef __m512i fa_fp8x2_lanes;
+#define FA_FP8X2_WIDEN _mm512_cvtepi8_epi16
+#define FA_FP8X2_LO(h) _mm512_castsi512_si256(h)
+#define FA_FP8X2_HI(h) _mm512_extracti64x4_epi64(h, 1)
 #else
 typedef __m128i fa_fp8x2;
-typedef uint16_t fa_vh2 __attribute__((vector_size(32)));
+typedef __m256i fa_fp8x2_lanes;
+#define FA_FP8X2_WIDEN _mm256_cvtepi8_epi16
+#define FA_FP8X2_LO(h) _mm256_castsi256_si128(h)
+#define FA_FP8X2_HI(h) _mm256_extracti128_si256(h, 1)
+#endif
+typedef uint16_t fa_vh2 __attribute__((vector_size(sizeof(fa_fp8x2_lanes))));
 FA_INLINE void fa_fp8_widen2(const int kind, fa_fp8x2 b, const int nan, fa_vf* x)
 {
     fa_vh2 h;
-    FA_FP8_HALF_LANES(h, kind, (fa_vh2)_mm256_cvtepi8_epi16(b), nan);
-    x[0] = (fa_vf)_mm256_cvtph_ps(_mm256_castsi256_si128((__m256i)h));
-    x[1] = (fa_vf)_mm256_cvtph_ps(_mm256_extracti128_si256((__m256i)h, 1));
+    FA_FP8_HALF_LANES(h, kind, (fa_vh2)FA_FP8X2_WIDEN(b), nan);
+    x[0] = fa_half_lanes_f((fa_vh16)FA_FP8X2_LO((fa_fp8x2_lanes)h));
+    x[1] = fa_half_lanes_f((fa_vh16)FA_FP8X2_HI((fa_fp8x2_lanes)h));
 }
-#endif
 
 /* The levels of values d0 .. d0 + VL of a row. */
 FA_INLINE fa_vf fa_quant_vload(const int kind, const uint8_t* row, ptrdiff_t d0)
