@@ -118,10 +118,13 @@ FA_INLINE fa_vf fa_half_lanes_f(fa_vh16 h)
 #endif
 }
 
-/* The bytes of b that are e4m3fn NaNs (S.1111.111): all ones, the others zero. */
+/* The bytes of b (a vector of chars) that are e4m3fn NaNs (S.1111.111): all ones, the
+ * others zero. */
+#define FA_E4M3_NAN_BYTES(b) (((b) | (char)0x80) == (char)0xFF)
 FA_INLINE __m128i fa_e4m3_nan_bytes(__m128i b)
 {
-    return _mm_cmpeq_epi8(_mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF));
+    typedef char fa_b16 __attribute__((vector_size(16)));
+    return (__m128i)FA_E4M3_NAN_BYTES((fa_b16)b);
 }
 
 /* Whether any of the low VL bytes of b is an e4m3fn NaN. */
@@ -190,24 +193,51 @@ FA_INLINE fa_vf fa_quant_vload(const int kind, const uint8_t* row, ptrdiff_t d0)
 }
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* The levels of nv (even, at most 8) vectors of an fp8 row's values from d0: two
+ * vectors' bytes read at once, one check for e4m3fn NaNs over them all,
+ * then fa_fp8_widen2. */
+FA_INLINE void fa_fp8_vloads(const int kind, const uint8_t* row, ptrdiff_t d0, const int nv,
+                             fa_vf* x)
+{
+    typedef char fa_b2 __attribute__((vector_size(sizeof(fa_fp8x2))));
+    fa_fp8x2 b[4];
+    fa_b2 any = {0};
+    for (int i = 0; i < nv / 2; i++) {
+        memcpy(&b[i], row + d0 + 2 * FA_VL_F * i, sizeof(fa_fp8x2));
+        if (kind == FA_STORE_E4M3) any |= FA_E4M3_NAN_BYTES((fa_b2)b[i]);
+    }
+#if FA_VBYTES == 64
+    const int nan = kind == FA_STORE_E4M3 && !_mm256_testz_si256((__m256i)any, (__m256i)any);
+#else
+    const int nan = kind == FA_STORE_E4M3 && !_mm_testz_si128((__m128i)any, (__m128i)any);
+#endif
+    if (nan) {
+        for (int i = 0; i < nv / 2; i++) fa_fp8_widen2(kind, b[i], 1, x + 2 * i);
+    } else {
+        for (int i = 0; i < nv / 2; i++) fa_fp8_widen2(kind, b[i], 0, x + 2 * i);
+    }
+}
+#endif
+
 /* The levels of nv vectors of values of a row from d0 (one check for e4m3 NaNs). */
 FA_INLINE void fa_quant_vloads(const int kind, const uint8_t* row, ptrdiff_t d0, const int nv,
                                fa_vf* x)
 {
 #if defined(__AVX2__) && defined(__F16C__)
-    /* With 8 lanes two vectors' bytes are read at once: an fp8 row's 16 (widened together,
-     * fa_fp8_widen2), a q4_0 block's 16 (their nibbles unpacked together). */
-    const int fp8 = kind == FA_STORE_E4M3 || kind == FA_STORE_E5M2;
-    const int pairs = FA_VBYTES == 32 && (fp8 || kind == FA_STORE_Q4_0) && nv % 2 == 0
-                      && d0 % 16 == 0;
+    if ((kind == FA_STORE_E4M3 || kind == FA_STORE_E5M2) && nv % 2 == 0) {
+        fa_fp8_vloads(kind, row, d0, nv, x);
+        return;
+    }
+    /* With 8 lanes a q4_0 block's 16 bytes are read at once, their nibbles unpacked
+     * together, for two vectors. */
+    const int pairs = FA_VBYTES == 32 && kind == FA_STORE_Q4_0 && nv % 2 == 0 && d0 % 16 == 0;
     const int nload = pairs ? nv / 2 : nv;
     __m128i b[8], any = _mm_setzero_si128();
     for (int i = 0; i < nload; i++) {
         const ptrdiff_t d = d0 + 16 * i;
         if (!pairs)
             b[i] = fa_quant_bytes(kind, row, d0 + i * FA_VL_F);
-        else if (fp8)
-            b[i] = _mm_loadu_si128((const __m128i*)(row + d));
         else
             b[i] = fa_q4_0_unpack(_mm_loadu_si128((const __m128i*)(row + fa_q4_0_byte(d))),
                                   d & 16);
@@ -216,17 +246,11 @@ FA_INLINE void fa_quant_vloads(const int kind, const uint8_t* row, ptrdiff_t d0,
     /* (the bytes past VL of a vector's load are zeros, never NaNs) */
     const int nan = kind == FA_STORE_E4M3 && _mm_movemask_epi8(any) != 0;
     for (int i = 0; i < nload; i++) {
-#if FA_VBYTES == 32
-        if (pairs && fp8) {
-            fa_fp8_widen2(kind, b[i], nan, x + 2 * i);
-            continue;
-        }
         if (pairs) {
             x[2 * i] = fa_quant_widen(kind, b[i], 0);
             x[2 * i + 1] = fa_quant_widen(kind, _mm_unpackhi_epi64(b[i], b[i]), 0);
             continue;
         }
-#endif
         x[i] = nan ? fa_quant_widen(kind, b[i], 1) : fa_quant_widen(kind, b[i], 0);
     }
 #else
