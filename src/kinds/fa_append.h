@@ -42,6 +42,86 @@ FA_INLINE float fa_rounded(float x)
     return x;
 }
 
+#if defined(__AVX2__)
+/* The quantisers below take a vector of the build at a time (8 or 16 lanes), each lane's
+ * operations those of the scalar code, so that every build stores the same bytes. */
+#define FA_APPEND_VECTORS 1
+typedef int8_t fa_vb __attribute__((vector_size(FA_VL_F)));
+typedef uint8_t fa_vub __attribute__((vector_size(FA_VL_F)));
+
+/* fa_rounded lane by lane, in a register. */
+FA_INLINE fa_vf fa_rounded_v(fa_vf x)
+{
+    __asm__("" : "+x"(x));
+    return x;
+}
+
+FA_INLINE fa_vf fa_abs_v(fa_vf x) { return (fa_vf)((fa_vfi)x & 0x7fffffff); }
+
+/* Whether any lane of the mask m is set. */
+FA_INLINE int fa_any_v(fa_vfi m)
+{
+#if FA_VBYTES == 64
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#else
+    return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#endif
+}
+
+/* FA_VL_F float16 (kind FA_STORE_F16) or bfloat16 values in 16-bit lanes. */
+typedef uint16_t fa_vh __attribute__((vector_size(FA_VBYTES / 2)));
+typedef uint32_t fa_vu __attribute__((vector_size(FA_VBYTES)));
+
+/* The lanes of x as the 16-bit kind's bits, at h, as fa_f32_to_f16 (F16C's rounding) and
+ * fa_f32_to_bf16_np round them; *overflow set where a finite value became inf.  0, and
+ * nothing stored, where a lane is NaN: NaN payloads are the scalar code's. */
+FA_INLINE int fa_narrow_v(int kind, fa_vf x, uint16_t* h, int* overflow)
+{
+    const fa_vfi a = (fa_vfi)x & 0x7fffffff;
+    if (fa_any_v(a > 0x7f800000))
+        return 0;
+    fa_vh r;
+    if (kind == FA_STORE_F16) {
+#if FA_VBYTES == 64
+        r = (fa_vh)_mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT);
+#else
+        r = (fa_vh)_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT);
+#endif
+        /* 65520 and above round to inf (65504 is the largest float16) */
+        *overflow |= fa_any_v((a >= 0x477ff000) & (a < 0x7f800000));
+    } else {
+        const fa_vu w = (fa_vu)x;
+        r = __builtin_convertvector((w + 0x7fffu + ((w >> 16) & 1u)) >> 16, fa_vh);
+        /* from half a step below inf, bfloat16's largest value 0x7f7f rounds up */
+        *overflow |= fa_any_v((a >= 0x7f7f8000) & (a < 0x7f800000));
+    }
+    memcpy(h, &r, sizeof r);
+    return 1;
+}
+
+/* The largest |x| of x[0 .. n), n a multiple of FA_VL_F; *bad set where some |x| is not
+ * <= max_abs (NaN included).  Exact: max of magnitudes in any order is the same float. */
+FA_INLINE float fa_amax_v(const float* x, int n, float max_abs, int* bad)
+{
+    fa_vf m = fa_bcast_f(0.0f);
+    fa_vfi over = (fa_vfi)fa_bcast_f(0.0f);
+    for (int j = 0; j < n; j += FA_VL_F) {
+        const fa_vf a = fa_abs_v(fa_load_f(x + j));
+        const fa_vfi gt = a > m;
+        over |= ~(a <= max_abs);
+        m = (fa_vf)((gt & (fa_vfi)a) | (~gt & (fa_vfi)m));
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < FA_VL_F; i++) {
+        *bad |= over[i] != 0;
+        amax = m[i] > amax ? m[i] : amax;
+    }
+    return amax;
+}
+#else
+#define FA_APPEND_VECTORS 0
+#endif
+
 FA_INLINE uint16_t fa_f32_to_f16(float f)
 {
     const uint32_t w = fa_f32_bits(f);
@@ -126,7 +206,13 @@ static inline int fa_store_row(int kind, const float* x, ptrdiff_t n, char* dst)
     uint16_t* h = (uint16_t*)dst;
     const uint16_t inf = kind == FA_STORE_F16 ? 0x7c00u : 0x7f80u;
     int overflow = 0;
-    for (ptrdiff_t i = 0; i < n; i++) {
+    ptrdiff_t i0 = 0;
+#if FA_APPEND_VECTORS
+    for (; i0 + FA_VL_F <= n; i0 += FA_VL_F)
+        if (!fa_narrow_v(kind, fa_load_f(x + i0), h + i0, &overflow))
+            break;
+#endif
+    for (ptrdiff_t i = i0; i < n; i++) {
         h[i] = kind == FA_STORE_F16 ? fa_f32_to_f16(x[i]) : fa_f32_to_bf16_np(x[i]);
         overflow |= (h[i] & 0x7fffu) == inf && isfinite(x[i]);
     }
@@ -138,20 +224,38 @@ static inline int fa_store_row(int kind, const float* x, ptrdiff_t n, char* dst)
 static inline int fa_quantize_q8_0_row(const float* x, ptrdiff_t n, int8_t* qs, uint16_t* ds)
 {
     for (ptrdiff_t b = 0; b < n; b += FA_Q8_0_BLOCK) {
-        float amax = 0.0f;
         int bad = 0;
+#if FA_APPEND_VECTORS
+        const float amax = fa_amax_v(x + b, FA_Q8_0_BLOCK, FA_Q8_0_MAX_ABS, &bad);
+#else
+        float amax = 0.0f;
         for (int j = 0; j < FA_Q8_0_BLOCK; j++) {
             const float a = fabsf(x[b + j]);
             bad |= !(a <= FA_Q8_0_MAX_ABS);
             amax = a > amax ? a : amax;
         }
+#endif
         if (bad)
             return -1;
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
+#if FA_APPEND_VECTORS
+        /* roundf, halves away from zero, for |y| <= 127: the truncation t, plus one away
+         * from zero where y lies half a step or more past it.  y is only compared, never
+         * added to, so nothing can fuse the product into a later operation. */
+        for (int j = 0; j < FA_Q8_0_BLOCK; j += FA_VL_F) {
+            const fa_vf y = fa_load_f(x + b + j) * id;
+            const fa_vfi t = __builtin_convertvector(y, fa_vfi);
+            const fa_vf tf = __builtin_convertvector(t, fa_vf);
+            const fa_vfi r = t - (fa_vfi)(y >= tf + 0.5f) + (fa_vfi)(y <= tf - 0.5f);
+            const fa_vb q = __builtin_convertvector(r, fa_vb);
+            memcpy(qs + b + j, &q, sizeof q);
+        }
+#else
         /* x * id is rounded once, then to the nearest integer: nothing to fuse it into */
         for (int j = 0; j < FA_Q8_0_BLOCK; j++)
             qs[b + j] = (int8_t)roundf(x[b + j] * id);
+#endif
         ds[b / FA_Q8_0_BLOCK] = fa_f32_to_f16(d);
     }
     return 0;
@@ -163,8 +267,18 @@ static inline int fa_quantize_q8_0_row(const float* x, ptrdiff_t n, int8_t* qs, 
 static inline int fa_quantize_q4_0_row(const float* x, ptrdiff_t n, uint8_t* qs, uint16_t* ds)
 {
     for (ptrdiff_t b = 0; b < n; b += FA_Q8_0_BLOCK) {
-        float amax = 0.0f, max = 0.0f;
+        float max = 0.0f;
         int bad = 0;
+#if FA_APPEND_VECTORS
+        /* the first value of the largest magnitude (+0 where every value is a zero) */
+        const float amax = fa_amax_v(x + b, FA_Q8_0_BLOCK, FA_Q4_0_MAX_ABS, &bad);
+        for (int j = 0; j < FA_Q8_0_BLOCK && amax > 0.0f; j++)
+            if (fabsf(x[b + j]) == amax) {
+                max = x[b + j];
+                break;
+            }
+#else
+        float amax = 0.0f;
         for (int j = 0; j < FA_Q8_0_BLOCK; j++) {
             const float a = fabsf(x[b + j]);
             bad |= !(a <= FA_Q4_0_MAX_ABS);
@@ -173,18 +287,32 @@ static inline int fa_quantize_q4_0_row(const float* x, ptrdiff_t n, uint8_t* qs,
                 max = x[b + j];
             }
         }
+#endif
         if (bad)
             return -1;
         const float d = max / -8.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        uint8_t q[FA_Q8_0_BLOCK];
         /* x * id is rounded before 8.5 is added (no FMA), then truncated */
+#if FA_APPEND_VECTORS
+        for (int j = 0; j < FA_Q8_0_BLOCK / 2; j += FA_VL_F) {
+            fa_vfi v[2];
+            for (int h = 0; h < 2; h++) {
+                const fa_vf y = fa_rounded_v(fa_load_f(x + b + j + h * FA_Q8_0_BLOCK / 2) * id);
+                const fa_vfi t = __builtin_convertvector(y + 8.5f, fa_vfi), lt = t < 15;
+                v[h] = (lt & t) | (~lt & 15);
+            }
+            const fa_vub q = __builtin_convertvector(v[0] | v[1] << 4, fa_vub);
+            memcpy(qs + b / 2 + j, &q, sizeof q);
+        }
+#else
+        uint8_t q[FA_Q8_0_BLOCK];
         for (int j = 0; j < FA_Q8_0_BLOCK; j++) {
             const int v = (int8_t)(fa_rounded(x[b + j] * id) + 8.5f);
             q[j] = (uint8_t)(v < 15 ? v : 15);
         }
         for (int j = 0; j < FA_Q8_0_BLOCK / 2; j++)
             qs[b / 2 + j] = (uint8_t)(q[j] | q[j + FA_Q8_0_BLOCK / 2] << 4);
+#endif
         ds[b / FA_Q8_0_BLOCK] = fa_f32_to_f16(d);
     }
     return 0;
@@ -215,6 +343,30 @@ FA_INLINE uint8_t fa_f32_to_fp8(int kind, float f)
     return (uint8_t)((signbit(f) ? 0x80 : 0) | expo << m | mant);
 }
 
+#if FA_APPEND_VECTORS
+/* fa_f32_to_fp8 lane by lane, on the bits: from the smallest normal 2^(1 - bias) up, the
+ * float32 mantissa rounded to m bits, ties to even (a carry moves into the exponent), and
+ * the exponent rebiased; below it, the steps of 2^(1 - bias - m) rounded to nearest even
+ * by adding and taking away 2^23 (the product by a power of two is exact, so a fused
+ * multiply-add gives the same sum).  Steps of 2^m are the smallest normal's bits. */
+FA_INLINE fa_vfi fa_f32_to_fp8_v(const int kind, fa_vf f)
+{
+    const int m = kind == FA_STORE_E4M3 ? 3 : 2, bias = kind == FA_STORE_E4M3 ? 7 : 15;
+    const float top = kind == FA_STORE_E4M3 ? 448.0f : 57344.0f;
+    fa_vf a = fa_abs_v(f);
+    const fa_vfi over = a > top;
+    a = (fa_vf)((over & (fa_vfi)fa_bcast_f(top)) | (~over & (fa_vfi)a));
+    const fa_vfi w = (fa_vfi)a;
+    const int sh = 23 - m;
+    const fa_vfi normal = ((w + ((1 << (sh - 1)) - 1) + ((w >> sh) & 1)) >> sh)
+                          - ((127 - bias) << m);
+    const fa_vf steps = (a * (float)(1 << (bias - 1 + m)) + 8388608.0f) - 8388608.0f;
+    const fa_vfi small = w < ((127 + 1 - bias) << 23);
+    const fa_vfi mag = (small & __builtin_convertvector(steps, fa_vfi)) | (~small & normal);
+    return mag | (((fa_vfi)f >> 24) & 0x80);
+}
+#endif
+
 /* x[0 .. n) / scale as fp8 of kind `kind` at qs.  -1 for a value that is not finite. */
 static inline int fa_quantize_fp8_row(int kind, const float* x, ptrdiff_t n, float scale,
                                       uint8_t* qs)
@@ -222,7 +374,15 @@ static inline int fa_quantize_fp8_row(int kind, const float* x, ptrdiff_t n, flo
     for (ptrdiff_t i = 0; i < n; i++)
         if (!isfinite(x[i]))
             return -1;
-    for (ptrdiff_t i = 0; i < n; i++)
+    ptrdiff_t i0 = 0;
+#if FA_APPEND_VECTORS
+    for (; i0 + FA_VL_F <= n; i0 += FA_VL_F) {
+        const fa_vub q = __builtin_convertvector(fa_f32_to_fp8_v(kind, fa_load_f(x + i0) / scale),
+                                                 fa_vub);
+        memcpy(qs + i0, &q, sizeof q);
+    }
+#endif
+    for (ptrdiff_t i = i0; i < n; i++)
         qs[i] = fa_f32_to_fp8(kind, x[i] / scale);
     return 0;
 }
