@@ -203,6 +203,68 @@ def check_fp8_caches(rng, isa):
             assert np.isnan(got).any() == with_nan
 
 
+def _awkward_q8_0_rows(rng):
+    """Rows of 128 whose blocks hit q8_0's corner cases."""
+    x = (rng.standard_normal((8, 128)) * 10.0 ** rng.uniform(-6, 6, (8, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    x[0, 1:32:3] = -0.0                                      # signed zeros: d = 0
+    x[1, :32] = np.arange(32) - 15.5                         # x / d at halves (d = 1)
+    x[1, 0] = 127.0
+    x[2, 32:64] = -(np.arange(32) - 15.5) * 0.25             # halves again, d = 1 / 4
+    x[2, 32] = -127.0 / 4
+    x[3, :32] = 127 * 65504.0 * rng.uniform(-1, 1, 32)       # up to the largest finite d
+    x[3, 5] = -127 * 65504.0
+    x[4] = np.float32(1e-45) * rng.integers(-3, 4, 128)      # float32 subnormals
+    return x
+
+
+def check_appended_rows(rng, isa):
+    # The variant's quantisers and 16-bit stores (vectors of its width, the scalar code
+    # past NaN lanes) against the formats' own oracles: gguf for q8_0 and q4_0,
+    # ml_dtypes for fp8 and bfloat16, NumPy for float16; corner cases of every format,
+    # and rows appended to caches by a decode step.
+    import test_cache_formats as formats
+    import test_kvcache as kv
+    if importlib.util.find_spec("gguf") is not None:
+        x = _awkward_q8_0_rows(rng)
+        for got, want in zip(fastattn.quantize_q8_0(x), kv.gguf_q8_0(x)):
+            assert got.tobytes() == want.tobytes()
+        x = formats._awkward_q4_0_blocks(rng)
+        for got, want in zip(fastattn.quantize_q4_0(x), formats.gguf_q4_0(x)):
+            assert got.tobytes() == want.tobytes()
+    for dt in _halves():
+        if dt != np.float16:
+            for name in ("float8_e4m3fn", "float8_e5m2"):
+                x = formats._fp8_sweep(rng, name)
+                for scale in (1.0, 0.37):
+                    got = fastattn.quantize_fp8(x, scale, name).view(np.uint8)
+                    assert got.tobytes() == kv.ml_fp8(x, scale, name).view(np.uint8).tobytes()
+        # a decode step appends rows of 70 values (vectors, then a tail); NaN in some
+        # lanes (NumPy's float16 NaN keeps the payload's top bits, quiet or not)
+        B, Hkv, D = 2, 3, 70
+        k_cache, v_cache = (np.zeros((B, Hkv, 8, D), dt) for _ in range(2))
+        k, v = (rng.standard_normal((B, Hkv, 1, D)).astype(np.float32) * 1e3 for _ in range(2))
+        k.view(np.uint32)[0, 1, 0, 5] = 0x7F800001           # signalling: F16C would quieten it
+        k.view(np.uint32)[1, 2, 0, 20] = 0xFFC12345
+        q = rng.standard_normal((B, 4 * Hkv, 1, D)).astype(np.float32)
+        fastattn.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=[3, 5])
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            assert cache[0, :, 3].tobytes() == new[0, :, 0].astype(dt).tobytes(), dt
+            assert cache[1, :, 5].tobytes() == new[1, :, 0].astype(dt).tobytes(), dt
+        # a finite value past the largest of the type is refused, the cache unchanged
+        big = k.copy()
+        big[1, 0, 0, 60] = np.finfo(np.float32).max if dt != np.float16 else 7e4
+        big[np.isnan(big)] = 0
+        before = k_cache.copy()
+        try:
+            fastattn.attention_with_kvcache(q, k_cache, v_cache, k=big, v=v, cache_seqlens=[4, 6])
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{dt}: an overflowing row was stored")
+        assert k_cache.tobytes() == before.tobytes()
+
+
 def check_lse_and_empty_rows(rng, isa):
     # kv_lengths 0, and 7 keys under a causal mask for 50 rows, leave rows empty: their
     # output is zeros and their lse -inf.
