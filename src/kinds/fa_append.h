@@ -176,7 +176,40 @@ static inline void fa_load_row(int kind, const char* src, ptrdiff_t stride, ptrd
 static inline void fa_rotate_row(float* x, const float* cos, const float* sin, ptrdiff_t half,
                                  int interleaved)
 {
-    for (ptrdiff_t i = 0; i < half; i++) {
+    ptrdiff_t i0 = 0;
+#if FA_APPEND_VECTORS
+    /* a vector of pairs at a time: the same products, each rounded before its sum */
+    for (; i0 + FA_VL_F <= half; i0 += FA_VL_F) {
+        fa_vf x1, x2;
+        float a[FA_VL_F], b[FA_VL_F];
+        if (interleaved) {
+            for (int j = 0; j < FA_VL_F; j++) {
+                a[j] = x[2 * (i0 + j)];
+                b[j] = x[2 * (i0 + j) + 1];
+            }
+            x1 = fa_load_f(a);
+            x2 = fa_load_f(b);
+        } else {
+            x1 = fa_load_f(x + i0);
+            x2 = fa_load_f(x + i0 + half);
+        }
+        const fa_vf c = fa_load_f(cos + i0), s = fa_load_f(sin + i0);
+        const fa_vf y1 = fa_rounded_v(x1 * c) - fa_rounded_v(x2 * s);
+        const fa_vf y2 = fa_rounded_v(x1 * s) + fa_rounded_v(x2 * c);
+        if (interleaved) {
+            fa_store_f(a, y1);
+            fa_store_f(b, y2);
+            for (int j = 0; j < FA_VL_F; j++) {
+                x[2 * (i0 + j)] = a[j];
+                x[2 * (i0 + j) + 1] = b[j];
+            }
+        } else {
+            fa_store_f(x + i0, y1);
+            fa_store_f(x + i0 + half, y2);
+        }
+    }
+#endif
+    for (ptrdiff_t i = i0; i < half; i++) {
         float* p1 = interleaved ? x + 2 * i : x + i;
         float* p2 = interleaved ? x + 2 * i + 1 : x + i + half;
         const float x1 = *p1, x2 = *p2;
