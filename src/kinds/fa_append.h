@@ -46,8 +46,6 @@ FA_INLINE float fa_rounded(float x)
 /* The quantisers below take a vector of the build at a time (8 or 16 lanes), each lane's
  * operations those of the scalar code, so that every build stores the same bytes. */
 #define FA_APPEND_VECTORS 1
-typedef int8_t fa_vb __attribute__((vector_size(FA_VL_F)));
-typedef uint8_t fa_vub __attribute__((vector_size(FA_VL_F)));
 
 /* fa_rounded lane by lane, in a register. */
 FA_INLINE fa_vf fa_rounded_v(fa_vf x)
@@ -65,6 +63,20 @@ FA_INLINE int fa_any_v(fa_vfi m)
     return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
 #else
     return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#endif
+}
+
+/* The low byte of each lane of r, stored at dst (FA_VL_F bytes). */
+FA_INLINE void fa_store_low_bytes(void* dst, fa_vfi r)
+{
+#if FA_VBYTES == 64
+    _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8((__m512i)r));
+#else
+    const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i t = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8((__m256i)r, low),
+                                                  _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64((__m128i*)dst, _mm256_castsi256_si128(t));
 #endif
 }
 
@@ -111,12 +123,15 @@ FA_INLINE float fa_amax_v(const float* x, int n, float max_abs, int* bad)
         over |= ~(a <= max_abs);
         m = (fa_vf)((gt & (fa_vfi)a) | (~gt & (fa_vfi)m));
     }
-    float amax = 0.0f;
-    for (int i = 0; i < FA_VL_F; i++) {
-        *bad |= over[i] != 0;
-        amax = m[i] > amax ? m[i] : amax;
-    }
-    return amax;
+    *bad |= fa_any_v(over);
+    /* the lanes folded in halves (no lane is NaN where the result is used, none -0) */
+#if FA_VBYTES == 64
+    return _mm512_reduce_max_ps((__m512)m);
+#else
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128((__m256)m), _mm256_extractf128_ps((__m256)m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+#endif
 }
 #else
 #define FA_APPEND_VECTORS 0
@@ -281,8 +296,7 @@ static inline int fa_quantize_q8_0_row(const float* x, ptrdiff_t n, int8_t* qs, 
             const fa_vfi t = __builtin_convertvector(y, fa_vfi);
             const fa_vf tf = __builtin_convertvector(t, fa_vf);
             const fa_vfi r = t - (fa_vfi)(y >= tf + 0.5f) + (fa_vfi)(y <= tf - 0.5f);
-            const fa_vb q = __builtin_convertvector(r, fa_vb);
-            memcpy(qs + b + j, &q, sizeof q);
+            fa_store_low_bytes(qs + b + j, r);
         }
 #else
         /* x * id is rounded once, then to the nearest integer: nothing to fuse it into */
@@ -334,8 +348,7 @@ static inline int fa_quantize_q4_0_row(const float* x, ptrdiff_t n, uint8_t* qs,
                 const fa_vfi t = __builtin_convertvector(y + 8.5f, fa_vfi), lt = t < 15;
                 v[h] = (lt & t) | (~lt & 15);
             }
-            const fa_vub q = __builtin_convertvector(v[0] | v[1] << 4, fa_vub);
-            memcpy(qs + b / 2 + j, &q, sizeof q);
+            fa_store_low_bytes(qs + b / 2 + j, v[0] | v[1] << 4);
         }
 #else
         uint8_t q[FA_Q8_0_BLOCK];
@@ -410,9 +423,7 @@ static inline int fa_quantize_fp8_row(int kind, const float* x, ptrdiff_t n, flo
     ptrdiff_t i0 = 0;
 #if FA_APPEND_VECTORS
     for (; i0 + FA_VL_F <= n; i0 += FA_VL_F) {
-        const fa_vub q = __builtin_convertvector(fa_f32_to_fp8_v(kind, fa_load_f(x + i0) / scale),
-                                                 fa_vub);
-        memcpy(qs + i0, &q, sizeof q);
+        fa_store_low_bytes(qs + i0, fa_f32_to_fp8_v(kind, fa_load_f(x + i0) / scale));
     }
 #endif
     for (ptrdiff_t i = i0; i < n; i++)
