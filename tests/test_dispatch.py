@@ -269,15 +269,16 @@ def check_appended_rows(rng, isa):
 def _check_rotated_rows(rng):
     # Rows rotated as they are appended: FlashAttention's rotation in float32, each
     # product and each sum rounded (NumPy's float32 operations), both layouts, rotary
-    # dims that leave a tail past the vectors.
+    # dims that leave a tail past the vectors; float16 rows rounded back to float16 (into a
+    # float32 cache, which keeps what the rounding gave).
     B, Hkv, D = 2, 2, 72
-    for rotary_dim in (36, 64):
+    for rotary_dim, dt in ((36, np.float32), (64, np.float32), (64, np.float16)):
         for interleaved in (False, True):
             half = rotary_dim // 2
             angles = rng.uniform(0, 6.3, (32, half))
             cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
             k_cache, v_cache = (np.zeros((B, Hkv, 8, D), np.float32) for _ in range(2))
-            k, v = (rng.standard_normal((B, Hkv, 1, D)).astype(np.float32) for _ in range(2))
+            k, v = (rng.standard_normal((B, Hkv, 1, D)).astype(dt) for _ in range(2))
             q = rng.standard_normal((B, Hkv, 1, D)).astype(np.float32)
             seqlens = np.array([2, 5])
             fastattn.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
@@ -285,13 +286,14 @@ def _check_rotated_rows(rng):
                                             rotary_interleaved=interleaved)
             for b in range(B):
                 c, s = cos[seqlens[b]], sin[seqlens[b]]
-                want = k[b, :, 0].copy()
+                want = k[b, :, 0].astype(np.float32)
                 sl1 = slice(0, rotary_dim, 2) if interleaved else slice(0, half)
                 sl2 = slice(1, rotary_dim, 2) if interleaved else slice(half, rotary_dim)
                 x1, x2 = want[:, sl1].copy(), want[:, sl2].copy()
                 want[:, sl1], want[:, sl2] = x1 * c - x2 * s, x1 * s + x2 * c
                 got = k_cache[b, :, seqlens[b]]
-                assert got.tobytes() == want.tobytes(), (rotary_dim, interleaved)
+                want = want.astype(dt).astype(np.float32)
+                assert got.tobytes() == want.tobytes(), (rotary_dim, interleaved, dt)
 
 
 def check_lse_and_empty_rows(rng, isa):

@@ -237,10 +237,22 @@ static inline void fa_rotate_row(float* x, const float* cos, const float* sin, p
  * 16-bit dtype: overflow gives inf, as NumPy's cast does). */
 static inline void fa_round_row(int kind, float* x, ptrdiff_t n)
 {
+    ptrdiff_t i0 = 0;
+#if FA_APPEND_VECTORS
+    if (kind == FA_STORE_F16 || kind == FA_STORE_BF16) {
+        uint16_t h[FA_VL_F];
+        int overflow = 0;                   /* (inf is kept here, as NumPy's cast keeps it) */
+        for (; i0 + FA_VL_F <= n; i0 += FA_VL_F) {
+            if (!fa_narrow_v(kind, fa_load_f(x + i0), h, &overflow))
+                break;
+            fa_store_f(x + i0, kind == FA_STORE_F16 ? fa_load_fh(h) : fa_load_fb(h));
+        }
+    }
+#endif
     if (kind == FA_STORE_F16)
-        for (ptrdiff_t i = 0; i < n; i++) x[i] = fa_f16_to_f32(fa_f32_to_f16(x[i]));
+        for (ptrdiff_t i = i0; i < n; i++) x[i] = fa_f16_to_f32(fa_f32_to_f16(x[i]));
     else if (kind == FA_STORE_BF16)
-        for (ptrdiff_t i = 0; i < n; i++) x[i] = fa_bf16_to_f32(fa_f32_to_bf16_np(x[i]));
+        for (ptrdiff_t i = i0; i < n; i++) x[i] = fa_bf16_to_f32(fa_f32_to_bf16_np(x[i]));
 }
 
 /* x[0 .. n) stored as float32, float16 or bfloat16 at dst (contiguous).  -1 where a finite
