@@ -99,14 +99,14 @@ FA_INLINE int fa_narrow_v(int kind, fa_vf x, uint16_t* h, int* overflow)
 #else
         r = (fa_vh)_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT);
 #endif
-        /* 65520 and above round to inf (65504 is the largest float16) */
-        *overflow |= fa_any_v((a >= 0x477ff000) & (a < 0x7f800000));
     } else {
         const fa_vu w = (fa_vu)x;
         r = __builtin_convertvector((w + 0x7fffu + ((w >> 16) & 1u)) >> 16, fa_vh);
-        /* from half a step below inf, bfloat16's largest value 0x7f7f rounds up */
-        *overflow |= fa_any_v((a >= 0x7f7f8000) & (a < 0x7f800000));
     }
+    /* as the scalar code: a finite value whose bits became inf */
+    const int inf = kind == FA_STORE_F16 ? 0x7c00 : 0x7f80;
+    *overflow |= fa_any_v(((__builtin_convertvector(r, fa_vfi) & 0x7fff) == inf)
+                          & (a < 0x7f800000));
     memcpy(h, &r, sizeof r);
     return 1;
 }

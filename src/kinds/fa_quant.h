@@ -339,10 +339,10 @@ FA_INLINE void fa_quant_load(const int kind, const uint8_t* const* kr, ptrdiff_t
         for (int r = 0; r < 4; r++) z[r] = fa_q4_0_unpack64(z[r], d0 & 16);
     u->nan = 0;
     if (kind == FA_STORE_E4M3) {   /* any e4m3fn NaN in the block (see fa_quant_widen) */
-        const __m512i sign = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8((char)0xFF);
-        __mmask64 m = 0;
-        for (int r = 0; r < 4; r++) m |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(z[r], sign), ones);
-        u->nan = m != 0;
+        typedef char fa_b64 __attribute__((vector_size(64)));
+        fa_b64 any = {0};
+        for (int r = 0; r < 4; r++) any |= FA_E4M3_NAN_BYTES((fa_b64)z[r]);
+        u->nan = _mm512_test_epi8_mask((__m512i)any, (__m512i)any) != 0;
     }
     fa_quant_unpack16(z, u);
 }
