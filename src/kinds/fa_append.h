@@ -42,6 +42,13 @@ FA_INLINE float fa_rounded(float x)
     return x;
 }
 
+/* The bits of +inf in the 16-bit kind (float16 or bfloat16).  A stored value overflowed
+ * where its magnitude's bits are these and the float32 it came from is finite. */
+FA_INLINE uint16_t fa_inf_bits(int kind)
+{
+    return kind == FA_STORE_F16 ? 0x7c00u : 0x7f80u;
+}
+
 #if defined(__AVX2__)
 /* The quantisers below take a vector of the build at a time (8 or 16 lanes), each lane's
  * operations those of the scalar code, so that every build stores the same bytes. */
@@ -103,9 +110,7 @@ FA_INLINE int fa_narrow_v(int kind, fa_vf x, uint16_t* h, int* overflow)
         const fa_vu w = (fa_vu)x;
         r = __builtin_convertvector((w + 0x7fffu + ((w >> 16) & 1u)) >> 16, fa_vh);
     }
-    /* as the scalar code: a finite value whose bits became inf */
-    const int inf = kind == FA_STORE_F16 ? 0x7c00 : 0x7f80;
-    *overflow |= fa_any_v(((__builtin_convertvector(r, fa_vfi) & 0x7fff) == inf)
+    *overflow |= fa_any_v(((__builtin_convertvector(r, fa_vfi) & 0x7fff) == fa_inf_bits(kind))
                           & (a < 0x7f800000));
     memcpy(h, &r, sizeof r);
     return 1;
@@ -264,7 +269,7 @@ static inline int fa_store_row(int kind, const float* x, ptrdiff_t n, char* dst)
         return 0;
     }
     uint16_t* h = (uint16_t*)dst;
-    const uint16_t inf = kind == FA_STORE_F16 ? 0x7c00u : 0x7f80u;
+    const uint16_t inf = fa_inf_bits(kind);
     int overflow = 0;
     ptrdiff_t i0 = 0;
 #if FA_APPEND_VECTORS
