@@ -163,9 +163,10 @@ class KVCachePlan(_kernel.KVCachePlanBase):
         self._remember_pages(page, lnew, lo, hi)
 
     def _resolve(self, q, k_cache, k):
-        """Decide ahead of a run what the compiled run reuses and never decides itself: the
-        lengths of q's batch and the pages its new rows and keys use.  Arrays that do not
-        fit are left to the run, which refuses them with its own message."""
+        """Decide what the compiled run reuses and never decides itself, when a run finds
+        it undecided: the lengths of q's batch and the pages its new rows and keys use.
+        Arrays that do not fit are left to the checked run, which refuses them with its
+        own message."""
         try:
             self._batch_of(q.shape[0])
             if self._table is not None:
@@ -264,7 +265,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                        rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                        rotary_interleaved=rotary_interleaved, scale=scale, causal=causal,
                        window=window, softcap=softcap, alibi_slopes=alibi_slopes)
-    plan._resolve(q, k_cache, k)
     return plan.run(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
                     return_lse=return_lse, out=out)
 

@@ -12,10 +12,10 @@
 # anything is written, and that path raises the clear error or computes the same bits.
 #
 # The run decides nothing that the checked path decides: a batch of another size, or pages
-# not yet checked for a page size and a count of new rows, go to the checked path, which
-# resolves them (the batch's lengths, the span of the pages in use: KVCachePlan._batch_of,
-# _remember_pages_of) for the runs that follow.  attention_with_kvcache resolves them
-# before its one run (KVCachePlan._resolve).  The run never calls back into Python.
+# not yet checked for a page size and a count of new rows, are resolved in Python (the
+# batch's lengths, the span of the pages in use: KVCachePlan._resolve) once, before the
+# gate is tried again; what still does not fit goes to the checked path.  The kernel and
+# the appends never call back into Python.
 #
 # Thread safety: run reads the plan's arrays into locals (references) with the GIL held,
 # and the kernel runs without it, so several Python threads may run one plan at once.
@@ -26,6 +26,7 @@ cdef extern from "fa_append.h" nogil:
                        int interleaved)
     void fa_round_row(int kind, float* x, Py_ssize_t n)
     int fa_store_row(int kind, const float* x, Py_ssize_t n, char* dst)
+    void fa_prefetch_for_store(char* p, Py_ssize_t bytes)
     int fa_quantize_row(int kind, const float* x, Py_ssize_t n, char* qs, uint16_t* ds,
                         float fscale)
 
@@ -218,11 +219,18 @@ cdef inline Py_ssize_t _staged_bytes(const Rows* r) noexcept nogil:
 
 cdef void _store_new_row(const Rows* r, Py_ssize_t first, Py_ssize_t h, Py_ssize_t row,
                          const char* staged) noexcept nogil:
-    # A staged row into the cache: row `row` of page (or sequence) `first`, head h.
-    memcpy(r.dst + first * r.db + h * r.dh + row * r.di, staged, r.dst_row)
-    if r.scale != NULL:
-        memcpy(r.scale + first * r.ssb + h * r.ssh + row * r.ssi, staged + r.dst_row,
-               r.cols // 16)
+    # A staged row into the cache: row `row` of page (or sequence) `first`, head h; or,
+    # with staged NULL, that row's lines requested for writing.
+    cdef char* dst = r.dst + first * r.db + h * r.dh + row * r.di
+    cdef char* scale = r.scale + first * r.ssb + h * r.ssh + row * r.ssi if r.scale != NULL else NULL
+    if staged == NULL:
+        fa_prefetch_for_store(dst, r.dst_row)
+        if scale != NULL:
+            fa_prefetch_for_store(scale, r.cols // 16)
+        return
+    memcpy(dst, staged, r.dst_row)
+    if scale != NULL:
+        memcpy(scale, staged + r.dst_row, r.cols // 16)
 
 
 cdef int _caches_kind(cnp.ndarray kc, cnp.ndarray vc, Py_ssize_t B, Py_ssize_t Hq,
@@ -269,6 +277,11 @@ cdef Py_ssize_t _new_rows(object k, object v, cnp.ndarray kc, cnp.ndarray vc, in
     if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)):
         return -1
     return Lnew
+
+
+# What _run_compiled gives for a run it can take only once the plan has resolved its batch
+# or pages.
+cdef object _UNRESOLVED = object()
 
 
 @cython.auto_pickle(False)     # a plan is a step's: it is made again, never stored
@@ -355,16 +368,24 @@ cdef class KVCachePlanBase:
         out : ndarray, shape (B, Hq, Lq, Dv); and lse, shape (B, Hq, Lq), with
         ``return_lse=True``.
         """
+        if not self.compiled:
+            return self._run_checked(q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
+                                     return_lse, out)
         res = self._run_compiled(q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
-                                 return_lse, out) if self.compiled else None
-        if res is None:
+                                 return_lse, out)
+        if res is _UNRESOLVED:  # the first run of a batch or page size: resolved, then again
+            self._resolve(q, k_cache, k)
+            res = self._run_compiled(q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
+                                     return_lse, out)
+        if res is None or res is _UNRESOLVED:
             return self._run_checked(q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
                                      return_lse, out)
         return res
 
     cdef object _run_compiled(self, q, k_cache, v_cache, k, v, k_scale, v_scale, sinks,
                               return_lse, out):
-        # The run in C, or None for the checked path (see the top of this file).
+        # The run in C; _UNRESOLVED for a batch or pages the plan has not resolved, or None
+        # for the checked path (see the top of this file).
         if not (_is_array(q) and _is_array(k_cache) and _is_array(v_cache)):
             return None
         if type(return_lse) is not bool or self._precision.active:
@@ -380,7 +401,7 @@ cdef class KVCachePlanBase:
             # rotation below reads any strides and writes a copy of its own).
             qa = np.ascontiguousarray(qa)
         if cnp.PyArray_DIM(qa, 0) != self.batch:
-            return None         # a new batch: the checked path resolves its lengths
+            return _UNRESOLVED  # a new batch: its lengths
         cdef Py_ssize_t B = self.batch, Hq = cnp.PyArray_DIM(qa, 1), Lq = cnp.PyArray_DIM(qa, 2)
         cdef Py_ssize_t D = cnp.PyArray_DIM(qa, 3)
         c_kind = _caches_kind(kc, vc, B, Hq, Lq, D)
@@ -403,6 +424,9 @@ cdef class KVCachePlanBase:
                 return None
         elif k_scale is not None or v_scale is not None:
             return None
+        if self._block_table is not None and (self._memo_page != cnp.PyArray_DIM(kc, 2)
+                                              or self._memo_lnew != Lnew):
+            return _UNRESOLVED  # pages not checked for this page size and Lnew
         if not self._fits(kc, Lnew, Lq, D):
             return None
         cdef double scale = 1.0 / sqrt(<double> D) if self._scale is None else self._scale
@@ -491,6 +515,14 @@ cdef class KVCachePlanBase:
             half = self._cos32.shape[1]
         cdef int bad = 0, interleaved = self._interleaved
         with nogil:
+            for w in range(n):
+                b, h, i = w // (Hkv * Lnew), (w // Lnew) % Hkv, w % Lnew
+                pos = seq[b] + i
+                first, row = b, pos
+                if bt != NULL:
+                    first, row = bt[b * bt_stride + pos // page], pos % page
+                _store_new_row(&rk, first, h, row, NULL)
+                _store_new_row(&rv, first, h, row, NULL)
             for w in range(n):
                 b, h, i = w // (Hkv * Lnew), (w // Lnew) % Hkv, w % Lnew
                 pos = seq[b] + i

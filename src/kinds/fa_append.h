@@ -260,6 +260,15 @@ static inline void fa_round_row(int kind, float* x, ptrdiff_t n)
         for (ptrdiff_t i = i0; i < n; i++) x[i] = fa_bf16_to_f32(fa_f32_to_bf16_np(x[i]));
 }
 
+/* Every line of [p, p + bytes) requested for writing: a new row's place in a cache that
+ * has gone cold, asked for before the row is made so that its store finds the line. */
+static inline void fa_prefetch_for_store(char* p, ptrdiff_t bytes)
+{
+    char* end = p + bytes;
+    for (char* a = (char*)((uintptr_t)p & ~(uintptr_t)63); a < end; a += 64)
+        __builtin_prefetch(a, 1, 3);
+}
+
 /* x[0 .. n) stored as float32, float16 or bfloat16 at dst (contiguous).  -1 where a finite
  * value overflowed the 16-bit type (stored as inf, which a cache refuses). */
 static inline int fa_store_row(int kind, const float* x, ptrdiff_t n, char* dst)
