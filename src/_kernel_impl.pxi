@@ -18,6 +18,7 @@
 #                                 appended in C
 
 from libc.string cimport memset, memcpy
+from libc.stdlib cimport qsort
 from cpython.mem cimport PyMem_RawMalloc, PyMem_RawFree
 from libc.math cimport log, exp2, sqrt, isfinite, INFINITY
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC

@@ -376,8 +376,15 @@ def draw_serving(rng, bad):
 
 
 def bad_shared(rng, shared, layer, Lmax):
-    how = int(rng.integers(4))
-    if how == 0:
+    how = int(rng.integers(5))
+    if how == 4 and shared.get("block_table") is not None and len(shared["block_table"]) > 1:
+        # two sequences of one length on one row of pages: their new rows share cache rows
+        t = shared["block_table"].copy()
+        t[1] = t[0]
+        shared["block_table"] = t
+        n = np.asarray(shared["cache_seqlens"])
+        shared["cache_seqlens"] = int(n.flat[0]) if n.ndim else int(n)
+    elif how == 0:
         shared["cache_seqlens"] = np.asarray(shared["cache_seqlens"]) + Lmax
     elif how == 1 and shared.get("block_table") is not None:
         t = shared["block_table"].copy()

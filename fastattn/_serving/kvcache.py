@@ -150,12 +150,6 @@ class KVCachePlan(_kernel.KVCachePlanBase):
         self._seqlens_b = seqlens
         super()._set_batch(seqlens, table32)
 
-    def _check_pages(self, page, lnew):
-        """The pages in use for a page size and ``lnew`` checked (new rows in cache rows of
-        their own) and remembered for the compiled run (see ``_resolve``)."""
-        pages, in_use = _pages_in_use(self._seqlens_b, self._table, page, lnew)
-        self._remember_pages_of(pages[in_use], page, lnew)
-
     def _remember_pages_of(self, used, page, lnew):
         """Remember the span of the pages in use (``used``, checked) for the compiled
         run, which compares it with each run's pool."""
@@ -169,8 +163,8 @@ class KVCachePlan(_kernel.KVCachePlanBase):
         own message."""
         try:
             self._batch_of(q.shape[0])
-            if self._table is not None:
-                self._check_pages(k_cache.shape[2], 0 if k is None else k.shape[2])
+            if self._table is not None:   # in C, or left to the checked run's messages
+                self._resolve_pages(k_cache.shape[2], 0 if k is None else k.shape[2])
         except (AttributeError, IndexError, TypeError, ValueError):
             pass
 

@@ -279,6 +279,50 @@ cdef Py_ssize_t _new_rows(object k, object v, cnp.ndarray kc, cnp.ndarray vc, in
     return Lnew
 
 
+cdef int _cmp_slots(const void* a, const void* b) noexcept nogil:
+    cdef Py_ssize_t x = (<const Py_ssize_t*> a)[0], y = (<const Py_ssize_t*> b)[0]
+    return (x > y) - (x < y)
+
+
+cdef int _pages_span(const Py_ssize_t* seq, Py_ssize_t B, const int32_t* bt, Py_ssize_t width,
+                     Py_ssize_t page, Py_ssize_t lnew, Py_ssize_t* lo,
+                     Py_ssize_t* hi) noexcept nogil:
+    # The smallest and largest page in use (the first ceil((seq[b] + lnew) / page) entries
+    # of each row of the block table; lo 0, hi -1 where none is), as the checked path's
+    # _pages_in_use finds them: 1; 0 where a sequence needs more pages than the table's
+    # width or two new rows share a cache row (page * page size + row); -1 out of memory.
+    cdef Py_ssize_t b, j, i, used, x, key, n = 0
+    cdef Py_ssize_t* slots = NULL
+    lo[0], hi[0] = 0, -1
+    if lnew:
+        slots = <Py_ssize_t*> PyMem_RawMalloc(max(B * lnew, 1) * sizeof(Py_ssize_t))
+        if slots == NULL:
+            return -1
+    for b in range(B):
+        used = (seq[b] + lnew + page - 1) // page
+        if used > width:
+            PyMem_RawFree(slots)
+            return 0
+        for j in range(used):
+            x = bt[b * width + j]
+            if hi[0] < lo[0]:
+                lo[0], hi[0] = x, x
+            else:
+                lo[0], hi[0] = min(lo[0], x), max(hi[0], x)
+        for i in range(lnew):
+            key = seq[b] + i
+            slots[n] = bt[b * width + key // page] * page + key % page
+            n += 1
+    if n > 1:
+        qsort(slots, n, sizeof(Py_ssize_t), _cmp_slots)
+    for i in range(1, n):
+        if slots[i] == slots[i - 1]:
+            PyMem_RawFree(slots)
+            return 0
+    PyMem_RawFree(slots)
+    return 1
+
+
 # What _run_compiled gives for a run it can take only once the plan has resolved its batch
 # or pages.
 cdef object _UNRESOLVED = object()
@@ -340,6 +384,24 @@ cdef class KVCachePlanBase:
     def _set_alibi(self, alibi):
         """Set the ALiBi slopes as the kernel reads them, float64 (B, Hq)."""
         self._alibi, self._alibi_hq = alibi, alibi.shape[1]
+
+    def _resolve_pages(self, Py_ssize_t page, Py_ssize_t lnew):
+        """Resolve the pages in use for a page size and ``lnew`` new rows in C (see
+        _pages_span): True, and remembered, where the block table is wide enough and gives
+        each new row a cache row of its own; else False, and the checked path says why."""
+        if self._block_table is None or page <= 0 or lnew < 0:
+            return False
+        cdef cnp.ndarray table = self._block_table, seqlens = self._seqlens
+        cdef Py_ssize_t lo, hi
+        cdef int ok
+        ok = _pages_span(<const Py_ssize_t*> cnp.PyArray_DATA(seqlens), self.batch,
+                         <const int32_t*> cnp.PyArray_DATA(table), self._bt_width, page, lnew,
+                         &lo, &hi)
+        if ok < 0:
+            raise MemoryError("fastattn: cannot allocate the new rows' places")
+        if ok:
+            self._remember_pages(page, lnew, lo, hi)
+        return ok == 1
 
     def _remember_pages(self, Py_ssize_t page, Py_ssize_t lnew, Py_ssize_t lo, Py_ssize_t hi):
         """Remember that the pages in use for (page, lnew) are checked (new rows in rows of
