@@ -529,7 +529,10 @@ FA_INLINE void FA_FN(fa_pv_finish)(V c[4][8], T* acc, ptrdiff_t ldacc, const T* 
 #define FA_PV_PTR_AHEAD 12
 /* The next block's V rows that fa_pv_ptr requests into L2, spread evenly over all its
  * passes' key steps: rows[0 .. n), each of `bytes`, row `next` the next one due; a row
- * is due every `steps` / n steps (err accumulates n per step). */
+ * is due every `steps` / n steps (err accumulates n per step).  Rows are requested a
+ * line per 64 bytes from their start, as the rows of a page follow each other: where a
+ * row starts inside a line (NumPy's arrays start 16 bytes into one), the next row's
+ * first request covers its last line (one request per line, not one more per row). */
 typedef struct {
     const char* const* rows;
     ptrdiff_t n, next, err, steps, bytes;
@@ -537,7 +540,7 @@ typedef struct {
 FA_INLINE void fa_pv_pf_step(fa_pv_pf* q)
 {
     for (q->err += q->n; q->err >= q->steps && q->next < q->n; q->err -= q->steps)
-        fa_prefetch_lines(q->rows[q->next++], q->bytes, 2);
+        fa_prefetch_l2(q->rows[q->next++], q->bytes);
 }
 #endif
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
@@ -558,7 +561,7 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     for (ptrdiff_t j = 0; j < nj; j++) {
         fa_pv_pf_step(pf);
         if (l1_bytes && j + FA_PV_PTR_AHEAD < nj)
-            fa_prefetch_lines((const char*)vr[j + FA_PV_PTR_AHEAD], l1_bytes, 3);
+            fa_prefetch_l1((const char*)vr[j + FA_PV_PTR_AHEAD], l1_bytes);
         V x[8];
         for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
         FA_FN(fa_pv_add_key)(c, p + j * ldp, x, nr, nv);
