@@ -420,6 +420,24 @@ def test_kvcache_append_grow_views_and_reset(rng):
     assert len(cache) == 0 and cache.capacity == 0
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, "q8_0"])
+def test_kvcache_storage_starts_on_a_cache_line(rng, dtype):
+    # NumPy starts a large array 16 bytes into a 64-byte line; the cache's storage, first
+    # allocated, grown and unpickled, starts on one (rows of 128 float16 values then
+    # span four lines, not five).
+    cache = KVCache(capacity=1000, dtype=dtype)
+    k = rng.standard_normal((2, 8, 5, 128)).astype(np.float32)
+    cache.append(k, k)
+    grown = KVCache(capacity=1, dtype=dtype)
+    grown.append(k, k)
+    grown.append(k, k)
+    for c in (cache, grown, pickle.loads(pickle.dumps(grown))):
+        for a in (c._k, c._v, c._k_scale, c._v_scale):
+            assert a is None or a.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(grown.keys_values()[0][..., :5, :],
+                                  cache.keys_values()[0])
+
+
 def test_kvcache_ragged_append(rng):
     cache = KVCache()
     k = rng.standard_normal((3, 1, 4, 2))
