@@ -357,20 +357,171 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrd
     ((fa_vf8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
 #endif
 #include "fa_keys32.h"
+#if FA_VBYTES == 64 && FA_DCHUNK % 16 == 0
+/* ---- the 16-bit decode score kernel of AVX-512 builds ----
+ * fa_score_keys32_kt8 in 16-key vectors: the call's 32 keys are transposed, still 16-bit,
+ * 16 keys x 16 dims at a time (8 row loads, 8 inserts, 24 in-lane unpacks and 8 lane
+ * permutations of zmm registers), then each dimension takes one widening load per 16
+ * keys for 4 broadcasts of q and 4 FMAs: two 16-key halves x 4 rows = 8 chains in
+ * flight, their chunk sums beside them in registers.  Against the 8-key kernel, a third
+ * fewer instructions on the FMA ports per key and dimension.  Per score the same chain:
+ * acc += k[d] * q[d] in order of d, chunk sums in order, then * scale. */
+
+/* 16 keys r[0..15] (D 16-bit elements each, D % 16 == 0) transposed, as bits, into o: in
+ * each block of 16 dims from d0, the 16 keys of dim d0 + e at o + 16 (d0 + 2 (e % 8) + e / 8).
+ * x[i] holds rows i and i + 8; the 8 x 8 transposes of fa_transpose_h8x8 run in each of
+ * its four 128-bit lanes, leaving [dim e: keys 0-7 | dim e + 8: keys 0-7 | dim e: keys
+ * 8-15 | dim e + 8: keys 8-15], and one permutation of 64-bit lanes pairs the keys of a
+ * dim. */
+FA_INLINE void fa_kt16_group(const uint16_t* const* r, ptrdiff_t D, uint16_t* o)
+{
+    const __m512i pair_keys = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+    for (ptrdiff_t d0 = 0; d0 < D; d0 += 16) {
+        __m512i x[8], lo[4], hi[4], c[2][4];
+        for (int i = 0; i < 8; i++)
+            x[i] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(r[i] + d0))),
+                _mm256_loadu_si256((const __m256i*)(r[i + 8] + d0)), 1);
+        for (int p = 0; p < 4; p++) {
+            lo[p] = _mm512_unpacklo_epi16(x[2 * p], x[2 * p + 1]);
+            hi[p] = _mm512_unpackhi_epi16(x[2 * p], x[2 * p + 1]);
+        }
+        for (int Q = 0; Q < 2; Q++) {
+            c[Q][0] = _mm512_unpacklo_epi32(lo[2 * Q], lo[2 * Q + 1]);
+            c[Q][1] = _mm512_unpackhi_epi32(lo[2 * Q], lo[2 * Q + 1]);
+            c[Q][2] = _mm512_unpacklo_epi32(hi[2 * Q], hi[2 * Q + 1]);
+            c[Q][3] = _mm512_unpackhi_epi32(hi[2 * Q], hi[2 * Q + 1]);
+        }
+        for (int w = 0; w < 4; w++) {
+            const __m512i y0 = _mm512_unpacklo_epi64(c[0][w], c[1][w]);
+            const __m512i y1 = _mm512_unpackhi_epi64(c[0][w], c[1][w]);
+            _mm512_store_si512((__m512i*)(o + 16 * (d0 + 4 * w)),
+                               _mm512_permutexvar_epi64(pair_keys, y0));
+            _mm512_store_si512((__m512i*)(o + 16 * (d0 + 4 * w + 2)),
+                               _mm512_permutexvar_epi64(pair_keys, y1));
+        }
+    }
+}
+
+/* The 32 keys kr[i] (or kr[0] + i ldk when ldk != 0) transposed: keys 16h .. 16h + 15 at
+ * kh + 16 h D, as fa_kt16_group lays them out.  Not inlined, as fa_kt8_transpose. */
+FA_NOINLINE void fa_kt16_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrdiff_t D,
+                                   uint16_t* kh)
+{
+    for (int h = 0; h < 2; h++) {
+        const uint16_t* r[16];
+        for (int i = 0; i < 16; i++) r[i] = ldk ? kr[0] + (16 * h + i) * ldk : kr[16 * h + i];
+        fa_kt16_group(r, D, kh + 16 * h * D);
+    }
+}
+
+/* 16 keys of one dim widened: float16 converted, bfloat16 shifted into the high half. */
+FA_INLINE __m512 fa_kt16_widen(const uint16_t* p, const int bf)
+{
+    const __m256i x = _mm256_load_si256((const __m256i*)p);
+    return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))
+              : _mm512_cvtph_ps(x);
+}
+
+/* One pass: 4 rows of Q^T (qt[d * ldqt + r]) over the call's 32 transposed keys kh;
+ * s[t * lds + r] for rows r < min(4, nstore).  pfs: the call's prefetch streams, on the
+ * first pass only (else NULL), a step per 8 dims. */
+FA_INLINE void fa_kt16_pass(const uint16_t* kh, const float* qt, const ptrdiff_t ldqt,
+                            ptrdiff_t D, float scale, float* s, ptrdiff_t lds, int nstore,
+                            const int bf, fa_dec_pf* pfs)
+{
+    __m512 a[4][2], part[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int g = 0; g < 2; g++) a[r][g] = part[r][g] = _mm512_setzero_ps();
+    for (ptrdiff_t d0 = 0; d0 < D; d0 += 16) {
+        if (d0 && d0 % FA_DCHUNK == 0)
+            for (int r = 0; r < 4; r++)
+                for (int g = 0; g < 2; g++) {
+                    part[r][g] = d0 == FA_DCHUNK ? a[r][g] : _mm512_add_ps(part[r][g], a[r][g]);
+                    a[r][g] = _mm512_setzero_ps();
+                }
+        for (int h = 0; h < 2; h++) {   /* dims d0 + 8h + e, e < 8 */
+            if (pfs) fa_dec_pf_step(pfs);
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++) {
+                const uint16_t* kd = kh + 16 * (d0 + 2 * e + h);
+                const float* qd = qt + (d0 + 8 * h + e) * ldqt;
+                const __m512 k0 = fa_kt16_widen(kd, bf), k1 = fa_kt16_widen(kd + 16 * D, bf);
+                for (int r = 0; r < 4; r++) {
+                    const __m512 qb = _mm512_set1_ps(qd[r]);
+                    a[r][0] = _mm512_fmadd_ps(qb, k0, a[r][0]);
+                    a[r][1] = _mm512_fmadd_ps(qb, k1, a[r][1]);
+                }
+            }
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    float o[4][32] __attribute__((aligned(64)));
+    for (int r = 0; r < 4; r++)
+        for (int g = 0; g < 2; g++)
+            _mm512_store_ps(o[r] + 16 * g, _mm512_mul_ps(
+                D > FA_DCHUNK ? _mm512_add_ps(part[r][g], a[r][g]) : a[r][g], sc));
+    if (nstore >= 4) {
+        for (int t = 0; t < 32; t++) {   /* a key's 4 rows side by side, as the softmax reads them */
+            const float w[4] = {o[0][t], o[1][t], o[2][t], o[3][t]};
+            memcpy(s + t * lds, w, sizeof w);
+        }
+    } else {
+        for (int r = 0; r < nstore; r++)
+            for (int t = 0; t < 32; t++) s[t * lds + r] = o[r][t];
+    }
+}
+
+/* npass passes of 4 rows over a call of 32 16-bit keys (bf: bfloat16, else float16), D a
+ * multiple of 16 up to FA_KT8_MAX_D. */
+FA_INLINE void fa_score_keys32_kt16(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
+                                    ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
+                                    ptrdiff_t lds, int nstore, const char* const* pf,
+                                    ptrdiff_t pf_bytes, int npass, const int bf)
+{
+    uint16_t kh[32 * FA_KT8_MAX_D] __attribute__((aligned(64)));
+    fa_kt16_transpose(kr, ldk, D, kh);
+    fa_dec_pf pfs;   /* prefetch streams, see fa_dec_pf: issued by the first pass */
+    fa_dec_pf_init(&pfs, pf, pf_bytes, (const char*)kr[0], ldk, 2, D, D / 8);
+    for (int p = 0; p < npass; p++, qt += 4, s += 4, nstore -= 4) {
+        /* ldqt as a constant where it is one (decode tiles): see fa_score_keys32_kt8 */
+        if (ldqt == 8)
+            fa_kt16_pass(kh, qt, 8, D, scale, s, lds, nstore, bf, p == 0 ? &pfs : NULL);
+        else
+            fa_kt16_pass(kh, qt, ldqt, D, scale, s, lds, nstore, bf, p == 0 ? &pfs : NULL);
+    }
+}
+#define FA_KT16(kr, ldk, D) ((D) % 16 == 0)
+#else
+#define FA_KT16(kr, ldk, D) 0
+#define fa_score_keys32_kt16(...) ((void)0)
+#endif
+
 #if defined(__AVX2__) && defined(__F16C__)
-/* The decode score kernel of 16-bit K for npass passes of 4 rows (fa_score_keys32_kt8)
- * over a whole call of keys: kr[0] + i ldk, or the rows kr[i] when ldk is 0. */
+/* The decode score kernel of 16-bit K for npass passes of 4 rows over a whole call of
+ * keys: kr[0] + i ldk, or the rows kr[i] when ldk is 0 -- 16 keys per vector where the
+ * build has them (fa_score_keys32_kt16), else 8 (fa_score_keys32_kt8). */
 #define FA_HAVE_GQA4_16 1
 FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
                                   ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+{
+    if (FA_KT16(kr, ldk, D))
+        fa_score_keys32_kt16(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 0);
+    else
+        fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4);
+}
 FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
                                   ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
-{ fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); }
+{
+    if (FA_KT16(kr, ldk, D))
+        fa_score_keys32_kt16(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 1);
+    else
+        fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4);
+}
 #endif
 /* The 4- and 8-row passes: fa_score_keys32_wide with AVX2.  SSE2's 16 xmm registers do
  * not hold 4 rows x 8-lane accumulators beside the 8x4 transposes (they spill), and with
