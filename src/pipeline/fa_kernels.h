@@ -276,27 +276,30 @@ FA_INLINE fa_vf8 fa_yrows_fb(const uint16_t* lo, const uint16_t* hi)
 #if defined(__AVX2__) && defined(__F16C__)
 /* The 8 x 8 transpose of 16-bit elements within each 128-bit lane: x_i = row i (8 elements
  * per lane) in, y_j = element j of rows 0..7 out.  Three rounds of interleaves (16-, 32-,
- * then 64-bit), 24 in-lane shuffles for 128 elements. */
+ * then 64-bit), 24 in-lane shuffles for 128 elements; P names the intrinsics of the
+ * vector type VT (_mm256 for __m256i, _mm512 for __m512i). */
+#define FA_TRANSPOSE_H8X8(VT, P, x, y) do { \
+    /* pairs of rows 2p, 2p+1: 32-bit lane u of lo[p] is their element u, of hi[p] 4 + u */ \
+    VT lo_[4], hi_[4], c_[2][4]; \
+    for (int p_ = 0; p_ < 4; p_++) { \
+        lo_[p_] = P##_unpacklo_epi16((x)[2 * p_], (x)[2 * p_ + 1]); \
+        hi_[p_] = P##_unpackhi_epi16((x)[2 * p_], (x)[2 * p_ + 1]); \
+    } \
+    /* quads of rows 4Q..4Q+3: 64-bit lane v of c[Q][w] is their element 2w + v */ \
+    for (int Q_ = 0; Q_ < 2; Q_++) { \
+        c_[Q_][0] = P##_unpacklo_epi32(lo_[2 * Q_], lo_[2 * Q_ + 1]); \
+        c_[Q_][1] = P##_unpackhi_epi32(lo_[2 * Q_], lo_[2 * Q_ + 1]); \
+        c_[Q_][2] = P##_unpacklo_epi32(hi_[2 * Q_], hi_[2 * Q_ + 1]); \
+        c_[Q_][3] = P##_unpackhi_epi32(hi_[2 * Q_], hi_[2 * Q_ + 1]); \
+    } \
+    for (int w_ = 0; w_ < 4; w_++) { \
+        (y)[2 * w_] = P##_unpacklo_epi64(c_[0][w_], c_[1][w_]); \
+        (y)[2 * w_ + 1] = P##_unpackhi_epi64(c_[0][w_], c_[1][w_]); \
+    } \
+} while (0)
 FA_INLINE void fa_transpose_h8x8(const __m256i* x, __m256i* y)
 {
-    /* pairs of rows 2p, 2p+1: 32-bit lane u of lo[p] is their element u, of hi[p] 4 + u */
-    __m256i lo[4], hi[4];
-    for (int p = 0; p < 4; p++) {
-        lo[p] = _mm256_unpacklo_epi16(x[2 * p], x[2 * p + 1]);
-        hi[p] = _mm256_unpackhi_epi16(x[2 * p], x[2 * p + 1]);
-    }
-    /* quads of rows 4Q..4Q+3: 64-bit lane v of c[Q][w] is their element 2w + v */
-    __m256i c[2][4];
-    for (int Q = 0; Q < 2; Q++) {
-        c[Q][0] = _mm256_unpacklo_epi32(lo[2 * Q], lo[2 * Q + 1]);
-        c[Q][1] = _mm256_unpackhi_epi32(lo[2 * Q], lo[2 * Q + 1]);
-        c[Q][2] = _mm256_unpacklo_epi32(hi[2 * Q], hi[2 * Q + 1]);
-        c[Q][3] = _mm256_unpackhi_epi32(hi[2 * Q], hi[2 * Q + 1]);
-    }
-    for (int w = 0; w < 4; w++) {
-        y[2 * w] = _mm256_unpacklo_epi64(c[0][w], c[1][w]);
-        y[2 * w + 1] = _mm256_unpackhi_epi64(c[0][w], c[1][w]);
-    }
+    FA_TRANSPOSE_H8X8(__m256i, _mm256, x, y);
 }
 
 /* The 8 keys r[0..7] (D 16-bit elements each, D % 8 == 0) transposed, as bits, into o:
@@ -369,7 +372,7 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrd
 
 /* 16 keys r[0..15] (D 16-bit elements each, D % 16 == 0) transposed, as bits, into o: in
  * each block of 16 dims from d0, the 16 keys of dim d0 + e at o + 16 (d0 + 2 (e % 8) + e / 8).
- * x[i] holds rows i and i + 8; the 8 x 8 transposes of fa_transpose_h8x8 run in each of
+ * x[i] holds rows i and i + 8; the 8 x 8 transposes of FA_TRANSPOSE_H8X8 run in each of
  * its four 128-bit lanes, leaving [dim e: keys 0-7 | dim e + 8: keys 0-7 | dim e: keys
  * 8-15 | dim e + 8: keys 8-15], and one permutation of 64-bit lanes pairs the keys of a
  * dim. */
@@ -377,29 +380,15 @@ FA_INLINE void fa_kt16_group(const uint16_t* const* r, ptrdiff_t D, uint16_t* o)
 {
     const __m512i pair_keys = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
     for (ptrdiff_t d0 = 0; d0 < D; d0 += 16) {
-        __m512i x[8], lo[4], hi[4], c[2][4];
+        __m512i x[8], y[8];
         for (int i = 0; i < 8; i++)
             x[i] = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(r[i] + d0))),
                 _mm256_loadu_si256((const __m256i*)(r[i + 8] + d0)), 1);
-        for (int p = 0; p < 4; p++) {
-            lo[p] = _mm512_unpacklo_epi16(x[2 * p], x[2 * p + 1]);
-            hi[p] = _mm512_unpackhi_epi16(x[2 * p], x[2 * p + 1]);
-        }
-        for (int Q = 0; Q < 2; Q++) {
-            c[Q][0] = _mm512_unpacklo_epi32(lo[2 * Q], lo[2 * Q + 1]);
-            c[Q][1] = _mm512_unpackhi_epi32(lo[2 * Q], lo[2 * Q + 1]);
-            c[Q][2] = _mm512_unpacklo_epi32(hi[2 * Q], hi[2 * Q + 1]);
-            c[Q][3] = _mm512_unpackhi_epi32(hi[2 * Q], hi[2 * Q + 1]);
-        }
-        for (int w = 0; w < 4; w++) {
-            const __m512i y0 = _mm512_unpacklo_epi64(c[0][w], c[1][w]);
-            const __m512i y1 = _mm512_unpackhi_epi64(c[0][w], c[1][w]);
-            _mm512_store_si512((__m512i*)(o + 16 * (d0 + 4 * w)),
-                               _mm512_permutexvar_epi64(pair_keys, y0));
-            _mm512_store_si512((__m512i*)(o + 16 * (d0 + 4 * w + 2)),
-                               _mm512_permutexvar_epi64(pair_keys, y1));
-        }
+        FA_TRANSPOSE_H8X8(__m512i, _mm512, x, y);
+        for (int j = 0; j < 8; j++)
+            _mm512_store_si512((__m512i*)(o + 16 * (d0 + 2 * j)),
+                               _mm512_permutexvar_epi64(pair_keys, y[j]));
     }
 }
 
