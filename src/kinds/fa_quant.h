@@ -599,19 +599,11 @@ static void fa_quant_next_rows(int kind, const char* k, ptrdiff_t k_row, const u
 
 FA_INLINE ptrdiff_t fa_min_pd(ptrdiff_t a, ptrdiff_t b) { return a < b ? a : b; }
 
-/* Row pf[i] (bytes long) requested into the cache level of locality loc; its run of
- * rows ends unless row i + 1 (< n) follows it in memory (see fa_prefetch_row). */
-FA_INLINE void fa_quant_prefetch_row(const char* const* pf, ptrdiff_t i, ptrdiff_t n,
-                                     ptrdiff_t bytes, const int loc)
-{
-    fa_prefetch_row(pf[i], bytes, i + 1 == n || pf[i + 1] != pf[i] + bytes, loc);
-}
-
 /* Rows [i0, i1) of pf[0 .. n). */
 FA_INLINE void fa_quant_prefetch_rows(const char* const* pf, ptrdiff_t i0, ptrdiff_t i1,
                                       ptrdiff_t n, ptrdiff_t bytes, const int loc)
 {
-    for (ptrdiff_t i = i0; i < i1; i++) fa_quant_prefetch_row(pf, i, n, bytes, loc);
+    for (ptrdiff_t i = i0; i < i1; i++) fa_prefetch_run_row(pf, i, n, bytes, loc);
 }
 
 /*
@@ -774,7 +766,7 @@ FA_INLINE void fa_pv_quant_cols(const int kind, const float* p, ptrdiff_t ldp, p
         const float* d = vsc + j * nbv + c0 / 32;
         if (l1_bytes && j + FA_PV_QUANT_AHEAD < nj)
             fa_prefetch_lines((const char*)vr[j + FA_PV_QUANT_AHEAD], l1_bytes, 3);
-        if (j < npf) fa_quant_prefetch_row(pf, j, npf, pf_bytes, 2);
+        if (j < npf) fa_prefetch_run_row(pf, j, npf, pf_bytes, 2);
         fa_vf xv[8];
         fa_quant_values(kind, vr[j], c0, nv, d, xv);
         fa_pv_add_key_f(c, p + j * ldp, xv, nr, nv);

@@ -124,6 +124,13 @@ static inline void fa_prefetch_row(const char* p, ptrdiff_t bytes, int run_ends,
         fa_prefetch_l2(p, bytes);
     if (run_ends) fa_prefetch_lines(p + bytes - 1, 1, loc);
 }
+/* Row i of rows[0 .. n) (bytes long) requested into the cache level of locality loc; its
+ * run of rows ends unless row i + 1 follows it in memory. */
+FA_INLINE void fa_prefetch_run_row(const char* const* rows, ptrdiff_t i, ptrdiff_t n,
+                                   ptrdiff_t bytes, const int loc)
+{
+    fa_prefetch_row(rows[i], bytes, i + 1 == n || rows[i + 1] != rows[i] + bytes, loc);
+}
 
 #include "fa_half.h"
 FA_WIDEN_ROWS(f, float)

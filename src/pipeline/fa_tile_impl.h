@@ -530,9 +530,10 @@ FA_INLINE void FA_FN(fa_pv_finish)(V c[4][8], T* acc, ptrdiff_t ldacc, const T* 
 /* The next block's V rows that fa_pv_ptr requests into L2, spread evenly over all its
  * passes' key steps: rows[0 .. n), each of `bytes`, row `next` the next one due; a row
  * is due every `steps` / n steps (err accumulates n per step).  Rows are requested a
- * line per 64 bytes from their start, as the rows of a page follow each other: where a
- * row starts inside a line (NumPy's arrays start 16 bytes into one), the next row's
- * first request covers its last line (one request per line, not one more per row). */
+ * line per 64 bytes from their start (fa_prefetch_run_row): where a row starts inside a
+ * line (NumPy's arrays start 16 bytes into one) and the next row follows it, as in a
+ * page, the next row's first request covers its last line; the last row of a run
+ * requests it itself. */
 typedef struct {
     const char* const* rows;
     ptrdiff_t n, next, err, steps, bytes;
@@ -540,7 +541,7 @@ typedef struct {
 FA_INLINE void fa_pv_pf_step(fa_pv_pf* q)
 {
     for (q->err += q->n; q->err >= q->steps && q->next < q->n; q->err -= q->steps)
-        fa_prefetch_l2(q->rows[q->next++], q->bytes);
+        fa_prefetch_run_row(q->rows, q->next++, q->n, q->bytes, 2);
 }
 #endif
 /* The output of nr query rows (1 or 4) over all Dv value columns (a multiple of VL), V
@@ -561,7 +562,7 @@ FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
     for (ptrdiff_t j = 0; j < nj; j++) {
         fa_pv_pf_step(pf);
         if (l1_bytes && j + FA_PV_PTR_AHEAD < nj)
-            fa_prefetch_l1((const char*)vr[j + FA_PV_PTR_AHEAD], l1_bytes);
+            fa_prefetch_run_row((const char* const*)vr, j + FA_PV_PTR_AHEAD, nj, l1_bytes, 3);
         V x[8];
         for (int i = 0; i < nv; i++) x[i] = LOAD_KV(vr[j] + c0 + i * VL);
         FA_FN(fa_pv_add_key)(c, p + j * ldp, x, nr, nv);
@@ -608,7 +609,7 @@ FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const
         FA_PASS(r4_v1, 1);
     }
 #undef FA_PASS
-    while (q.next < q.n) fa_prefetch_lines(q.rows[q.next++], q.bytes, 2);
+    while (q.next < q.n) fa_prefetch_run_row(q.rows, q.next++, q.n, q.bytes, 2);
 }
 
 #undef FA_FN
