@@ -373,8 +373,9 @@ FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrd
  * 16 keys x 16 dims at a time (8 row loads, 8 inserts, 24 in-lane unpacks and 8 lane
  * permutations of zmm registers), then each dimension takes one widening load per 16
  * keys for 4 broadcasts of q and 4 FMAs: two 16-key halves x 4 rows = 8 chains in
- * flight, their chunk sums beside them in registers.  Against the 8-key kernel, a third
- * fewer instructions on the FMA ports per key and dimension.  Per score the same chain:
+ * flight, their chunk sums beside them in registers.  Against the 8-key kernel, half the
+ * conversions and FMAs per key and dimension, on two ports where ymm has three.  Per
+ * score the same chain:
  * acc += k[d] * q[d] in order of d, chunk sums in order, then * scale. */
 
 /* 16 keys r[0..15] (D 16-bit elements each, D % 16 == 0) transposed, as bits, into o: in
@@ -487,9 +488,10 @@ FA_INLINE void fa_score_keys32_kt16(const uint16_t* const* kr, ptrdiff_t ldk, co
             fa_kt16_pass(kh, qt, ldqt, D, scale, s, lds, nstore, bf, p == 0 ? &pfs : NULL);
     }
 }
-#define FA_KT16(kr, ldk, D) ((D) % 16 == 0)
+/* Whether fa_score_keys32_kt16 takes calls of D dims (else the 8-key kernel does). */
+#define FA_KT16(D) ((D) % 16 == 0)
 #else
-#define FA_KT16(kr, ldk, D) 0
+#define FA_KT16(D) 0
 #define fa_score_keys32_kt16(...) ((void)0)
 #endif
 
@@ -503,7 +505,7 @@ FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* const* kr, ptrdiff_t ldk, cons
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
 {
-    if (FA_KT16(kr, ldk, D))
+    if (FA_KT16(D))
         fa_score_keys32_kt16(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 0);
     else
         fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4);
@@ -513,7 +515,7 @@ FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, cons
                                   ptrdiff_t lds, int nstore, const char* const* pf,
                                   ptrdiff_t pf_bytes, int npass)
 {
-    if (FA_KT16(kr, ldk, D))
+    if (FA_KT16(D))
         fa_score_keys32_kt16(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 1);
     else
         fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4);
