@@ -330,16 +330,23 @@ FA_INLINE void fa_kt8_group(const uint16_t* const* r, ptrdiff_t D, uint16_t* o)
             _mm_store_si128((__m128i*)(o + 8 * d0 + 8 * j), _mm256_castsi256_si128(y[j]));
     }
 }
-/* The 32 keys kr[i] (i < 32; or kr[0] + i ldk when ldk != 0) transposed for the 16-bit
- * decode score kernel (fa_score_keys32_kt8): the 8 keys of group g (keys 8g .. 8g+7) at
- * kh + 8 g D, as fa_kt8_group lays them out.  Not inlined: inside the score kernel GCC
- * keeps the 8 row offsets on the stack and reloads them. */
+/* Keys first .. first + n - 1 of a decode score call: kr[0] + i ldk, or the rows kr[i]
+ * when ldk is 0. */
+FA_INLINE void fa_call_rows(const uint16_t* const* kr, ptrdiff_t ldk, int first, int n,
+                            const uint16_t** r)
+{
+    for (int i = 0; i < n; i++) r[i] = ldk ? kr[0] + (first + i) * ldk : kr[first + i];
+}
+/* The call's 32 keys transposed for the 16-bit decode score kernel
+ * (fa_score_keys32_kt8): the 8 keys of group g (keys 8g .. 8g+7) at kh + 8 g D, as
+ * fa_kt8_group lays them out.  Not inlined: inside the score kernel GCC keeps the 8 row
+ * offsets on the stack and reloads them. */
 FA_NOINLINE void fa_kt8_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrdiff_t D,
                                   uint16_t* kh)
 {
     for (int g = 0; g < 4; g++) {
         const uint16_t* r[8];
-        for (int i = 0; i < 8; i++) r[i] = ldk ? kr[0] + (8 * g + i) * ldk : kr[8 * g + i];
+        fa_call_rows(kr, ldk, 8 * g, 8, r);
         fa_kt8_group(r, D, kh + 8 * g * D);
     }
 }
@@ -400,14 +407,14 @@ FA_INLINE void fa_kt16_group(const uint16_t* const* r, ptrdiff_t D, uint16_t* o)
     }
 }
 
-/* The 32 keys kr[i] (or kr[0] + i ldk when ldk != 0) transposed: keys 16h .. 16h + 15 at
- * kh + 16 h D, as fa_kt16_group lays them out.  Not inlined, as fa_kt8_transpose. */
+/* The call's 32 keys transposed: keys 16h .. 16h + 15 at kh + 16 h D, as fa_kt16_group
+ * lays them out.  Not inlined, as fa_kt8_transpose. */
 FA_NOINLINE void fa_kt16_transpose(const uint16_t* const* kr, ptrdiff_t ldk, ptrdiff_t D,
                                    uint16_t* kh)
 {
     for (int h = 0; h < 2; h++) {
         const uint16_t* r[16];
-        for (int i = 0; i < 16; i++) r[i] = ldk ? kr[0] + (16 * h + i) * ldk : kr[16 * h + i];
+        fa_call_rows(kr, ldk, 16 * h, 16, r);
         fa_kt16_group(r, D, kh + 16 * h * D);
     }
 }
