@@ -507,26 +507,20 @@ FA_INLINE void fa_score_keys32_kt16(const uint16_t* const* kr, ptrdiff_t ldk, co
  * keys: kr[0] + i ldk, or the rows kr[i] when ldk is 0 -- 16 keys per vector where the
  * build has them (fa_score_keys32_kt16), else 8 (fa_score_keys32_kt8). */
 #define FA_HAVE_GQA4_16 1
-FA_NOINLINE void fa_score_gqa4_fh(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
-                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
-                                  ptrdiff_t lds, int nstore, const char* const* pf,
-                                  ptrdiff_t pf_bytes, int npass)
-{
-    if (FA_KT16(D))
-        fa_score_keys32_kt16(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 0);
-    else
-        fa_score_keys32_kt8_fh(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4);
+#define FA_SCORE_GQA4(SUF, BF) \
+FA_NOINLINE void fa_score_gqa4##SUF(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt, \
+                                    ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s, \
+                                    ptrdiff_t lds, int nstore, const char* const* pf, \
+                                    ptrdiff_t pf_bytes, int npass) \
+{ \
+    if (FA_KT16(D)) \
+        fa_score_keys32_kt16(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, BF); \
+    else \
+        fa_score_keys32_kt8##SUF(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4); \
 }
-FA_NOINLINE void fa_score_gqa4_fb(const uint16_t* const* kr, ptrdiff_t ldk, const float* qt,
-                                  ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s,
-                                  ptrdiff_t lds, int nstore, const char* const* pf,
-                                  ptrdiff_t pf_bytes, int npass)
-{
-    if (FA_KT16(D))
-        fa_score_keys32_kt16(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 1);
-    else
-        fa_score_keys32_kt8_fb(kr, ldk, qt, ldqt, D, scale, s, lds, nstore, pf, pf_bytes, npass, 4);
-}
+FA_SCORE_GQA4(_fh, 0)
+FA_SCORE_GQA4(_fb, 1)
+#undef FA_SCORE_GQA4
 #endif
 /* The 4- and 8-row passes: fa_score_keys32_wide with AVX2.  SSE2's 16 xmm registers do
  * not hold 4 rows x 8-lane accumulators beside the 8x4 transposes (they spill), and with
