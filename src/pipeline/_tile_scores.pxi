@@ -165,9 +165,7 @@ cdef void _scores_decode(const Problem* P, Tile* t, const Workspace* w,
         ldk = t.kblk_sj if nk == KC else 0
         # > 0 also turns on the next K rows stream
         if t.spread_next:
-            # a line per 64 bytes from each row's start: where rows follow each other,
-            # the next row's first line is a row's last (see fa_pv_pf); else every line
-            pf_bytes = P.D * P.k_isz + (0 if P.k_sj == P.D else 63)
+            pf_bytes = P.D * P.k_isz
         else:
             pf_bytes = P.Dv * (P.v_isz if t.defer_v or t.v_in_place else t.vblk_esz)
         r = 0

@@ -124,12 +124,17 @@ static inline void fa_prefetch_row(const char* p, ptrdiff_t bytes, int run_ends,
         fa_prefetch_l2(p, bytes);
     if (run_ends) fa_prefetch_lines(p + bytes - 1, 1, loc);
 }
-/* Row i of rows[0 .. n) (bytes long) requested into the cache level of locality loc; its
- * run of rows ends unless row i + 1 follows it in memory. */
+/* Whether row i of rows[0 .. n) (bytes long) ends its run of rows: row i + 1 does not
+ * follow it in memory. */
+FA_INLINE int fa_run_ends(const char* const* rows, ptrdiff_t i, ptrdiff_t n, ptrdiff_t bytes)
+{
+    return i + 1 == n || rows[i + 1] != rows[i] + bytes;
+}
+/* Row i of rows[0 .. n) (bytes long) requested into the cache level of locality loc. */
 FA_INLINE void fa_prefetch_run_row(const char* const* rows, ptrdiff_t i, ptrdiff_t n,
                                    ptrdiff_t bytes, const int loc)
 {
-    fa_prefetch_row(rows[i], bytes, i + 1 == n || rows[i + 1] != rows[i] + bytes, loc);
+    fa_prefetch_row(rows[i], bytes, fa_run_ends(rows, i, n, bytes), loc);
 }
 
 #include "fa_half.h"
@@ -179,10 +184,11 @@ FA_LOAD_TRANSPOSE_16(b, fa_load_fb)
 typedef float fa_v4f __attribute__((vector_size(16)));
 
 /* The two prefetch streams of a decode score call (its first row pass, pf_bytes > 0):
- * the V rows of its 32 keys (into L2, for the output kernel that follows; not when pf is
- * NULL, the output kernel then streams V itself) and the next 32 rows of K (into L1, for
- * the next call; only for evenly spaced rows, ldk != 0), each
- * spread evenly over the call's nsteps steps and issued line by line in address order.
+ * 32 rows pf of pf_bytes each into L2 (the V rows of its keys, for the output kernel that
+ * follows, or the next block's K rows; none when pf is NULL) and the next 32 rows of K
+ * (into L1, for the next call; only for evenly spaced rows, ldk != 0), each
+ * spread evenly over the call's nsteps steps and issued line by line in address order,
+ * a row's lines from its start as fa_prefetch_row's.
  * Row-ordered streams are what the memory system serves fastest; the same lines
  * prefetched column by column (as the loads use them) gain nothing, and without software
  * prefetch the rate halves: the hardware prefetchers do not follow the kernels'
@@ -195,7 +201,7 @@ typedef struct {
     const char* const* v_rows;
     const char* v_lin;
     const char* k_lin;
-    ptrdiff_t nsteps, v_row_lines, v_lines, k_row_lines, k_lines, k_stride;
+    ptrdiff_t nsteps, v_bytes, v_row_lines, v_lines, k_row_lines, k_lines, k_stride;
     ptrdiff_t v_err, v_row, v_col, k_err, k_row, k_col;
     ptrdiff_t v_step, k_step;   /* linear: lines per step of each stream */
     int on, lin;
@@ -208,6 +214,7 @@ FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_
     p->on = pf_bytes > 0 && nsteps > 0;
     p->v_rows = pf;
     p->nsteps = nsteps;
+    p->v_bytes = pf_bytes;
     p->v_row_lines = (pf_bytes + 63) / 64;
     p->v_lines = pf ? 32 * p->v_row_lines : 0;          /* pf NULL: the K stream only */
     p->k_row_lines = (D * esz + 63) / 64;
@@ -239,7 +246,12 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
     }
     for (p->v_err += p->v_lines; p->v_err >= p->nsteps; p->v_err -= p->nsteps) {
         __builtin_prefetch(p->v_rows[p->v_row] + 64 * p->v_col, 0, 2);
-        if (++p->v_col == p->v_row_lines) { p->v_col = 0; p->v_row++; }
+        if (++p->v_col == p->v_row_lines) {   /* a row's lines from its start, as fa_prefetch_row */
+            if (fa_run_ends(p->v_rows, p->v_row, 32, p->v_bytes))
+                fa_prefetch_lines(p->v_rows[p->v_row] + p->v_bytes - 1, 1, 2);
+            p->v_col = 0;
+            p->v_row++;
+        }
     }
     for (p->k_err += p->k_lines; p->k_err >= p->nsteps; p->k_err -= p->nsteps) {
         __builtin_prefetch(p->k_lin + p->k_row * p->k_stride + 64 * p->k_col, 0, 3);
