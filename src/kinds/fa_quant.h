@@ -614,8 +614,8 @@ FA_INLINE void fa_quant_prefetch_rows(const char* const* pf, ptrdiff_t i0, ptrdi
  * (ksc[(d / 32) * ldksc + t]; see fa_quant_rows); per score the chain acc += k[d] * q[d]
  * in order of d, chunk sums every FA_DCHUNK dims, then * scale.  Two groups of keys
  * (ng 2) give one or two rows (four with AVX-512's 32 registers) independent chains to
- * interleave: FMAs wait on their latency, not their ports, with fewer than eight.  Rows past nk must be
- * zero rows: they are read, not stored.  Requested as the dims go: pf[0 .. npf), the
+ * interleave: with fewer than eight, FMAs wait on their latency, not their ports.  Rows
+ * past nk must be zero rows: they are read, not stored.  Requested as the dims go: pf[0 .. npf), the
  * next block's K rows at these keys, into L2; l1[0 .. nl1), the next call's, into L1.
  */
 FA_INLINE void fa_score_quant_body(const int kind, const uint8_t* const* kr, const float* ksc,
