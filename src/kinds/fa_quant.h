@@ -615,8 +615,9 @@ FA_INLINE void fa_quant_prefetch_rows(const char* const* pf, ptrdiff_t i0, ptrdi
  * in order of d, chunk sums every FA_DCHUNK dims, then * scale.  Two groups of keys
  * (ng 2) give one or two rows (four with AVX-512's 32 registers) independent chains to
  * interleave: with fewer than eight, FMAs wait on their latency, not their ports.  Rows
- * past nk must be zero rows: they are read, not stored.  Requested as the dims go: pf[0 .. npf), the
- * next block's K rows at these keys, into L2; l1[0 .. nl1), the next call's, into L1.
+ * past nk must be zero rows: they are read, not stored.  Requested as the dims go:
+ * pf[0 .. npf), the next block's K rows at these keys, into L2; l1[0 .. nl1), the next
+ * call's, into L1.
  */
 FA_INLINE void fa_score_quant_body(const int kind, const uint8_t* const* kr, const float* ksc,
                                    ptrdiff_t ldksc, int nk, const float* qt, ptrdiff_t ldqt,
