@@ -683,10 +683,11 @@ FA_INLINE void fa_score_quant_body(const int kind, const uint8_t* const* kr, con
         }
 }
 
+/* groups of VL keys per call with nr rows: eight chains or more where registers allow */
 #if FA_VBYTES == 64
-#define FA_SCORE_QUANT_NG4 2
+#define FA_SCORE_QUANT_NG(nr) ((nr) <= 4 ? 2 : 1)
 #else
-#define FA_SCORE_QUANT_NG4 1
+#define FA_SCORE_QUANT_NG(nr) ((nr) <= 2 ? 2 : 1)
 #endif
 #define FA_SCORE_QUANT_ARGS const uint8_t* const* kr, const float* ksc, ptrdiff_t ldksc, \
     int nk, const float* qt, ptrdiff_t ldqt, ptrdiff_t D, float scale, float* s, ptrdiff_t lds, \
@@ -696,15 +697,14 @@ FA_INLINE void fa_score_quant_body(const int kind, const uint8_t* const* kr, con
 FA_NOINLINE void fa_score_##NAME##_r##NR(FA_SCORE_QUANT_ARGS) \
 { fa_score_quant_body(KIND, FA_SCORE_QUANT_PASS, NR, NG, nstore, pf, npf, l1, nl1); }
 #define FA_SCORE_QUANT_KIND(NAME, KIND) \
-    FA_SCORE_QUANT_NR(NAME, KIND, 1, 2) FA_SCORE_QUANT_NR(NAME, KIND, 2, 2) \
-    FA_SCORE_QUANT_NR(NAME, KIND, 4, FA_SCORE_QUANT_NG4) FA_SCORE_QUANT_NR(NAME, KIND, 8, 1)
+    FA_SCORE_QUANT_NR(NAME, KIND, 1, FA_SCORE_QUANT_NG(1)) \
+    FA_SCORE_QUANT_NR(NAME, KIND, 2, FA_SCORE_QUANT_NG(2)) \
+    FA_SCORE_QUANT_NR(NAME, KIND, 4, FA_SCORE_QUANT_NG(4)) \
+    FA_SCORE_QUANT_NR(NAME, KIND, 8, FA_SCORE_QUANT_NG(8))
 FA_QUANT_KINDS(FA_SCORE_QUANT_KIND)
 
 /* keys per call of fa_score_quant with nr rows */
-FA_INLINE int fa_score_quant_keys(int nr)
-{
-    return (int)(nr <= 2 || (nr == 4 && FA_SCORE_QUANT_NG4 == 2) ? 2 * FA_VL_F : FA_VL_F);
-}
+FA_INLINE int fa_score_quant_keys(int nr) { return (int)(FA_SCORE_QUANT_NG(nr) * FA_VL_F); }
 
 /* One decode score pass of nr (8, 4, 2 or 1) query rows over fa_score_quant_keys(nr) keys
  * of K stored as `kind`: the kind's instantiation of fa_score_quant_body. */

@@ -113,6 +113,13 @@ static inline void fa_prefetch_lines(const char* p, ptrdiff_t bytes, const int l
             __builtin_prefetch(a, 0, 2);
     }
 }
+/* Where a run of rows ends, its last row's last line, which no following row's first line
+ * covers (rows need not start on a line). */
+static inline void fa_prefetch_run_tail(const char* p, ptrdiff_t bytes, int run_ends,
+                                        const int loc)
+{
+    if (run_ends) fa_prefetch_lines(p + bytes - 1, 1, loc);
+}
 /* One row of a run of rows that follow each other in memory (a page, a contiguous
  * block), into L2 (or L1 for loc 3): its lines from its start, and where the run ends
  * (run_ends: no row follows it) its last line as well. */
@@ -122,7 +129,7 @@ static inline void fa_prefetch_row(const char* p, ptrdiff_t bytes, int run_ends,
         fa_prefetch_l1(p, bytes);
     else
         fa_prefetch_l2(p, bytes);
-    if (run_ends) fa_prefetch_lines(p + bytes - 1, 1, loc);
+    fa_prefetch_run_tail(p, bytes, run_ends, loc);
 }
 /* Whether row i of rows[0 .. n) (bytes long) ends its run of rows: row i + 1 does not
  * follow it in memory. */
@@ -246,9 +253,9 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
     }
     for (p->v_err += p->v_lines; p->v_err >= p->nsteps; p->v_err -= p->nsteps) {
         __builtin_prefetch(p->v_rows[p->v_row] + 64 * p->v_col, 0, 2);
-        if (++p->v_col == p->v_row_lines) {   /* a row's lines from its start, as fa_prefetch_row */
-            if (fa_run_ends(p->v_rows, p->v_row, 32, p->v_bytes))
-                fa_prefetch_lines(p->v_rows[p->v_row] + p->v_bytes - 1, 1, 2);
+        if (++p->v_col == p->v_row_lines) {
+            fa_prefetch_run_tail(p->v_rows[p->v_row], p->v_bytes,
+                                 fa_run_ends(p->v_rows, p->v_row, 32, p->v_bytes), 2);
             p->v_col = 0;
             p->v_row++;
         }
