@@ -22,6 +22,7 @@ BF16_DOT_BUILT: bool
 BF16_DOT_CPU: bool
 INT8_DOT_BUILT: bool
 INT8_DOT_CPU: bool
+INT8_DOT_VNNI: bool
 AMX_BUILT: bool
 AMX_VERIFIED: bool
 AMX_MODES: dict[str, int]

@@ -215,13 +215,16 @@ cdef extern from "fa_kernels.h" nogil:
 
 
 # Integer dot products over q8_0 and q4_0 keys (fa_int8dot.h): the avx512 and avx2 builds',
-# called only where fa_cpu_has_int8dot() (FA_HAVE_INT8DOT 0: a stub that is never called)
+# called only where fa_int8dot_init() found a way (FA_HAVE_INT8DOT 0: a stub never called)
 cdef extern from "fa_kernels.h" nogil:
     enum:
         FA_HAVE_INT8DOT
         FA_I8_KEYS
         FA_I8_MAX_ROWS
-    int fa_cpu_has_int8dot()
+        FA_I8_NONE
+        FA_I8_MADD
+        FA_I8_VNNI
+    int fa_int8dot_init()
     void fa_int8_quant_row(const float* x, Py_ssize_t D, int8_t* qi, float* qd, int32_t* qs)
     void fa_score_int8(int kind, int nr, const uint8_t** kr, const float* ksc,
                        Py_ssize_t ldksc, int nk, const int8_t* qi, const float* qd,

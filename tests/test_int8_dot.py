@@ -130,6 +130,31 @@ def test_error_within_twice_llama_cpp(kind, B, Hq, Hkv, Lq, L, D):
         assert np.abs(default - exact).max() < ours_err
 
 
+@needs_int8
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_extreme_bytes_are_summed_exactly(kind):
+    # Every byte a cache may hold, -128 included, against q rows of +-1 (quantised to
+    # +-127 exactly), signed to match the keys' so that the block sums reach their
+    # largest: a product pair summed in 16 bits without care saturates here.
+    rng = np.random.default_rng(17)
+    B, Hkv, L, D = 1, 2, 96, 64
+    if kind == "q8_0":
+        kc = rng.integers(-128, 128, (B, Hkv, L, D)).astype(np.int8)
+        kc[0, 0, :8] = -128
+        kc[0, 1, :8] = 127
+    else:
+        kc = rng.integers(0, 256, (B, Hkv, L, D // 2)).astype(np.uint8)
+        kc[0, 0, :8] = 0x00
+        kc[0, 1, :8] = 0xFF
+    ks = np.full((B, Hkv, L, D // 32), 2e-3, np.float16)
+    c = dict(k_cache=kc, v_cache=kc.copy(), k_scale=ks, v_scale=ks.copy())
+    kd, vd = dequantised(kind, c)
+    q = np.where(kd[:, :, :2] >= 0, 1.0, -1.0).astype(np.float32)   # rows like keys 0, 1
+    got = int8(fastattn.attention_with_kvcache, q, **c, cache_seqlens=[L])
+    exact = attend(np.einsum("bhid,bhjd->bhij", q.astype(np.float64), kd), vd, D ** -0.5, [L])
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-5)
+
+
 def test_model_quantises_q_as_llama_cpp():
     gguf = pytest.importorskip("gguf")
     from gguf import GGMLQuantizationType, quants

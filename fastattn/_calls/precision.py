@@ -16,8 +16,8 @@ follow this setting too, never torch's ``set_float32_matmul_precision``.
 
 Calls over q8_0 and q4_0 caches may take q.k in integers, opt-in
 (:func:`set_int8_dot_products`): q is quantised per block of 32 dims as llama.cpp does
-against its quantised K, and the CPU's int8 dot products (AVX512-VNNI, AVX-VNNI) multiply
-it with the stored keys.
+against its quantised K, and the CPU's int8 dot products (AVX512-VNNI, AVX-VNNI, or AVX2's
+``vpmaddubsw`` on CPUs without VNNI) multiply it with the stored keys.
 """
 import threading
 import warnings
@@ -194,7 +194,7 @@ def backward_inputs(q, k, v, cdt, D, Dv):
 
 _int8_setting = False
 _int8_warned = False
-# The int8 products each kernel variant takes (the base variant has none).
+# The VNNI extension of each kernel variant (the base variant has no int8 products).
 _VNNI = {"avx512": "AVX512-VNNI", "avx2": "AVX-VNNI", "base": "VNNI"}
 
 
@@ -205,7 +205,9 @@ def int8_products():
         return False, "this kernel variant has no int8 dot products"
     if not kernel.INT8_DOT_CPU:
         return False, f"this CPU has no {_VNNI[ISA]}"
-    return True, f"{_VNNI[ISA]} vpdpbusd"
+    if kernel.INT8_DOT_VNNI:
+        return True, f"{_VNNI[ISA]} vpdpbusd"
+    return True, f"AVX2 vpmaddubsw (this CPU has no {_VNNI[ISA]}; the same bits)"
 
 
 def quantised_products():
@@ -235,10 +237,12 @@ def set_int8_dot_products(enabled):
     (D and Dv must be multiples of 32), double-precision q and the backward pass are not
     affected.
 
-    The products run where the CPU has them: AVX512-VNNI for the AVX-512 kernels,
-    AVX-VNNI for the AVX2 ones.  Elsewhere the setting changes nothing (calls stay exact)
-    and warns once per process; :func:`fastattn.show_config` shows what runs.  The setting
-    is process-wide.
+    The products run where the CPU has them: AVX512-VNNI for the AVX-512 kernels;
+    AVX-VNNI for the AVX2 ones, or on CPUs without it AVX2's ``vpmaddubsw`` and
+    ``vpmaddwd``, which sum each block exactly too and so give the same bits.  Elsewhere
+    (the portable kernels, or AVX-512 kernels on a CPU without AVX512-VNNI) the setting
+    changes nothing (calls stay exact) and warns once per process;
+    :func:`fastattn.show_config` shows what runs.  The setting is process-wide.
 
     Examples
     --------

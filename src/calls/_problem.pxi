@@ -60,7 +60,10 @@ def set_bf16_dot(bint on):
 # asked for (fastattn.set_int8_dot_products), and only where this build has them and the
 # CPU runs them.
 INT8_DOT_BUILT = bool(FA_HAVE_INT8DOT)
-INT8_DOT_CPU = bool(fa_cpu_has_int8dot())
+_int8_way = fa_int8dot_init()
+INT8_DOT_CPU = _int8_way != FA_I8_NONE
+# the instruction that takes a block's products: VNNI's vpdpbusd, else AVX2's vpmaddubsw
+INT8_DOT_VNNI = _int8_way == FA_I8_VNNI
 cdef bint _int8_dot = False
 
 

@@ -1,10 +1,12 @@
 /*
  * fa_int8dot.h -- integer dot products for the scores over q8_0 and q4_0 keys, the opt-in
  * of fastattn.set_int8_dot_products: q is quantised per block of 32 dims as llama.cpp
- * quantises it against its quantised K, and each block's q.k is taken exactly in int32 by
- * `vpdpbusd` (AVX512-VNNI in the avx512 build, AVX-VNNI in the avx2 build).  Each kernel
- * has its own target attribute, so the modules still load on CPUs without VNNI; the tile
- * pipeline calls them only where fa_cpu_has_int8dot() says the CPU runs them.
+ * quantises it against its quantised K, and each block's q.k is taken exactly in int32:
+ * by `vpdpbusd` (AVX512-VNNI in the avx512 build, AVX-VNNI in the avx2 build) or, in the
+ * avx2 build on a CPU without AVX-VNNI, by AVX2's `vpmaddubsw` and `vpmaddwd`.  Both sums
+ * are exact, so both give the same bits.  The VNNI kernels have their own target
+ * attribute, so the modules still load on CPUs without VNNI; the tile pipeline calls the
+ * kernels only where fa_int8dot_init() found a way to run them.
  *
  * q, a row x of D float32 values (fa_int8_quant_row), block b of 32 dims:
  *     qd_b = max |x| / 127,   qi[d] = x[d] * (127 / max |x|) rounded to nearest (even),
@@ -13,7 +15,7 @@
  *
  * The chain of a score, the same in every row pass, tile and thread (so a decode step
  * keeps the bits of the prefill over the same cache, and threads, batch and pages change
- * nothing), and in both builds:
+ * nothing), in both builds and with either instruction:
  *     isum_b = sum over the block of qi[d] * k[d]                  (exact, int32)
  *     acc    = fma(isum_b, dk_b * qd_b, acc)   for b = 0, 1, ...    (from acc = 0)
  *     s      = acc * scale
@@ -23,6 +25,10 @@
  * vpdpbusd multiplies unsigned bytes by signed ones, four to a 32-bit lane: the key's
  * byte is the unsigned side, q8_0's k read as k + 128 (k ^ 0x80) and q4_0's nibble as
  * it is stored (k + 8); the excess, 128 qs_b or 8 qs_b, is subtracted from the sum.
+ * vpmaddubsw multiplies the same way, two to a 16-bit lane that saturates, so q8_0's k
+ * goes in as |k| against q with k's sign (at most 2 * 128 * 127 < 2^15 a lane), and
+ * q4_0's nibbles (at most 15) as they are stored, whose 16-bit sums stay below 2^15 for a
+ * whole block (16 * 15 * 127) before vpmaddwd widens them.
  *
  * Keys are the lanes: a block of 32 dims of VL keys is transposed into 8 vectors, vector
  * j holding dims 4j .. 4j+3 of every key (lane u: key u, as the float kernels' lanes).
@@ -40,7 +46,7 @@
 /* Whether the running CPU executes this build's vpdpbusd: AVX512-VNNI (CPUID leaf 7,
  * ECX bit 11) for the avx512 build, AVX-VNNI (leaf 7, subleaf 1, EAX bit 4) for the avx2
  * build.  The modules' own dispatch has checked that the OS saves the vector state. */
-static inline int fa_cpu_has_int8dot(void)
+static inline int fa_cpu_has_vnni(void)
 {
 #if FA_HAVE_INT8DOT && FA_VBYTES == 64
     return fa_cpuid_bit(7, 0, 2, 11);
@@ -49,6 +55,21 @@ static inline int fa_cpu_has_int8dot(void)
 #else
     return 0;
 #endif
+}
+
+/* How this process takes the int8 products (CPUID traps to the hypervisor in a VM, so it
+ * is asked once, at import, by fa_int8dot_init). */
+enum { FA_I8_NONE = 0, FA_I8_MADD = 1, FA_I8_VNNI = 2 };
+static int fa_i8_way = FA_I8_NONE;
+
+/* Sets and returns fa_i8_way: VNNI where the CPU has it; else, in the avx2 build (whose
+ * module runs only on AVX2 CPUs), vpmaddubsw; else none. */
+static int fa_int8dot_init(void)
+{
+#if FA_HAVE_INT8DOT
+    fa_i8_way = fa_cpu_has_vnni() ? FA_I8_VNNI : FA_VBYTES == 32 ? FA_I8_MADD : FA_I8_NONE;
+#endif
+    return fa_i8_way;
 }
 
 /* Row x quantised per block (see the top of this file); x NULL: a zero row.  A block
@@ -81,14 +102,13 @@ static void fa_int8_quant_row(const float* x, ptrdiff_t D, int8_t* qi, float* qd
 #if FA_HAVE_INT8DOT && FA_VBYTES == 64
 
 #define FA_I8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define FA_I8_NOINLINE static __attribute__((noinline, unused)) FA_I8_TARGET
-#define FA_I8_INLINE static inline __attribute__((always_inline)) FA_I8_TARGET
+#define FA_I8_INLINE static inline __attribute__((always_inline))   /* the module's flags */
+#define FA_I8_VNNI_INLINE static inline __attribute__((always_inline)) FA_I8_TARGET
 #define FA_I8_KEYS 16
 typedef __m512i fa_i8v;
 typedef __m512 fa_i8f;
 
-/* Dims 32b .. 32b+31 of 16 q8_0 key rows, transposed (t[j]: dims 4j .. 4j+3 of each key),
- * each byte + 128. */
+/* Dims 32b .. 32b+31 of 16 q8_0 key rows, transposed (t[j]: dims 4j .. 4j+3 of each key). */
 FA_I8_INLINE void fa_i8_keys_q8_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v t[8])
 {
     __m512i z[8], a[8], A[4], B[4];
@@ -112,10 +132,9 @@ FA_I8_INLINE void fa_i8_keys_q8_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
     }
     const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
     const __m512i hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
     for (int j = 0; j < 4; j++) {
-        t[j] = _mm512_xor_si512(_mm512_permutex2var_epi64(A[j], lo, B[j]), bias);
-        t[j + 4] = _mm512_xor_si512(_mm512_permutex2var_epi64(A[j], hi, B[j]), bias);
+        t[j] = _mm512_permutex2var_epi64(A[j], lo, B[j]);
+        t[j + 4] = _mm512_permutex2var_epi64(A[j], hi, B[j]);
     }
 }
 
@@ -142,8 +161,10 @@ FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
 }
 
 /* acc += the products of k's bytes (unsigned) with the 4 bytes of q at p (signed) */
-FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
+FA_I8_VNNI_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
 { return _mm512_dpbusd_epi32(acc, k, _mm512_broadcastd_epi32(_mm_loadu_si32(p))); }
+/* signed bytes + 128, as unsigned ones */
+FA_I8_INLINE fa_i8v fa_i8_bias(fa_i8v k) { return _mm512_xor_si512(k, _mm512_set1_epi8((char)0x80)); }
 FA_I8_INLINE fa_i8v fa_i8_zero(void) { return _mm512_setzero_si512(); }
 FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x)
 { return _mm512_sub_epi32(a, _mm512_set1_epi32(x)); }
@@ -159,14 +180,13 @@ FA_I8_INLINE void fa_i8_fstore(float* p, fa_i8f v) { _mm512_storeu_ps(p, v); }
 #elif FA_HAVE_INT8DOT
 
 #define FA_I8_TARGET __attribute__((target("avx2,fma,avxvnni")))
-#define FA_I8_NOINLINE static __attribute__((noinline, unused)) FA_I8_TARGET
-#define FA_I8_INLINE static inline __attribute__((always_inline)) FA_I8_TARGET
+#define FA_I8_INLINE static inline __attribute__((always_inline))   /* the module's flags */
+#define FA_I8_VNNI_INLINE static inline __attribute__((always_inline)) FA_I8_TARGET
 #define FA_I8_KEYS 8
 typedef __m256i fa_i8v;
 typedef __m256 fa_i8f;
 
-/* Dims 32b .. 32b+31 of 8 q8_0 key rows, transposed (t[j]: dims 4j .. 4j+3 of each key),
- * each byte + 128. */
+/* Dims 32b .. 32b+31 of 8 q8_0 key rows, transposed (t[j]: dims 4j .. 4j+3 of each key). */
 FA_I8_INLINE void fa_i8_keys_q8_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v t[8])
 {
     __m256i z[8], a[8], A[4], B[4];
@@ -183,10 +203,9 @@ FA_I8_INLINE void fa_i8_keys_q8_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
         o[2] = _mm256_unpacklo_epi64(s[1], s[3]);
         o[3] = _mm256_unpackhi_epi64(s[1], s[3]);
     }
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
     for (int j = 0; j < 4; j++) {
-        t[j] = _mm256_xor_si256(_mm256_permute2x128_si256(A[j], B[j], 0x20), bias);
-        t[j + 4] = _mm256_xor_si256(_mm256_permute2x128_si256(A[j], B[j], 0x31), bias);
+        t[j] = _mm256_permute2x128_si256(A[j], B[j], 0x20);
+        t[j + 4] = _mm256_permute2x128_si256(A[j], B[j], 0x31);
     }
 }
 
@@ -209,8 +228,19 @@ FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
     }
 }
 
-FA_I8_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
+FA_I8_VNNI_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
 { return _mm256_dpbusd_avx_epi32(acc, k, _mm256_broadcastd_epi32(_mm_loadu_si32(p))); }
+FA_I8_INLINE fa_i8v fa_i8_bias(fa_i8v k) { return _mm256_xor_si256(k, _mm256_set1_epi8((char)0x80)); }
+/* The vpmaddubsw way (no VNNI): q's 4 bytes at p against k's unsigned bytes, two
+ * products to a 16-bit lane; with k's sign (q8_0) or without (q4_0's nibbles). */
+FA_I8_INLINE fa_i8v fa_i8_q4(const int8_t* p) { return _mm256_broadcastd_epi32(_mm_loadu_si32(p)); }
+FA_I8_INLINE fa_i8v fa_i8_abs(fa_i8v k) { return _mm256_abs_epi8(k); }
+FA_I8_INLINE fa_i8v fa_i8_pairs(fa_i8v k_unsigned, fa_i8v q) { return _mm256_maddubs_epi16(k_unsigned, q); }
+FA_I8_INLINE fa_i8v fa_i8_pairs_signed(fa_i8v k_abs, fa_i8v k, fa_i8v q)
+{ return _mm256_maddubs_epi16(k_abs, _mm256_sign_epi8(q, k)); }
+FA_I8_INLINE fa_i8v fa_i8_add16(fa_i8v a, fa_i8v b) { return _mm256_add_epi16(a, b); }
+/* 16-bit lanes summed in pairs into 32-bit ones */
+FA_I8_INLINE fa_i8v fa_i8_widen16(fa_i8v x) { return _mm256_madd_epi16(x, _mm256_set1_epi16(1)); }
 FA_I8_INLINE fa_i8v fa_i8_zero(void) { return _mm256_setzero_si256(); }
 FA_I8_INLINE fa_i8v fa_i8_sub(fa_i8v a, int32_t x)
 { return _mm256_sub_epi32(a, _mm256_set1_epi32(x)); }
@@ -227,95 +257,36 @@ FA_I8_INLINE void fa_i8_fstore(float* p, fa_i8f v) { _mm256_storeu_ps(p, v); }
 
 #if FA_HAVE_INT8DOT
 
-/*
- * Scores of FA_I8_KEYS keys (the lanes) against nr quantised q rows (the chain at the top):
- *   s[t*lds + r] = score of key kr[t] and row r,   t < nk, r < min(nr, nstore)
- * ksc[b * ldksc + t]: the keys' block scales in float32 (fa_quant_rows).  Keys past nk
- * must be readable rows (the workspace's zero row); they are not stored.  Requested as
- * the blocks go: pf[0 .. npf), the next block's K rows at these keys, into L2; l1[0 ..
- * nl1), the next call's, into L1.
- */
-FA_I8_INLINE void fa_score_int8_body(const int kind, const uint8_t* const* kr, const float* ksc,
-                                     ptrdiff_t ldksc, int nk, const int8_t* qi, const float* qd,
-                                     const int32_t* qs, ptrdiff_t D, float scale, float* s,
-                                     ptrdiff_t lds, const int nr, int nstore,
-                                     const char* const* pf, int npf, const char* const* l1,
-                                     int nl1)
-{
-    const ptrdiff_t nb = D / 32, row_bytes = fa_quant_row_bytes(kind, D);
-    const ptrdiff_t l2_rows = (npf + nb - 1) / nb, l1_rows = (nl1 + nb - 1) / nb;
-    const int excess = kind == FA_STORE_Q8_0 ? 7 : 3;   /* log2 of 128, 8 */
-    /* one or two rows: two sums per row, the even and the odd dims' (an exact split), so
-     * that the products' latency overlaps */
-    const int nsum = nr >= 4 ? 1 : 2;
-    fa_i8f acc[FA_I8_MAX_ROWS];
-    for (int r = 0; r < nr; r++) acc[r] = fa_i8_fzero();
-    for (ptrdiff_t b = 0; b < nb; b++) {
-        fa_quant_prefetch_rows(pf, b * l2_rows, fa_min_pd(npf, (b + 1) * l2_rows), npf,
-                               row_bytes, 2);
-        fa_quant_prefetch_rows(l1, b * l1_rows, fa_min_pd(nl1, (b + 1) * l1_rows), nl1,
-                               row_bytes, 3);
-        fa_i8v t[8];
-        if (kind == FA_STORE_Q8_0) fa_i8_keys_q8_0(kr, b, t);
-        else fa_i8_keys_q4_0(kr, b, t);
-        fa_i8v isum[FA_I8_MAX_ROWS][2];
-        for (int r = 0; r < nr; r++) isum[r][0] = isum[r][1] = fa_i8_zero();
-        for (int j = 0; j < 8; j++)
-            for (int r = 0; r < nr; r++)
-                isum[r][j % nsum] = fa_i8_dot(isum[r][j % nsum], t[j], qi + r * D + 32 * b + 4 * j);
-        const fa_i8f dk = fa_i8_fload(ksc + b * ldksc);
-        for (int r = 0; r < nr; r++) {
-            fa_i8v sum = nsum == 2 ? fa_i8_add(isum[r][0], isum[r][1]) : isum[r][0];
-            sum = fa_i8_sub(sum, qs[r * nb + b] * (1 << excess));
-            acc[r] = fa_i8_fma(sum, fa_i8_scaled(dk, qd[r * nb + b]), acc[r]);
-        }
-    }
-    for (int r = 0; r < nr && r < nstore; r++) {
-        float out[FA_I8_KEYS];
-        fa_i8_fstore(out, fa_i8_scaled(acc[r], scale));
-        for (int t = 0; t < FA_I8_KEYS && t < nk; t++) s[t * lds + r] = out[t];
-    }
-}
-
 #define FA_SCORE_INT8_ARGS const uint8_t* const* kr, const float* ksc, ptrdiff_t ldksc, int nk, \
     const int8_t* qi, const float* qd, const int32_t* qs, ptrdiff_t D, float scale, float* s, \
     ptrdiff_t lds, int nstore, const char* const* pf, int npf, const char* const* l1, int nl1
-#define FA_SCORE_INT8_PASS kr, ksc, ldksc, nk, qi, qd, qs, D, scale, s, lds
-#define FA_SCORE_INT8_NR(NAME, KIND, NR) \
-FA_I8_NOINLINE void fa_score_int8_##NAME##_r##NR(FA_SCORE_INT8_ARGS) \
-{ fa_score_int8_body(KIND, FA_SCORE_INT8_PASS, NR, nstore, pf, npf, l1, nl1); }
-#if FA_I8_MAX_ROWS == 8
-#define FA_SCORE_INT8_KIND(NAME, KIND) FA_SCORE_INT8_NR(NAME, KIND, 1) \
-    FA_SCORE_INT8_NR(NAME, KIND, 2) FA_SCORE_INT8_NR(NAME, KIND, 4) FA_SCORE_INT8_NR(NAME, KIND, 8)
-#define FA_I8_CALL8(NAME) \
-    if (nr == 8) { \
-        fa_score_int8_##NAME##_r8(FA_SCORE_INT8_PASS, nstore, pf, npf, l1, nl1); \
-        return; \
-    }
-#else
-#define FA_SCORE_INT8_KIND(NAME, KIND) FA_SCORE_INT8_NR(NAME, KIND, 1) \
-    FA_SCORE_INT8_NR(NAME, KIND, 2) FA_SCORE_INT8_NR(NAME, KIND, 4)
-#define FA_I8_CALL8(NAME)
+#define FA_SCORE_INT8_PASS kr, ksc, ldksc, nk, qi, qd, qs, D, scale, s, lds, nstore, pf, npf, l1, nl1
+
+#define FA_I8B_VNNI 1
+#define FA_I8B(name) name##_vnni
+#define FA_I8B_ATTR FA_I8_TARGET
+#include "fa_int8dot_body.h"
+#if FA_VBYTES == 32
+#define FA_I8B_VNNI 0
+#define FA_I8B(name) name##_madd
+#define FA_I8B_ATTR
+#include "fa_int8dot_body.h"
 #endif
-FA_SCORE_INT8_KIND(q8_0, FA_STORE_Q8_0)
-FA_SCORE_INT8_KIND(q4_0, FA_STORE_Q4_0)
 
 /* One score pass of nr rows (1, 2, 4 or FA_I8_MAX_ROWS) over FA_I8_KEYS keys stored as
- * `kind` (q8_0 or q4_0). */
+ * `kind` (q8_0 or q4_0), the way fa_int8dot_init chose. */
 static void fa_score_int8(int kind, int nr, FA_SCORE_INT8_ARGS)
 {
-#define FA_CASE(NAME, KIND) \
-    case KIND: \
-        FA_I8_CALL8(NAME) \
-        if (nr == 4) fa_score_int8_##NAME##_r4(FA_SCORE_INT8_PASS, nstore, pf, npf, l1, nl1); \
-        else if (nr == 2) fa_score_int8_##NAME##_r2(FA_SCORE_INT8_PASS, nstore, pf, npf, l1, nl1); \
-        else fa_score_int8_##NAME##_r1(FA_SCORE_INT8_PASS, nstore, pf, npf, l1, nl1); \
+#if FA_VBYTES == 32
+    if (fa_i8_way == FA_I8_MADD) {
+        fa_score_int8_madd(kind, nr, FA_SCORE_INT8_PASS);
         return;
-    switch (kind) { FA_CASE(q8_0, FA_STORE_Q8_0) FA_CASE(q4_0, FA_STORE_Q4_0) }
-#undef FA_CASE
+    }
+#endif
+    fa_score_int8_vnni(kind, nr, FA_SCORE_INT8_PASS);
 }
 
-#else   /* no integer products in this build: never called (fa_cpu_has_int8dot() is 0) */
+#else   /* no integer products in this build: never called (fa_int8dot_init() is 0) */
 #define FA_I8_KEYS FA_VL_F
 #define FA_I8_MAX_ROWS 4
 static void fa_score_int8(int kind, int nr, const uint8_t* const* kr, const float* ksc,
