@@ -265,6 +265,9 @@ def test_other_caches_keep_the_exact_products():
 
 def test_setting_is_off_by_default_and_checked():
     assert fastattn.get_int8_dot_products() is False
+    # off, show_config says whether the products would run here, and how
+    assert ("takes them in int8 here" in _precision.quantised_products()) == RUNS
+    assert "int8 (" not in _precision.quantised_products()
     with pytest.raises(TypeError, match="enabled"):
         fastattn.set_int8_dot_products("yes")
     with warnings.catch_warnings():

@@ -212,9 +212,10 @@ def int8_products():
 
 def quantised_products():
     """What calls over q8_0 and q4_0 caches multiply q.k in now, in words."""
-    if not _int8_setting:
-        return "float32 (exact over the stored values, the default)"
     runs, how = int8_products()
+    if not _int8_setting:
+        offer = f"; set_int8_dot_products(True) takes them in int8 here: {how}" if runs else ""
+        return f"float32 (exact over the stored values, the default{offer})"
     if runs:
         return f"int8 (set_int8_dot_products: q quantised per block of 32 dims; {how})"
     return f"float32: int8 products are asked for, but {how}"
