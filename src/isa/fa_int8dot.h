@@ -228,12 +228,13 @@ FA_I8_INLINE void fa_i8_keys_q4_0(const uint8_t* const* kr, ptrdiff_t b, fa_i8v 
     }
 }
 
-FA_I8_VNNI_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
-{ return _mm256_dpbusd_avx_epi32(acc, k, _mm256_broadcastd_epi32(_mm_loadu_si32(p))); }
-FA_I8_INLINE fa_i8v fa_i8_bias(fa_i8v k) { return _mm256_xor_si256(k, _mm256_set1_epi8((char)0x80)); }
-/* The vpmaddubsw way (no VNNI): q's 4 bytes at p against k's unsigned bytes, two
- * products to a 16-bit lane; with k's sign (q8_0) or without (q4_0's nibbles). */
+/* q's 4 bytes at p in every 32-bit lane */
 FA_I8_INLINE fa_i8v fa_i8_q4(const int8_t* p) { return _mm256_broadcastd_epi32(_mm_loadu_si32(p)); }
+FA_I8_VNNI_INLINE fa_i8v fa_i8_dot(fa_i8v acc, fa_i8v k, const int8_t* p)
+{ return _mm256_dpbusd_avx_epi32(acc, k, fa_i8_q4(p)); }
+FA_I8_INLINE fa_i8v fa_i8_bias(fa_i8v k) { return _mm256_xor_si256(k, _mm256_set1_epi8((char)0x80)); }
+/* The vpmaddubsw way (no VNNI): q's 4 bytes against k's unsigned bytes, two products to
+ * a 16-bit lane; with k's sign (q8_0) or without (q4_0's nibbles). */
 FA_I8_INLINE fa_i8v fa_i8_abs(fa_i8v k) { return _mm256_abs_epi8(k); }
 FA_I8_INLINE fa_i8v fa_i8_pairs(fa_i8v k_unsigned, fa_i8v q) { return _mm256_maddubs_epi16(k_unsigned, q); }
 FA_I8_INLINE fa_i8v fa_i8_pairs_signed(fa_i8v k_abs, fa_i8v k, fa_i8v q)

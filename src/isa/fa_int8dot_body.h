@@ -32,7 +32,7 @@ FA_I8B_INLINE void FA_I8B(fa_i8_block_sums)(const int kind, const fa_i8v t[8],
             part[r][j % nsum] = fa_i8_dot(part[r][j % nsum], k, qi + r * D + 32 * b + 4 * j);
     }
 #else
-    const int excess = kind == FA_STORE_Q8_0 ? 0 : 8;
+    const int excess = 0;   /* q8_0 as |k| and sign; q4_0 takes its excess off itself */
     if (kind == FA_STORE_Q8_0) {
         /* |k| against q with k's sign: each 16-bit pair sum within 2 * 128 * 127, widened
          * to 32 bits before the next is added */
@@ -52,10 +52,10 @@ FA_I8B_INLINE void FA_I8B(fa_i8_block_sums)(const int kind, const fa_i8v t[8],
                 const fa_i8v q = fa_i8_q4(qi + r * D + 32 * b + 4 * j);
                 part[r][j % nsum] = fa_i8_add16(part[r][j % nsum], fa_i8_pairs(t[j], q));
             }
-        for (int r = 0; r < nr; r++) {
-            part[r][0] = fa_i8_widen16(nsum == 2 ? fa_i8_add16(part[r][0], part[r][1]) : part[r][0]);
-            part[r][1] = fa_i8_zero();
-        }
+        for (int r = 0; r < nr; r++)
+            isum[r] = fa_i8_sub(fa_i8_widen16(nsum == 2 ? fa_i8_add16(part[r][0], part[r][1])
+                                                         : part[r][0]), qs[r * nb + b] * 8);
+        return;
     }
 #endif
     for (int r = 0; r < nr; r++) {
