@@ -23,6 +23,7 @@ BF16_DOT_CPU: bool
 INT8_DOT_BUILT: bool
 INT8_DOT_CPU: bool
 INT8_DOT_VNNI: bool
+DECODE_PREFETCH_L1: bool
 AMX_BUILT: bool
 AMX_VERIFIED: bool
 AMX_MODES: dict[str, int]

@@ -131,6 +131,7 @@ cdef extern from "fa_kernels.h" nogil:
     # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
     void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
     void fa_prefetch_l1(const char* p, Py_ssize_t nbytes)
+    int fa_prefetch_init()
     void fa_prefetch_row(const char* p, Py_ssize_t nbytes, int run_ends, int loc)
     # K and V stored in a byte per value or less (fa_quant.h): rows dequantised, and the
     # decode kernels that read them in place

@@ -15,6 +15,7 @@ is missing from a build meant to include it is a failure.  Which variants a buil
 to include follows setup.py: all three on x86, base elsewhere, or the FASTATTN_ISAS list
 when that is set (set it for pytest too when you built a subset on purpose).
 """
+import importlib
 import importlib.util
 import json
 import os
@@ -386,6 +387,31 @@ def test_variant_is_built(isa):
         f"this CPU runs the {isa} variant and the build should include it "
         f"({', '.join(_meant_to_build())}), but fastattn/_kernel_{isa} is missing")
     assert isa in _dispatch.available_variants(), f"fastattn._kernel_{isa} does not import"
+
+
+def _cpuinfo_vendor():
+    """The vendor_id line of /proc/cpuinfo, or None where there is none to read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_prefetch_level_follows_the_vendor(isa):
+    # The decode kernels request rows into L1 on Intel cores and into L2 on all others
+    # (fa_prefetch_init, from CPUID); the kernel's word checked against the OS's.
+    vendor = _cpuinfo_vendor()
+    if vendor is None or not X86:
+        pytest.skip("no x86 /proc/cpuinfo to read the vendor from")
+    if _skip_reason(isa) or isa not in _dispatch.available_variants():
+        pytest.skip(f"the {isa} variant does not run here")
+    kernel = importlib.import_module(f"fastattn._kernel_{isa}")
+    assert kernel.DECODE_PREFETCH_L1 == (vendor == "GenuineIntel"), vendor
 
 
 _results = {}

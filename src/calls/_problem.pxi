@@ -56,6 +56,11 @@ def set_bf16_dot(bint on):
     return old
 
 
+# Whether the decode kernels request the rows they read soon into L1 or into L2, chosen
+# once from the CPU (fa_prefetch_init).
+DECODE_PREFETCH_L1 = bool(fa_prefetch_init())
+
+
 # Integer products for the scores over q8_0 and q4_0 caches (fa_int8dot.h): off unless
 # asked for (fastattn.set_int8_dot_products), and only where this build has them and the
 # CPU runs them.

@@ -40,6 +40,15 @@ static inline int fa_cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit)
                      : "a"(leaf), "c"(sub));
     return (r[reg] >> bit) & 1;
 }
+/* Whether the running CPU says it is an Intel one (CPUID leaf 0: "GenuineIntel"). */
+static inline int fa_cpu_is_intel(void)
+{
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;
+}
+#else
+static inline int fa_cpu_is_intel(void) { return 0; }
 #endif
 
 #if defined(__AVX512F__)

@@ -190,10 +190,24 @@ FA_LOAD_TRANSPOSE_16(b, fa_load_fb)
 #endif
 typedef float fa_v4f __attribute__((vector_size(16)));
 
+/* Whether the decode kernels request the rows they read next into L1 (1) or into L2 (0),
+ * set once at import from the CPU (fa_prefetch_init).  Into L1 on Intel cores, where the
+ * loads then find their lines closest.  Into L2 on the others (AMD's): there a request
+ * into L1 that goes to memory holds one of the core's L1 miss buffers for the whole
+ * latency, the kernels' loads wait behind those requests, and a thread reads half as
+ * fast as with its requests into L2, from where the L1 prefetcher brings the lines on. */
+static int fa_pf_l1 = 1;
+static int fa_prefetch_init(void)
+{
+    fa_pf_l1 = fa_cpu_is_intel();
+    return fa_pf_l1;
+}
+
 /* The two prefetch streams of a decode score call (its first row pass, pf_bytes > 0):
  * 32 rows pf of pf_bytes each into L2 (the V rows of its keys, for the output kernel that
  * follows, or the next block's K rows; none when pf is NULL) and the next 32 rows of K
- * (into L1, for the next call; only for evenly spaced rows, ldk != 0), each
+ * (into L1 where fa_pf_l1 says, else L2, for the next call; only for evenly spaced rows,
+ * ldk != 0), each
  * spread evenly over the call's nsteps steps and issued line by line in address order,
  * a row's lines from its start as fa_prefetch_row's.
  * Row-ordered streams are what the memory system serves fastest; the same lines
@@ -211,7 +225,7 @@ typedef struct {
     ptrdiff_t nsteps, v_bytes, v_row_lines, v_lines, k_row_lines, k_lines, k_stride;
     ptrdiff_t v_err, v_row, v_col, k_err, k_row, k_col;
     ptrdiff_t v_step, k_step;   /* linear: lines per step of each stream */
-    int on, lin;
+    int on, lin, k_l1;          /* k_l1: the K stream into L1 (fa_pf_l1) */
 } fa_dec_pf;
 
 FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_bytes,
@@ -219,6 +233,7 @@ FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_
                               ptrdiff_t nsteps)
 {
     p->on = pf_bytes > 0 && nsteps > 0;
+    p->k_l1 = fa_pf_l1;
     p->v_rows = pf;
     p->nsteps = nsteps;
     p->v_bytes = pf_bytes;
@@ -246,7 +261,10 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
     if (!p->on) return;
     if (p->lin) {
         for (ptrdiff_t i = 0; i < p->v_step; i++) __builtin_prefetch(p->v_lin + 64 * i, 0, 2);
-        for (ptrdiff_t i = 0; i < p->k_step; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 3);
+        if (p->k_l1)
+            for (ptrdiff_t i = 0; i < p->k_step; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 3);
+        else
+            for (ptrdiff_t i = 0; i < p->k_step; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 2);
         p->v_lin += 64 * p->v_step;
         p->k_lin += 64 * p->k_step;
         return;
@@ -261,7 +279,8 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
         }
     }
     for (p->k_err += p->k_lines; p->k_err >= p->nsteps; p->k_err -= p->nsteps) {
-        __builtin_prefetch(p->k_lin + p->k_row * p->k_stride + 64 * p->k_col, 0, 3);
+        fa_prefetch_lines(p->k_lin + p->k_row * p->k_stride + 64 * p->k_col, 1,
+                          p->k_l1 ? 3 : 2);
         if (++p->k_col == p->k_row_lines) { p->k_col = 0; p->k_row++; }
     }
 }

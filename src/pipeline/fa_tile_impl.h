@@ -548,9 +548,10 @@ FA_INLINE void fa_pv_pf_step(fa_pv_pf* q)
  * rows addressed one pointer per key (vr[j]: decode steps over paged caches): per
  * element the sequence of fa_pv_tile, in passes of nv vectors whose accumulators fit the
  * register file (up to 8 for one row, so that as many chains run at once; FA_PV4_NV for
- * four).  The first pass requests row j + FA_PV_PTR_AHEAD whole into L1 as row j is read
- * (far enough ahead for a row in L2 to arrive; l1_bytes, 0 in the later passes, which
- * find the block's rows there), and the next block's rows go into L2 as pf says. */
+ * four).  Where fa_pf_l1 says, the first pass requests row j + FA_PV_PTR_AHEAD whole
+ * into L1 as row j is read (far enough ahead for a row in L2 to arrive; l1_bytes, 0 in
+ * the later passes, which find the block's rows there), and the next block's rows go
+ * into L2 as pf says. */
 FA_INLINE void FA_FN(fa_pv_ptr_cols)(const T* p, ptrdiff_t ldp, ptrdiff_t nj,
                                      const KV* const* vr, ptrdiff_t c0, T* acc,
                                      ptrdiff_t ldacc, const T* alpha, const int nr,
@@ -598,7 +599,8 @@ FA_NOINLINE void FA_FN(fa_pv_ptr)(const T* p, ptrdiff_t ldp, ptrdiff_t nj, const
     q.steps = passes * nj > npf ? passes * nj : npf;
     c0 = 0;
 #define FA_PASS(SUF, NV) for (; c0 + NV * VL <= Dv; c0 += NV * VL) \
-        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, &q, c0 ? 0 : q.bytes)
+        FA_FN(fa_pv_ptr_##SUF)(p, ldp, nj, vr, c0, acc, ldacc, alpha, &q, \
+                               c0 || !fa_pf_l1 ? 0 : q.bytes)
     if (nr == 1) {
         FA_PASS(r1_wide, 8);
         FA_PASS(r1_v4, 4);
