@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 import traceback
 
@@ -390,15 +391,12 @@ def test_variant_is_built(isa):
 
 
 def _cpuinfo_vendor():
-    """The vendor_id line of /proc/cpuinfo, or None where there is none to read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    """The first vendor_id of /proc/cpuinfo, or None where there is none to read."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return None
+    with open("/proc/cpuinfo") as f:
+        vendors = re.findall(r"^vendor_id\s*:\s*(\S+)", f.read(), re.M)
+    return vendors[0] if vendors else None
 
 
 @pytest.mark.parametrize("isa", ISAS)
