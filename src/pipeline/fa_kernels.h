@@ -225,7 +225,7 @@ typedef struct {
     ptrdiff_t nsteps, v_bytes, v_row_lines, v_lines, k_row_lines, k_lines, k_stride;
     ptrdiff_t v_err, v_row, v_col, k_err, k_row, k_col;
     ptrdiff_t v_step, k_step;   /* linear: lines per step of each stream */
-    int on, lin, k_l1;          /* k_l1: the K stream into L1 (fa_pf_l1) */
+    int on, lin;
 } fa_dec_pf;
 
 FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_bytes,
@@ -233,7 +233,6 @@ FA_INLINE void fa_dec_pf_init(fa_dec_pf* p, const char* const* pf, ptrdiff_t pf_
                               ptrdiff_t nsteps)
 {
     p->on = pf_bytes > 0 && nsteps > 0;
-    p->k_l1 = fa_pf_l1;
     p->v_rows = pf;
     p->nsteps = nsteps;
     p->v_bytes = pf_bytes;
@@ -261,7 +260,7 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
     if (!p->on) return;
     if (p->lin) {
         for (ptrdiff_t i = 0; i < p->v_step; i++) __builtin_prefetch(p->v_lin + 64 * i, 0, 2);
-        if (p->k_l1)
+        if (fa_pf_l1)
             for (ptrdiff_t i = 0; i < p->k_step; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 3);
         else
             for (ptrdiff_t i = 0; i < p->k_step; i++) __builtin_prefetch(p->k_lin + 64 * i, 0, 2);
@@ -280,7 +279,7 @@ FA_INLINE void fa_dec_pf_step(fa_dec_pf* p)
     }
     for (p->k_err += p->k_lines; p->k_err >= p->nsteps; p->k_err -= p->nsteps) {
         fa_prefetch_lines(p->k_lin + p->k_row * p->k_stride + 64 * p->k_col, 1,
-                          p->k_l1 ? 3 : 2);
+                          fa_pf_l1 ? 3 : 2);
         if (++p->k_col == p->k_row_lines) { p->k_col = 0; p->k_row++; }
     }
 }
