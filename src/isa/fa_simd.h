@@ -29,23 +29,29 @@
 #endif
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+/* r = EAX, EBX, ECX, EDX of CPUID leaf `leaf`, subleaf `sub`: what the running CPU says,
+ * not the build host. */
+static inline void fa_cpuid(unsigned leaf, unsigned sub, unsigned r[4])
+{
+    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                     : "a"(leaf), "c"(sub));
+}
 /* Bit `bit` of register `reg` (0 EAX, 1 EBX, 2 ECX, 3 EDX) of CPUID leaf `leaf`, subleaf
- * `sub`: what the running CPU says, not the build host; 0 where it has no such leaf. */
+ * `sub`; 0 where the CPU has no such leaf. */
 static inline int fa_cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit)
 {
     unsigned r[4];
-    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(0), "c"(0));
+    fa_cpuid(0, 0, r);
     if (r[0] < leaf) return 0;
-    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
-                     : "a"(leaf), "c"(sub));
+    fa_cpuid(leaf, sub, r);
     return (r[reg] >> bit) & 1;
 }
-/* Whether the running CPU says it is an Intel one (CPUID leaf 0: "GenuineIntel"). */
+/* Whether the running CPU says it is an Intel one (leaf 0's vendor: "GenuineIntel"). */
 static inline int fa_cpu_is_intel(void)
 {
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;
+    unsigned r[4];
+    fa_cpuid(0, 0, r);
+    return r[1] == 0x756e6547u && r[3] == 0x49656e69u && r[2] == 0x6c65746eu;
 }
 #else
 static inline int fa_cpu_is_intel(void) { return 0; }
