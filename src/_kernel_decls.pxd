@@ -128,11 +128,13 @@ cdef extern from "fa_kernels.h" nogil:
     void fa_exp2_array_f(const float* x, float* y, Py_ssize_t n)
     void fa_exp2_array_d(const double* x, double* y, Py_ssize_t n)
     void fa_exp2_array_f8(const float* x, float* y, Py_ssize_t n)
-    # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
-    void fa_prefetch_l2(const char* p, Py_ssize_t nbytes)
-    void fa_prefetch_l1(const char* p, Py_ssize_t nbytes)
+    # requests for rows (fa_kernels.h), in the forms a compiler keeps where they are all
+    # a function does
+    void fa_prefetch_l2 "fa_prefetch_l2_kept" (const char* p, Py_ssize_t nbytes)
+    void fa_prefetch_l1 "fa_prefetch_l1_kept" (const char* p, Py_ssize_t nbytes)
+    void fa_prefetch_row "fa_prefetch_row_kept" (const char* p, Py_ssize_t nbytes,
+                                                 int run_ends, int loc)
     int fa_prefetch_init()
-    void fa_prefetch_row(const char* p, Py_ssize_t nbytes, int run_ends, int loc)
     # K and V stored in a byte per value or less (fa_quant.h): rows dequantised, and the
     # decode kernels that read them in place
     bint FA_QUANTISED(int kind)
@@ -161,6 +163,7 @@ cdef extern from "fa_kernels.h" nogil:
                      const uint8_t** vr, const float* vsc, Py_ssize_t Dv, float* acc,
                      Py_ssize_t ldacc, const float* alpha, int nr, const char** pf,
                      Py_ssize_t npf)
+    # 16-bit storage (fa_half.h): a block's rows widened, single elements, output rows
     void fa_widen_rows_f(int kind, const uint16_t* src, Py_ssize_t ld, Py_ssize_t nrows,
                          Py_ssize_t n, float* dst, Py_ssize_t ldd, const uint16_t* pf,
                          Py_ssize_t pf_rows)

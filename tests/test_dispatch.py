@@ -21,6 +21,8 @@ import json
 import os
 import platform
 import re
+import shutil
+import subprocess
 import sys
 import traceback
 
@@ -410,6 +412,64 @@ def test_decode_prefetch_level_follows_the_vendor(isa):
         pytest.skip(f"the {isa} variant does not run here")
     kernel = importlib.import_module(f"fastattn._kernel_{isa}")
     assert kernel.DECODE_PREFETCH_L1 == (vendor == "GenuineIntel"), vendor
+
+
+def _disassembly(path):
+    """{function name: its instructions} from objdump, or None where there is none."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        return None
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", path], capture_output=True,
+                          text=True, check=True).stdout
+    functions, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
+        if m:
+            name = m.group(1)
+            functions[name] = []
+        elif name and "\t" in line:
+            functions[name].append(line.split("\t", 1)[1])
+    return functions
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_tile_functions_that_only_request_rows_are_compiled(isa):
+    # A tile function whose only effect is a prefetch (the next tile's query rows, its
+    # first K and V rows) looks to GCC like one without effects, and it deletes the calls
+    # to it: the requests then never go out.  Each must be called where the pipeline
+    # calls it and hold its prefetch instructions, or be inlined there with them.  Read
+    # from the shared object, not run, so every variant built here is checked.
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads GNU objdump's listing of an ELF object")
+    spec = importlib.util.find_spec(f"fastattn._kernel_{isa}")
+    if spec is None or spec.origin is None:
+        pytest.skip(f"the {isa} variant is not built here")
+    functions = _disassembly(spec.origin)
+    if functions is None:
+        pytest.skip("needs objdump")
+    if not any(name.startswith("fa_pv_rows4") for name in functions):
+        pytest.skip("the shared object has no symbol table")
+
+    def named(base):
+        return {name: body for name, body in functions.items()
+                if re.search(rf"kernel_{isa}_{base}(\.|$)", name)}
+
+    def requests(body):
+        return any(i.startswith("prefetch") for i in body)
+
+    for base, caller in (("_prefetch_next_q", "_attend_tile"),
+                         ("_prefetch_next_tile", "_load_block")):
+        callers = named(caller)
+        assert callers, caller
+        own = named(base)
+        if own:
+            assert all(requests(body) for body in own.values()), base
+            called = [name for name, body in callers.items()
+                      if any(i.startswith("call") and base in i for i in body)]
+            assert called, f"no {caller} calls {base} in the {isa} variant: deleted"
+        else:   # inlined into its callers, requests and all
+            assert all(requests(body) for body in callers.values()), (
+                f"{base} is gone from the {isa} variant and {caller} makes no requests")
 
 
 _results = {}

@@ -131,6 +131,21 @@ static inline void fa_prefetch_row(const char* p, ptrdiff_t bytes, int run_ends,
         fa_prefetch_l2(p, bytes);
     fa_prefetch_run_tail(p, bytes, run_ends, loc);
 }
+/* The requests as the tile pipeline's Cython functions make them (their declarations
+ * name these).  GCC takes a function whose only effect is a prefetch for one without
+ * effects (a prefetch changes nothing a program can read) and deletes the calls to it:
+ * a tile function that did nothing but request rows never ran.  An empty volatile asm
+ * statement is an effect it keeps, at no instruction; the kernels, whose prefetches sit
+ * beside their stores, need none. */
+#define FA_KEPT(call) do { call; __asm__ __volatile__(""); } while (0)
+static inline void fa_prefetch_l2_kept(const char* p, ptrdiff_t bytes)
+{ FA_KEPT(fa_prefetch_l2(p, bytes)); }
+static inline void fa_prefetch_l1_kept(const char* p, ptrdiff_t bytes)
+{ FA_KEPT(fa_prefetch_l1(p, bytes)); }
+static inline void fa_prefetch_row_kept(const char* p, ptrdiff_t bytes, int run_ends,
+                                        const int loc)
+{ FA_KEPT(fa_prefetch_row(p, bytes, run_ends, loc)); }
+#undef FA_KEPT
 /* Whether row i of rows[0 .. n) (bytes long) ends its run of rows: row i + 1 does not
  * follow it in memory. */
 FA_INLINE int fa_run_ends(const char* const* rows, ptrdiff_t i, ptrdiff_t n, ptrdiff_t bytes)
